@@ -1,0 +1,1 @@
+"""dflash-ops control plane: runs on the user's machine; never imports torch."""

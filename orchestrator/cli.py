@@ -1,0 +1,130 @@
+"""The `dflash-ops` command line. Keep imports here light: `dflash-ops --help` must start fast."""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import List, Optional
+
+import typer
+
+from .inventory import InventoryError, load_inventory
+
+app = typer.Typer(
+    name="dflash-ops",
+    help="Evaluate DFlash drafter checkpoints on remote GPU hosts, sync checkpoints, write reports.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+hosts_app = typer.Typer(help="List the inventory's hosts; `hosts check` probes them.",
+                        invoke_without_command=True)
+app.add_typer(hosts_app, name="hosts")
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(file=stream, width=None if stream.isatty() else 200, highlight=False,
+                   soft_wrap=stderr)
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    from rich.markup import escape
+
+    _console(stderr=True).print(f"[bold red]error:[/] [red]{escape(message)}[/]")
+    return typer.Exit(code)
+
+
+@contextmanager
+def user_errors():
+    """Turn expected errors into one clean red line and exit code 2 (never a traceback)."""
+    from .transport import TransportError
+
+    try:
+        yield
+    except (InventoryError, TransportError) as e:
+        raise fail(str(e)) from None
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    inventory: Optional[str] = typer.Option(
+        None, "--inventory", "-i", metavar="PATH",
+        help="Inventory file (default: $DFLASH_OPS_INVENTORY, ./inventory.yaml, else only `local`)."),
+):
+    ctx.obj = {"inventory": inventory}
+
+
+def _inventory(ctx: typer.Context):
+    path = (ctx.find_root().obj or {}).get("inventory")
+    with user_errors():
+        return load_inventory(path)
+
+
+@hosts_app.callback()
+def hosts(ctx: typer.Context):
+    """List hosts and their roles (with no subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.table import Table
+
+    inv = _inventory(ctx)
+    table = Table(title=f"hosts ({inv.path or 'built-in only'})")
+    for col in ("name", "roles", "address", "python", "workdir", "checkpoints", "sglang", "gpus"):
+        table.add_column(col)
+    for h in inv:
+        address = "(local subprocess)" if h.is_local else (
+            f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
+        table.add_row(h.name, ",".join(h.roles), address, h.python, h.workdir or "-",
+                      h.checkpoints or "-", h.sglang or "-", "-" if h.gpus is None else str(h.gpus))
+    _console().print(table)
+
+
+@hosts_app.command("check")
+def hosts_check(
+    ctx: typer.Context,
+    names: Optional[List[str]] = typer.Argument(None, help="Hosts to check (default: all)."),
+    timeout: float = typer.Option(60.0, help="Seconds allowed per host."),
+):
+    """Connect to hosts in parallel and report python, torch/CUDA, GPUs, disk and SGLang."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .hostcheck import check_hosts
+
+    inv = _inventory(ctx)
+    with user_errors():
+        selected = [inv.get(n) for n in names] if names else list(inv)
+    reports = check_hosts(selected, timeout=timeout, inventory=inv)
+
+    table = Table(title="hosts check")
+    for col in ("host", "ok", "python", "torch", "cuda", "transformers", "fla", "gpus",
+                "free (workdir / ckpts)", "sglang", "model"):
+        table.add_column(col)
+    for r in reports:
+        disk = " / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))
+        table.add_row(
+            r.name, "[green]ok[/]" if r.ok else "[red]FAIL[/]", r.python or "-", r.torch or "-",
+            r.cuda or "-", r.transformers or "-", r.fla or "-", escape(", ".join(r.gpus) or "none"),
+            disk, r.sglang or "-", escape(r.model or "-"))
+    out = _console()
+    out.print(table)
+    for r in reports:
+        for e in r.errors:
+            out.print(f"[red]✘ {escape(r.name)}: {escape(e)}[/]")
+        for w in r.warnings:
+            out.print(f"[yellow]! {escape(r.name)}: {escape(w)}[/]")
+    failed = [r.name for r in reports if not r.ok]
+    if failed:
+        out.print(f"[bold red]{len(failed)} of {len(reports)} host(s) failed: {', '.join(failed)}[/]")
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

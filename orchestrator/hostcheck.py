@@ -1,0 +1,121 @@
+"""`hosts check`: probe hosts in parallel (reachability, python/ML stack, GPUs, disk, SGLang)."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib import resources
+
+from .inventory import Host, Inventory
+from .transport import CommandTimeout, TransportError, runner_for
+
+
+def probe_source() -> str:
+    return resources.files("remote").joinpath("probe.py").read_text()
+
+
+@dataclass
+class HostReport:
+    name: str
+    endpoint: str
+    reachable: bool = False
+    python: str | None = None
+    torch: str | None = None
+    cuda: str | None = None  # "yes (12.8, 8 devices)", "no", or None when unknown
+    transformers: str | None = None
+    fla: str | None = None
+    gpus: list[str] = field(default_factory=list)
+    disk: dict[str, str | None] = field(default_factory=dict)
+    sglang: str | None = None
+    model: str | None = None
+    errors: list[str] = field(default_factory=list)  # make the check fail
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    raw: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reachable and not self.errors
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _fill(report: HostReport, host: Host, data: dict) -> None:
+    report.raw = data
+    report.python = data.get("python")
+    pk = data.get("packages") or {}
+    report.torch, report.transformers, report.fla = pk.get("torch"), pk.get("transformers"), pk.get("fla")
+    if not report.torch:
+        report.errors.append(f"torch is not installed for {host.python}")
+    tc = data.get("torch_cuda")
+    if tc:
+        if tc.get("available"):
+            report.cuda = f"yes ({tc.get('cuda')}, {tc.get('device_count')} dev)"
+        elif tc.get("available") is False:
+            report.cuda = "no"
+        else:
+            report.cuda = "?"
+            report.warnings.append(f"torch CUDA check: {tc.get('error')}")
+    report.gpus = [f"{g['name']} ({g['memory']})" for g in data.get("gpus") or []]
+    if data.get("error"):
+        report.warnings.append(f"nvidia-smi: {data['error']}")
+    if host.gpus and len(report.gpus) < host.gpus:
+        report.warnings.append(f"inventory says {host.gpus} GPU(s), found {len(report.gpus)}")
+    for key, d in (data.get("disk") or {}).items():
+        if d is None:
+            continue
+        free = _gib(d.get("free_bytes"))
+        report.disk[key] = free if d.get("exists") else f"{free} (missing)"
+        if not d.get("exists"):
+            report.warnings.append(f"{key} {d.get('path')} does not exist yet")
+    sg = data.get("sglang")
+    if sg:
+        report.sglang = "healthy" if sg.get("healthy") else "down"
+        report.model = sg.get("model_path")
+        if not sg.get("healthy"):
+            report.warnings.append(f"SGLang at {sg.get('url')}: {sg.get('error') or 'not healthy'}")
+
+
+def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = None) -> HostReport:
+    report = HostReport(name=host.name, endpoint=host.endpoint)
+    start = time.monotonic()
+    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+    for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
+                        ("--sglang", host.sglang)):
+        if value:
+            argv += [flag, value]
+    try:
+        with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
+            result = runner.run(argv, input=probe_source(), timeout=timeout)
+        report.reachable = True
+        if result.returncode in (126, 127):
+            report.errors.append(f"python not found or not executable: {host.python}")
+        elif not result.ok:
+            tail = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+            report.errors.append(f"probe failed ({host.python}): {tail}")
+        else:
+            try:
+                data = json.loads(result.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                report.errors.append("probe printed no JSON report")
+            else:
+                _fill(report, host, data)
+    except CommandTimeout as e:
+        report.reachable = True
+        report.errors.append(str(e))
+    except TransportError as e:
+        report.errors.append(str(e))
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def check_hosts(hosts: list[Host], timeout: float = 60.0,
+                inventory: Inventory | None = None) -> list[HostReport]:
+    """Check hosts in parallel; the result keeps the order of ``hosts``."""
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
+        return list(pool.map(lambda h: check_host(h, timeout, inventory), hosts))

@@ -1,0 +1,275 @@
+"""The host inventory: which machines exist, what they are for, and how to reach them.
+
+Resolution order for the inventory file: explicit path, ``$DFLASH_OPS_INVENTORY``,
+``./inventory.yaml``, else only the built-in ``local`` host.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROLES = ("train", "eval")
+ENV_VAR = "DFLASH_OPS_INVENTORY"
+HOME_ENV_VAR = "DFLASH_OPS_HOME"
+
+
+class InventoryError(Exception):
+    """A bad inventory or an unknown host; the message is meant for the user as-is."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    address: str | None = None
+    port: int = 22
+    user: str | None = None
+    identity: str | None = None
+    known_hosts: str | None = None
+    trust_host_key: bool = False
+    ssh_config: str | None = None
+    jump: str | None = None
+    roles: tuple[str, ...] = ()
+    python: str = "python3"
+    workdir: str | None = None
+    checkpoints: str | None = None
+    sglang: str | None = None
+    gpus: int | None = None
+    is_local: bool = False
+
+    @property
+    def endpoint(self) -> str:
+        return "local" if self.is_local else f"{self.address}:{self.port}"
+
+
+# Field name -> (accepted python types, human type name).
+_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "address": ((str,), "a string"),
+    "port": ((int,), "an integer"),
+    "user": ((str,), "a string"),
+    "identity": ((str,), "a string (path)"),
+    "known_hosts": ((str,), "a string (path)"),
+    "trust_host_key": ((bool,), "true or false"),
+    "ssh_config": ((str,), "a string (ssh config Host alias)"),
+    "jump": ((str,), "a string (host name or [user@]addr[:port])"),
+    "roles": ((list,), "a list of roles (train, eval)"),
+    "python": ((str,), "a string (interpreter path)"),
+    "workdir": ((str,), "a string (path)"),
+    "checkpoints": ((str,), "a string (path)"),
+    "sglang": ((str,), "a string (URL)"),
+    "gpus": ((int,), "an integer"),
+}
+_LOCAL_ONLY_IGNORED = {"is_local"}
+
+
+def local_home() -> str:
+    return os.environ.get(HOME_ENV_VAR) or str(Path("~/.cache/dflash-ops/local").expanduser())
+
+
+def builtin_local() -> Host:
+    home = local_home()
+    return Host(
+        name="local",
+        roles=("train", "eval"),
+        python=sys.executable,
+        workdir=home,
+        checkpoints=str(Path(home) / "checkpoints"),
+        is_local=True,
+    )
+
+
+def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+@dataclass
+class Inventory:
+    hosts: dict[str, Host] = field(default_factory=dict)
+    path: Path | None = None
+
+    def names(self) -> list[str]:
+        return list(self.hosts)
+
+    def get(self, name: str) -> Host:
+        try:
+            return self.hosts[name]
+        except KeyError:
+            where = f" in {self.path}" if self.path else ""
+            known = ", ".join(self.hosts) or "none"
+            raise InventoryError(
+                f"unknown host '{name}'{where}{did_you_mean(name, self.names())}; known hosts: {known}"
+            ) from None
+
+    def with_role(self, role: str) -> list[Host]:
+        return [h for h in self.hosts.values() if role in h.roles]
+
+    def __iter__(self):
+        return iter(self.hosts.values())
+
+
+# --- YAML loading with duplicate-key detection -------------------------------------------
+# PyYAML silently keeps the last of two equal keys; walk the composed node tree first.
+
+
+def _duplicates(node: yaml.Node, path: Path, owner: str | None) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            if owner is None:
+                what = f"duplicate top-level key '{key}'"
+            elif owner == "hosts":
+                what = f"duplicate host '{key}' (host names must be unique)"
+            else:
+                what = f"host '{owner}': duplicate field '{key}'"
+            raise InventoryError(f"{path}: line {line}: {what}; first defined on line {seen[key]}")
+        seen[key] = line
+        if owner is None and key == "hosts":
+            _duplicates(value_node, path, "hosts")
+        elif owner == "hosts":
+            _duplicates(value_node, path, key)
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise InventoryError(f"{path}: cannot read inventory: {e.strerror or e}") from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        if root is not None:
+            _duplicates(root, path, None)
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise InventoryError(f"{path}: {where}invalid YAML: {problem}") from None
+
+
+# --- ssh_config ----------------------------------------------------------------------------
+
+
+def default_ssh_config_path() -> Path:
+    return Path("~/.ssh/config").expanduser()
+
+
+def _resolve_ssh_alias(alias: str, ssh_config_path: Path | None) -> dict[str, Any]:
+    import paramiko  # local import: keep CLI start-up light
+
+    path = ssh_config_path or default_ssh_config_path()
+    cfg = paramiko.SSHConfig.from_path(str(path)) if path.exists() else paramiko.SSHConfig()
+    looked = cfg.lookup(alias)
+    out: dict[str, Any] = {"address": looked.get("hostname", alias)}
+    if "port" in looked:
+        out["port"] = int(looked["port"])
+    if "user" in looked:
+        out["user"] = looked["user"]
+    if looked.get("identityfile"):
+        out["identity"] = looked["identityfile"][0]
+    if looked.get("proxyjump") and looked["proxyjump"].lower() != "none":
+        out["jump"] = looked["proxyjump"].split(",")[0].strip()
+    if looked.get("userknownhostsfile"):
+        out["known_hosts"] = looked["userknownhostsfile"].split()[0]
+    return out
+
+
+# --- validation ----------------------------------------------------------------------------
+
+
+def _host_from_entry(
+    path: Path, name: str, entry: Any, base: Host | None, ssh_config_path: Path | None
+) -> Host:
+    where = f"{path}: host '{name}'"
+    if entry is None:
+        entry = {}
+    if not isinstance(entry, dict):
+        raise InventoryError(f"{where}: expected a mapping of fields, got {type(entry).__name__}")
+    for key in entry:
+        if not isinstance(key, str) or key not in _FIELDS:
+            raise InventoryError(
+                f"{where}: unknown field '{key}'{did_you_mean(str(key), list(_FIELDS))}"
+            )
+    for key, value in entry.items():
+        types, human = _FIELDS[key]
+        if value is None:
+            continue
+        ok = isinstance(value, types) and not (bool not in types and isinstance(value, bool))
+        if not ok:
+            raise InventoryError(f"{where}: field '{key}' must be {human}, got {value!r}")
+    if "port" in entry and entry["port"] is not None and not 0 < entry["port"] < 65536:
+        raise InventoryError(f"{where}: field 'port' must be between 1 and 65535, got {entry['port']}")
+    if "gpus" in entry and entry["gpus"] is not None and entry["gpus"] < 0:
+        raise InventoryError(f"{where}: field 'gpus' must be >= 0, got {entry['gpus']}")
+    roles = entry.get("roles")
+    if roles is not None:
+        for r in roles:
+            if r not in ROLES:
+                raise InventoryError(
+                    f"{where}: field 'roles': unknown role {r!r}{did_you_mean(str(r), ROLES)}; "
+                    f"roles are {', '.join(ROLES)}"
+                )
+    values: dict[str, Any] = {k: v for k, v in entry.items() if v is not None}
+    if "roles" in values:
+        values["roles"] = tuple(values["roles"])
+
+    if base is not None:  # overriding the built-in local host
+        return replace(base, **values)
+
+    if values.get("ssh_config"):
+        resolved = _resolve_ssh_alias(values["ssh_config"], ssh_config_path)
+        values = {**resolved, **values}  # explicit inventory fields win over ~/.ssh/config
+    if not values.get("address"):
+        raise InventoryError(f"{where}: missing field 'address' (or 'ssh_config: ALIAS')")
+    return Host(name=name, **values)
+
+
+def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) -> Inventory:
+    inv = Inventory(hosts={"local": builtin_local()}, path=path)
+    if data is None:
+        return inv
+    if not isinstance(data, dict):
+        raise InventoryError(f"{path}: top level must be a mapping with a 'hosts' key")
+    for key in data:
+        if key != "hosts":
+            raise InventoryError(f"{path}: unknown top-level key '{key}'{did_you_mean(str(key), ['hosts'])}")
+    hosts = data.get("hosts") or {}
+    if not isinstance(hosts, dict):
+        raise InventoryError(f"{path}: 'hosts' must be a mapping of host name to fields")
+    for name, entry in hosts.items():
+        if not isinstance(name, str) or not name:
+            raise InventoryError(f"{path}: host name {name!r} must be a non-empty string")
+        base = inv.hosts["local"] if name == "local" else None
+        inv.hosts[name] = _host_from_entry(path, name, entry, base, ssh_config_path)
+    return inv
+
+
+def resolve_inventory_path(path: str | os.PathLike | None = None) -> Path | None:
+    if path:
+        return Path(path).expanduser()
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    cwd = Path("inventory.yaml")
+    return cwd if cwd.exists() else None
+
+
+def load_inventory(
+    path: str | os.PathLike | None = None, *, ssh_config_path: str | os.PathLike | None = None
+) -> Inventory:
+    resolved = resolve_inventory_path(path)
+    if resolved is None:
+        return Inventory(hosts={"local": builtin_local()}, path=None)
+    if not resolved.exists():
+        raise InventoryError(f"{resolved}: inventory file not found")
+    data = _read_yaml(resolved)
+    return parse_inventory(data, resolved, Path(ssh_config_path).expanduser() if ssh_config_path else None)

@@ -1,0 +1,1 @@
+"""dflash-ops worker: runs on GPU hosts. Never imports `orchestrator`; stdlib + torch/transformers only."""

@@ -1,0 +1,77 @@
+"""``python -m remote.drafter inspect DRAFTER_DIR [--target TARGET_DIR] [--block-size N] [--json]``
+
+Prints the detected format, the normalised config and, with a target, the compatibility verdict.
+Exit status: 0 ok, 1 checkpoint or compatibility problem, 2 usage. Reads only configs and tensor
+headers (for safetensors), so it is cheap enough to run as a pre-flight check before GPU time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from remote.checkpoint import CheckpointError, check_tensors, open_checkpoint, read_tensors
+from remote.compat import compatibility_problems, read_target_config
+
+
+def inspect(drafter: str, target: str | None = None, block_size: int | None = None) -> dict:
+    """The inspection report as a dict: ``ok`` plus ``problems`` (never raises for bad input)."""
+    report: dict = {"drafter": drafter, "ok": False, "problems": []}
+    try:
+        ckpt = open_checkpoint(drafter)
+        report["config"] = ckpt.describe()
+        report["format"] = ckpt.format
+        shapes = read_tensors(ckpt, shapes_only=True)
+        fc_shape = shapes.get("fc.weight")
+        if target is not None:
+            tinfo = read_target_config(target)
+            report["target"] = tinfo.describe()
+            report["problems"] += compatibility_problems(ckpt, tinfo, fc_shape, block_size)
+        if not report["problems"]:  # tensor check after the more specific compatibility messages
+            _, ignored = check_tensors(ckpt, shapes)
+            if ignored:
+                report["config"]["notes"].append(f"ignored tensors: {ignored}")
+    except CheckpointError as e:
+        report["problems"].append(str(e))
+    report["ok"] = not report["problems"]
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m remote.drafter", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="show a drafter checkpoint and check it against a target")
+    p.add_argument("drafter")
+    p.add_argument("--target")
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    report = inspect(args.drafter, args.target, args.block_size)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        cfg = report.get("config")
+        if cfg:
+            print(f"drafter   {cfg['path']}")
+            print(f"format    {cfg['format']}  ({', '.join(cfg['weight_files'])})")
+            print(f"block     {cfg['block_size']}   mask_token_id {cfg['mask_token_id']}")
+            print(f"layers    {cfg['num_hidden_layers']} x hidden {cfg['hidden_size']}   types {cfg['layer_types']}"
+                  + (f"   sliding_window {cfg['sliding_window']}" if cfg["sliding_window"] else ""))
+            print(f"target layer ids (z-lab convention, feature = hidden_states[i+1]): {cfg['target_layer_ids']}")
+            for note in cfg["notes"]:
+                print(f"note      {note}")
+        if "target" in report:
+            t = report["target"]
+            print(f"target    {t['path']}  ({t['model_type']}, {t['num_hidden_layers']} layers, hidden "
+                  f"{t['hidden_size']}, vocab {t['vocab_size']})")
+        if report["ok"]:
+            print("verdict   compatible" if "target" in report else "verdict   checkpoint ok")
+        else:
+            for problem in report["problems"]:
+                print(f"error     {problem}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Host probe for `dflash-ops hosts check`: stdlib only, prints one JSON object on stdout.
+
+Shipped by piping this file into the host's interpreter (``python - ARGS``), so nothing needs
+installing. Package versions come from ``importlib.metadata`` (no imports); CUDA availability needs
+``import torch``, done in a child process with a timeout. ``fla`` is never imported (it can crash on
+CPU-only hosts); its distribution version is enough.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+DISTRIBUTIONS = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "safetensors": "safetensors",
+    "fla": "flash-linear-attention",
+}
+
+TORCH_SNIPPET = (
+    "import json, torch\n"
+    "ok = torch.cuda.is_available()\n"
+    "print(json.dumps({'available': ok, 'cuda': torch.version.cuda,\n"
+    "                  'device_count': torch.cuda.device_count() if ok else 0}))\n"
+)
+
+
+def package_versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for key, dist in DISTRIBUTIONS.items():
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+        except Exception as e:  # broken metadata
+            out[key] = None
+            out[key + "_error"] = str(e)
+    return out
+
+
+def torch_cuda(timeout: float) -> dict:
+    try:
+        proc = subprocess.run([sys.executable, "-c", TORCH_SNIPPET], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"available": None, "error": f"import torch timed out after {timeout:g}s"}
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode]
+        return {"available": None, "error": lines[-1]}
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"available": None, "error": "unexpected output from torch check"}
+
+
+def gpus(timeout: float) -> dict:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"gpus": [], "nvidia_smi": False}
+    try:
+        proc = subprocess.run([exe, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"gpus": [], "nvidia_smi": True, "error": "nvidia-smi timed out"}
+    if proc.returncode != 0:
+        return {"gpus": [], "nvidia_smi": True, "error": (proc.stderr or proc.stdout).strip()[:200]}
+    found = []
+    for line in proc.stdout.strip().splitlines():
+        name, _, mem = line.rpartition(",")
+        found.append({"name": name.strip(), "memory": mem.strip()})
+    return {"gpus": found, "nvidia_smi": True}
+
+
+def disk(path: str | None) -> dict | None:
+    if not path:
+        return None
+    full = os.path.abspath(os.path.expanduser(path))
+    probe = full
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError as e:
+        return {"path": full, "exists": False, "error": str(e)}
+    return {"path": full, "exists": os.path.isdir(full), "free_bytes": usage.free,
+            "total_bytes": usage.total, "measured_at": probe}
+
+
+def _get_json(url: str, timeout: float):
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (URL from the inventory)
+        body = r.read(1 << 20)
+        status = r.status
+    try:
+        return status, json.loads(body or b"null")
+    except ValueError:
+        return status, None
+
+
+def sglang(url: str | None, timeout: float) -> dict | None:
+    if not url:
+        return None
+    base = url.rstrip("/")
+    out = {"url": base, "healthy": False, "model_path": None}
+    try:
+        status, _ = _get_json(base + "/health", timeout)
+        out["healthy"] = status == 200
+        out["status"] = status
+    except urllib.error.HTTPError as e:
+        out["status"] = e.code
+        out["error"] = f"/health returned HTTP {e.code}"
+        return out
+    except Exception as e:
+        out["error"] = f"/health: {getattr(e, 'reason', None) or e}"
+        return out
+    for path in ("/get_model_info", "/model_info"):
+        try:
+            _, info = _get_json(base + path, timeout)
+        except Exception:
+            continue
+        if isinstance(info, dict):
+            out["model_path"] = info.get("model_path")
+            break
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="probe")
+    ap.add_argument("--workdir")
+    ap.add_argument("--checkpoints")
+    ap.add_argument("--sglang")
+    ap.add_argument("--timeout", type=float, default=60.0, help="bound for the torch/CUDA check")
+    args = ap.parse_args(argv)
+    report = {
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "hostname": platform.node(),
+        "packages": package_versions(),
+        "disk": {"workdir": disk(args.workdir), "checkpoints": disk(args.checkpoints)},
+        "sglang": sglang(args.sglang, min(args.timeout, 10.0)),
+    }
+    report.update(gpus(min(args.timeout, 20.0)))
+    report["torch_cuda"] = torch_cuda(args.timeout) if report["packages"]["torch"] else None
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Shared fixtures: one session-scoped lab of real sshd hosts (see tests/sshlab.py)."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import sshlab`
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch  # lazily: most runs never need it
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is false)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ssh_lab(tmp_path_factory):
+    """Real OpenSSH hosts `train` and `eval` (network namespaces, or loopback fallback)."""
+    import sshlab
+
+    try:
+        lab = sshlab.start_lab(tmp_path_factory.mktemp("lab"))
+    except sshlab.LabError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"cannot start the SSH lab: {e}")
+    yield lab
+    lab.close()
+
+
+@pytest.fixture
+def lab_inventory(ssh_lab, tmp_path):
+    """An inventory.yaml for the lab hosts (plus the built-in `local`)."""
+    return ssh_lab.write_inventory(tmp_path / "inventory.yaml")
