@@ -122,6 +122,63 @@ def hosts_check(
         raise typer.Exit(1)
 
 
+# --- runs, show, compare (bodies in runs.py, report.py, compare.py; imported lazily) ---------------
+_RUNS_DIR_HELP = "Runs folder (default: $DFLASH_OPS_RUNS, else ./runs)."
+
+
+@app.command("runs")
+def runs_cmd(
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Only runs of this drafter label."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="Only runs of this suite."),
+    host: Optional[str] = typer.Option(None, "--host", help="Only runs on this host."),
+    status: Optional[str] = typer.Option(None, "--status", help="Only runs with this status (done, failed, running)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=_RUNS_DIR_HELP),
+):
+    """List runs: id, drafter, checkpoint, target, suite, prompts, τ, host, date, status."""
+    from .runs import cli_runs
+
+    cli_runs(runs_dir, drafter=drafter, suite=suite, host=host, status=status, as_json=as_json)
+
+
+@app.command("show")
+def show_cmd(
+    run: str = typer.Argument(..., help="A run id, a drafter label (newest run) or DRAFTER:CHECKPOINT."),
+    rewrite: bool = typer.Option(False, "--rewrite", help="Rewrite report.md/report.html even if current."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=_RUNS_DIR_HELP),
+):
+    """Print a run's summary and the paths of its report (written if missing or stale)."""
+    from .report import cli_show
+
+    cli_show(run, runs_dir, rewrite=rewrite)
+
+
+@app.command("compare")
+def compare_cmd(
+    runs: List[str] = typer.Argument(..., help="Runs to compare (labels or ids); the first is the baseline."),
+    force: bool = typer.Option(False, "--force", help="Compare even when the runs do not pair (common prompts)."),
+    resamples: int = typer.Option(10000, "--resamples", help="Bootstrap / permutation resamples."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap and permutation test."),
+    published: Optional[str] = typer.Option(None, "--published", metavar="BENCH",
+                                            help="Show published numbers for BENCH (default: from the suite name)."),
+    no_published: bool = typer.Option(False, "--no-published", help="Never show published numbers."),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Folder for compare.md/.html."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=_RUNS_DIR_HELP),
+):
+    """Pair runs prompt by prompt and compare them with the first: τ, per-position acceptance,
+    DDTree, win/tie/loss, paired-bootstrap CIs and p-values. Exit code 3 when the runs do not pair."""
+    from .compare import cli_compare
+
+    cli_compare(runs, runs_dir_opt=runs_dir, force=force, resamples=resamples, seed=seed,
+                published=published, no_published=no_published, out=out, as_json=as_json)
+
+
+from .cli_eval import register as _register_eval  # noqa: E402  (eval, attach, cancel)
+
+_register_eval(app)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,290 @@
+"""The drafter catalog (``configs/drafters.yaml``): training runs, drafter labels, target models.
+
+* ``runs``: training runs on the training host; each has a folder (``dir``, under the host's
+  ``checkpoints`` root unless absolute) and a checkpoint folder ``pattern`` with ``{step}``.
+* ``drafters``: labels that eval uses: a folder on the eval host (``path``) or a training ``run``
+  synced there (found at ``<eval checkpoints>/<run>/<checkpoint folder>``), a ``format`` and a
+  ``target``.
+* ``targets``: target models (``path`` on the eval host).
+
+File: explicit path, ``$DFLASH_OPS_CATALOG``, ``./configs/drafters.yaml``, else the one shipped
+next to this package. Checkpoint names (``step20k``, ``20000``, ``step_20000``, ``20k``, a folder
+name) are resolved by :func:`resolve_checkpoint`; names that could escape a folder are refused.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+ENV_VAR = "DFLASH_OPS_CATALOG"
+FORMATS = ("zlab", "speculators", "state_dict")
+DEFAULT_PATTERN = "step_{step}"
+
+
+class CatalogError(Exception):
+    """A bad catalog, an unknown label or an unresolvable checkpoint name (message is user-facing)."""
+
+
+def _nearest(word: str, choices, n: int = 3) -> list[str]:
+    return difflib.get_close_matches(word, list(choices), n=n, cutoff=0.4)
+
+
+def _unknown(kind: str, word: str, choices) -> CatalogError:
+    choices = list(choices)
+    near = _nearest(word, choices, 1)
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    return CatalogError(f"unknown {kind} '{word}'{hint}; known: {', '.join(choices) or 'none'}")
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+def check_name(name: str, what: str = "checkpoint name") -> str:
+    """A single safe path component: no '/', '..', absolute path, leading dot, NUL or control chars."""
+    if not isinstance(name, str) or not name.strip():
+        raise CatalogError(f"empty {what}")
+    if name.startswith(("/", "~")) or os.path.isabs(name):
+        raise CatalogError(f"{what} {name!r} is an absolute path; give a checkpoint name or step")
+    if "/" in name or "\\" in name or name in (".", "..") or ".." in name.split("/"):
+        raise CatalogError(f"{what} {name!r} would leave the checkpoint folder; refused")
+    if name.startswith(".") or any(ord(c) < 32 or c == "\x7f" for c in name):
+        raise CatalogError(f"{what} {name!r} is not allowed (hidden or control characters)")
+    return name
+
+
+_STEP_RE = re.compile(r"^(?:step|ckpt|checkpoint)?[_\-]?(\d+(?:\.\d+)?)([km]?)$", re.IGNORECASE)
+
+
+def parse_step(name: str) -> int | None:
+    """``step20k``/``20k`` → 20000, ``step_20000``/``20000`` → 20000, ``1.5k`` → 1500; else None."""
+    m = _STEP_RE.match(name.strip())
+    if not m:
+        return None
+    num, unit = m.group(1), m.group(2).lower()
+    value = float(num) * {"": 1, "k": 1000, "m": 1_000_000}[unit]
+    if value != int(value) or ("." in num and not unit):
+        return None
+    return int(value)
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    dir: str
+    pattern: str = DEFAULT_PATTERN
+    direct: bool = False  # the eval host can reach the training host itself (see sync-ckpt --direct)
+
+    @property
+    def regex(self) -> re.Pattern:
+        parts = re.split(r"\{step(?::0?(\d+)d)?\}", self.pattern)
+        return re.compile("^" + re.escape(parts[0]) + r"(\d+)" + re.escape(parts[2]) + "$")
+
+    def step_of(self, folder: str) -> int | None:
+        m = self.regex.match(folder)
+        return int(m.group(1)) if m else None
+
+    def folder_for(self, step: int) -> str:
+        return self.pattern.format(step=step)
+
+    def source_dir(self, checkpoints_root: str | None) -> str:
+        """The run's folder on the training host."""
+        if PurePosixPath(self.dir).is_absolute() or self.dir.startswith("~"):
+            return self.dir
+        if not checkpoints_root:
+            raise CatalogError(f"run {self.name}: dir {self.dir!r} is relative but the training host "
+                               f"has no `checkpoints` root in the inventory")
+        return str(PurePosixPath(checkpoints_root) / self.dir)
+
+
+@dataclass(frozen=True)
+class Target:
+    label: str
+    path: str
+
+
+@dataclass(frozen=True)
+class Drafter:
+    label: str
+    format: str
+    target: str | None = None
+    path: str | None = None  # a folder on the eval host
+    run: str | None = None  # or checkpoints of a training run, synced to the eval host
+
+    def eval_path(self, eval_checkpoints_root: str | None, checkpoint: str | None = None) -> str:
+        """Where eval finds this drafter (for a run drafter: one checkpoint folder of it)."""
+        if self.path:
+            return self.path
+        if checkpoint is None:
+            raise CatalogError(f"drafter {self.label} is training run {self.run}: name a checkpoint, "
+                               f"e.g. {self.label}:step20k")
+        if not eval_checkpoints_root:
+            raise CatalogError("the eval host has no `checkpoints` root in the inventory")
+        return str(PurePosixPath(eval_checkpoints_root) / self.run / check_name(checkpoint))
+
+
+@dataclass
+class Catalog:
+    runs: dict[str, Run] = field(default_factory=dict)
+    drafters: dict[str, Drafter] = field(default_factory=dict)
+    targets: dict[str, Target] = field(default_factory=dict)
+    path: Path | None = None
+
+    def run(self, name: str) -> Run:
+        if name not in self.runs:
+            raise _unknown("training run", name, self.runs)
+        return self.runs[name]
+
+    def target(self, label: str) -> Target:
+        if label not in self.targets:
+            raise _unknown("target", label, self.targets)
+        return self.targets[label]
+
+    def drafter(self, label: str) -> Drafter:
+        """A drafter by label; ``v5:step20k`` gives drafter ``v5`` (split the step with
+        :func:`split_label`)."""
+        base, _ = split_label(label)
+        if base not in self.drafters:
+            raise _unknown("drafter", base, self.drafters)
+        return self.drafters[base]
+
+
+def split_label(label: str) -> tuple[str, str | None]:
+    """``v5:step20k`` → (``v5``, ``step20k``); ``zlab`` → (``zlab``, None)."""
+    base, sep, ckpt = label.partition(":")
+    if sep:
+        check_name(ckpt)
+    return base, (ckpt if sep else None)
+
+
+def resolve_checkpoint(name: str, run: Run, folders: list[str]) -> str:
+    """The checkpoint folder (one of ``folders``, the run's folders on the training host) that
+    ``name`` means: the folder name itself, or a step in any spelling. Unknown: lists the nearest."""
+    check_name(name)
+    if name in folders:
+        return name
+    step = parse_step(name)
+    if step is None:
+        step = run.step_of(name)
+    if step is not None:
+        hits = [f for f in folders if run.step_of(f) == step]
+        if len(hits) == 1:
+            return hits[0]
+        if len(hits) > 1:
+            raise CatalogError(f"run {run.name}: step {step} matches several folders: {', '.join(hits)}")
+    near = _nearest(name, folders)
+    if step is not None:
+        stepped = sorted((f for f in folders if run.step_of(f) is not None),
+                         key=lambda f: abs(run.step_of(f) - step))
+        near = list(dict.fromkeys(stepped[:3] + near))[:4]
+    newest = sorted((f for f in folders if run.step_of(f) is not None), key=run.step_of)[-3:]
+    hint = f"; nearest: {', '.join(near)}" if near else (
+        f"; latest: {', '.join(newest)}" if newest else "; the run has no checkpoints yet")
+    return _raise(CatalogError(f"no checkpoint '{name}' in run {run.name}{hint}"))
+
+
+def _raise(e: Exception):
+    raise e
+
+
+# --- loading -----------------------------------------------------------------------------------
+
+
+def default_catalog_path() -> Path | None:
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    here = Path("configs/drafters.yaml")
+    if here.exists():
+        return here
+    shipped = Path(__file__).resolve().parent.parent / "configs" / "drafters.yaml"
+    return shipped if shipped.exists() else None
+
+
+def _mapping(path: Path, where: str, value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CatalogError(f"{path}: {where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _fields(path: Path, where: str, entry: Any, allowed: dict[str, type]) -> dict:
+    entry = _mapping(path, where, entry)
+    for key, value in entry.items():
+        if key not in allowed:
+            near = _nearest(str(key), allowed, 1)
+            raise CatalogError(f"{path}: {where}: unknown field '{key}'"
+                               f"{f' (did you mean {near[0]!r}?)' if near else ''}")
+        if value is not None and not isinstance(value, allowed[key]):
+            raise CatalogError(f"{path}: {where}: field '{key}' must be {allowed[key].__name__}, got {value!r}")
+    return entry
+
+
+def parse_catalog(data: Any, path: Path) -> Catalog:
+    cat = Catalog(path=path)
+    data = _mapping(path, "top level", data)
+    for key in data:
+        if key not in ("runs", "drafters", "targets"):
+            raise CatalogError(f"{path}: unknown top-level key '{key}'; expected runs, drafters, targets")
+    for name, entry in _mapping(path, "runs", data.get("runs")).items():
+        name = str(name)
+        where = f"run '{name}'"
+        check_name(name, f"{where}: name")
+        e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool})
+        d = e.get("dir") or name
+        if not PurePosixPath(d).is_absolute() and ".." in PurePosixPath(d).parts:
+            raise CatalogError(f"{path}: {where}: dir {d!r} must not contain '..'")
+        pattern = e.get("pattern") or DEFAULT_PATTERN
+        if len(re.findall(r"\{step(?::0?\d+d)?\}", pattern)) != 1 or "/" in pattern or \
+                pattern.replace("{step}", "").count("{"):
+            raise CatalogError(f"{path}: {where}: pattern {pattern!r} needs exactly one {{step}} and no '/'")
+        cat.runs[name] = Run(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")))
+    for label, entry in _mapping(path, "targets", data.get("targets")).items():
+        e = _fields(path, f"target '{label}'", entry, {"path": str})
+        if not e.get("path"):
+            raise CatalogError(f"{path}: target '{label}': missing field 'path'")
+        cat.targets[str(label)] = Target(label=str(label), path=e["path"])
+    for label, entry in _mapping(path, "drafters", data.get("drafters")).items():
+        label = str(label)
+        where = f"drafter '{label}'"
+        if ":" in label:
+            raise CatalogError(f"{path}: {where}: labels must not contain ':'")
+        e = _fields(path, where, entry, {"path": str, "run": str, "format": str, "target": str})
+        if bool(e.get("path")) == bool(e.get("run")):
+            raise CatalogError(f"{path}: {where}: give exactly one of 'path' or 'run'")
+        if e.get("run") and e["run"] not in cat.runs:
+            raise CatalogError(f"{path}: {where}: {_unknown('training run', e['run'], cat.runs)}")
+        fmt = e.get("format") or ("state_dict" if e.get("run") else "zlab")
+        if fmt not in FORMATS:
+            raise CatalogError(f"{path}: {where}: format {fmt!r} is not one of {', '.join(FORMATS)}")
+        if e.get("target") and e["target"] not in cat.targets:
+            raise CatalogError(f"{path}: {where}: {_unknown('target', e['target'], cat.targets)}")
+        cat.drafters[label] = Drafter(label=label, format=fmt, target=e.get("target"),
+                                      path=e.get("path"), run=e.get("run"))
+    return cat
+
+
+def load_catalog(path: str | os.PathLike | None = None) -> Catalog:
+    import yaml
+
+    resolved = Path(path).expanduser() if path else default_catalog_path()
+    if resolved is None:
+        return Catalog()
+    try:
+        text = resolved.read_text()
+    except OSError as e:
+        raise CatalogError(f"{resolved}: cannot read the catalog: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        raise CatalogError(f"{resolved}: {where}invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    return parse_catalog(data, resolved)

@@ -1,0 +1,581 @@
+"""`dflash-ops compare A B [C ...]`: pair runs prompt by prompt and compare them against the first.
+
+Pairing requires the same prompt ids, the same prompts and (offline) the same reference
+completions, and the same target, suite, mode, block size and decoding settings. Any mismatch is
+named and the comparison refused unless forced; forced comparisons use the common prompts.
+Statistics (orchestrator/stats.py): paired bootstrap CIs over prompts, a paired permutation
+test, and win/tie/loss per prompt. numpy and matplotlib load only when a comparison runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .runs import Run, RunError
+
+REFUSED_EXIT = 3
+PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
+
+# settings keys that do not change what is measured (other keys must match)
+SETTINGS_IGNORED = {"mode", "block_size", "sglang_url", "ddtree_budgets"}
+# environment fields that can change the numbers (bf16 kernels, dtype, library versions, GPU)
+NUMERIC_ENV = [("kernel path", ("kernel_path",)), ("dtype", ("dtype",)), ("GPU", ("gpu",)),
+               ("device", ("device",)), ("torch", ("versions", "torch")),
+               ("transformers", ("versions", "transformers")), ("fla", ("versions", "fla")),
+               ("triton", ("versions", "triton")), ("CUDA", ("versions", "cuda"))]
+OTHER_ENV = [("host", ("host",)), ("python", ("versions", "python")), ("drafter format", ("drafter", "format")),
+             ("seed", ("seed",))]
+
+
+class CompareError(RunError):
+    pass
+
+
+@dataclass
+class Mismatch:
+    field: str
+    baseline: str       # baseline run id
+    run: str            # other run id
+    baseline_value: str
+    value: str
+    detail: str = ""
+    plural: bool = False
+
+    def message(self) -> str:
+        s = f"{self.field} {'differ' if self.plural else 'differs'}: {self.baseline} has {self.baseline_value}, {self.run} has {self.value}"
+        return s + (f" ({self.detail})" if self.detail else "")
+
+
+def _get(d: dict, path: Sequence[str]):
+    for k in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def _short(v, n: int = 60) -> str:
+    s = json.dumps(v) if not isinstance(v, str) else v
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def _ids_text(ids: Sequence[str], n: int = 4) -> str:
+    ids = list(ids)
+    return ", ".join(ids[:n]) + (f" … ({len(ids)} in all)" if len(ids) > n else "")
+
+
+def _completion(row: dict):
+    if row.get("turns"):
+        return tuple(tuple(t.get("output_ids") or []) for t in row["turns"])
+    return tuple(row.get("output_ids") or [])
+
+
+def _prompt(row: dict):
+    if row.get("turns"):
+        return tuple(tuple(t.get("prompt_ids") or []) for t in row["turns"])
+    return tuple(row.get("prompt_ids") or [])
+
+
+def check_pair(a: Run, b: Run) -> tuple[list[Mismatch], list[str]]:
+    """Mismatches that make the pairing invalid, and warnings that do not."""
+    mm: list[Mismatch] = []
+    warn: list[str] = []
+
+    def add(field, va, vb, detail="", plural=False):
+        mm.append(Mismatch(field, a.id, b.id, _short(va), _short(vb), detail, plural))
+
+    if a.target != b.target:
+        add("target", a.target, b.target)
+    if a.suite != b.suite:
+        add("suite", a.suite, b.suite)
+    sa, sb = _get(a.env, ("suite", "sha256")), _get(b.env, ("suite", "sha256"))
+    if sa and sb and sa != sb and a.suite == b.suite:
+        add("suite sha256 (prompt set)", sa[:12], sb[:12])
+    if a.mode != b.mode:
+        add("mode", a.mode, b.mode)
+    if a.block_size != b.block_size:
+        add("block size", a.block_size, b.block_size)
+    for k in sorted((set(a.settings) | set(b.settings)) - SETTINGS_IGNORED):
+        va, vb = a.settings.get(k), b.settings.get(k)
+        if va != vb:
+            add(f"decoding setting {k}", va, vb)
+
+    rows_a = {r.get("id"): r for r in a.results}
+    rows_b = {r.get("id"): r for r in b.results}
+    only_a = [i for i in rows_a if i not in rows_b]
+    only_b = [i for i in rows_b if i not in rows_a]
+    if only_a or only_b:
+        parts = []
+        if only_a:
+            parts.append(f"only in {a.id}: {_ids_text(only_a)}")
+        if only_b:
+            parts.append(f"only in {b.id}: {_ids_text(only_b)}")
+        add("prompt ids", f"{len(rows_a)} prompts", f"{len(rows_b)} prompts", "; ".join(parts), plural=True)
+    common = [i for i in rows_a if i in rows_b]
+    bad_prompt = [i for i in common if _prompt(rows_a[i]) != _prompt(rows_b[i])]
+    if bad_prompt:
+        add("prompt tokens (prompt_ids)", "its prompts", "different prompts",
+            f"{len(bad_prompt)} of {len(common)} common prompts: {_ids_text(bad_prompt)}", plural=True)
+    bad_ref = [i for i in common if _completion(rows_a[i]) != _completion(rows_b[i])]
+    if bad_ref:
+        detail = f"{len(bad_ref)} of {len(common)} common prompts: {_ids_text(bad_ref)}"
+        if a.mode == "offline" or b.mode == "offline":
+            add("reference completions (output_ids)", "its references", "different completions", detail,
+                plural=True)
+        else:
+            warn.append(f"online outputs (output_ids) of {b.id} differ from {a.id} on {detail}: greedy "
+                        "speculative decoding should reproduce the target's greedy output exactly "
+                        "(numerical noise between environments, or a lossless-decoding bug)")
+    for r in (a, b):
+        if r.status != "done":
+            warn.append(f"{r.id} has status {r.status!r}")
+    return mm, warn
+
+
+def env_differences(runs: Sequence[Run], fields) -> list[dict]:
+    out = []
+    for name, path in fields:
+        values = {r.id: _get(r.env, path) for r in runs}
+        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            out.append({"field": name, "values": values})
+    return out
+
+
+# --------------------------------------------------------------------------- published
+
+def _norm(s: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", str(s).lower())
+
+
+def load_published(path=None) -> dict:
+    import yaml
+
+    p = Path(path) if path else PUBLISHED_FILE
+    with open(p, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+def find_benchmark(name: str, published: dict) -> Optional[str]:
+    """The published benchmark key for a suite or benchmark name (gsm8k, math500, MT-Bench, …)."""
+    benches = published.get("benchmarks") or {}
+    table = {}
+    for key, b in benches.items():
+        for alias in [key, b.get("name", "")] + list(b.get("aliases") or []):
+            table[_norm(alias)] = key
+    tokens = [t for t in re.split(r"[^a-z0-9]+", str(name).lower()) if t]
+    candidates = [_norm(name)] + ["".join(tokens[:2]), tokens[0] if tokens else ""]
+    for c in candidates:
+        if c and c in table:
+            return table[c]
+    return None
+
+
+def published_row(bench: str, published: dict) -> dict:
+    b = published["benchmarks"][bench]
+    return {"benchmark": bench, "name": b.get("name", bench), "tau": b.get("tau"),
+            "ddtree_tau": b.get("ddtree_tau"), "speedup": b.get("speedup"),
+            "setup": published.get("setup") or {}, "source": published.get("source") or {},
+            "label": "published, not measured here"}
+
+
+# --------------------------------------------------------------------------- comparison
+
+def _paired_arrays(rows: dict, ids: Sequence[str], key=None):
+    toks, cycs = [], []
+    for i in ids:
+        lengths = rows[i].get("acceptance_lengths") if key is None else \
+            ((rows[i].get("ddtree") or {}).get(key) or {}).get("acceptance_lengths")
+        toks.append(sum(lengths))
+        cycs.append(len(lengths))
+    return toks, cycs
+
+
+def compare_runs(runs: Sequence[Run], *, force: bool = False, resamples: int = 10000, seed: int = 0,
+                 confidence: float = 0.95, published: Optional[str] = None, use_published: bool = True,
+                 published_file=None) -> dict:
+    """The comparison as a JSON-able dict. Refused comparisons come back with ``refused: True``
+    (and no statistics) unless ``force``."""
+    from .stats import compute_metrics, paired_compare
+
+    if len(runs) < 2:
+        raise CompareError("compare needs at least two runs")
+    ids = [r.id for r in runs]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise CompareError(f"the same run is given twice: {', '.join(dup)} (labels resolve to run ids; "
+                           "`dflash-ops runs` lists them)")
+    base = runs[0]
+    mismatches, warnings = [], []
+    for r in runs[1:]:
+        m, w = check_pair(base, r)
+        mismatches += m
+        warnings += w
+    warnings = list(dict.fromkeys(warnings))
+    result: dict = {
+        "baseline": base.id,
+        "runs": [{"id": r.id, "label": r.label, "drafter": r.drafter, "checkpoint": r.checkpoint,
+                  "target": r.target, "suite": r.suite, "host": r.host, "mode": r.mode,
+                  "block_size": r.block_size, "status": r.status, "prompts": len(r.results),
+                  "kernel_path": r.env.get("kernel_path"), "dtype": r.env.get("dtype"),
+                  "gpu": r.env.get("gpu")} for r in runs],
+        "mismatches": [asdict(m) | {"message": m.message()} for m in mismatches],
+        "forced": bool(force and mismatches), "refused": bool(mismatches and not force),
+        "warnings": warnings,
+        "env_differences": env_differences(runs, NUMERIC_ENV),
+        "other_differences": env_differences(runs, OTHER_ENV),
+    }
+    if result["refused"]:
+        return result
+
+    row_maps = [{row.get("id"): row for row in r.results} for r in runs]
+    common = [i for i in row_maps[0] if all(i in rm for rm in row_maps[1:])
+              and all(rm[i].get("acceptance_lengths") for rm in row_maps)]
+    if not common:
+        raise CompareError("the runs have no prompt in common: nothing to compare")
+    result["paired_prompts"] = len(common)
+    result["paired_ids_sha256"] = hashlib.sha256("\n".join(map(str, common)).encode()).hexdigest()[:12]
+    B = base.block_size
+    metrics = {}
+    for r, rm in zip(runs, row_maps):
+        m = compute_metrics([rm[i] for i in common], r.block_size, r.mode)
+        m.pop("per_prompt", None)
+        metrics[r.id] = m
+    result["metrics"] = metrics
+    result["stats"] = {"resamples": resamples, "seed": seed, "confidence": confidence,
+                       "ci": "percentile bootstrap over prompts (same resample for both runs)",
+                       "test": "paired permutation test (swap runs within prompts), two-sided"}
+
+    cats = {i: row_maps[0][i].get("category") for i in common}
+    has_cats = any(c is not None for c in cats.values())
+    comparisons = []
+    ta, ca = _paired_arrays(row_maps[0], common)
+    for r, rm in zip(runs[1:], row_maps[1:]):
+        tb, cb = _paired_arrays(rm, common)
+        pr = paired_compare(ta, ca, tb, cb, resamples=resamples, seed=seed, confidence=confidence)
+        c = {"run": r.id, "vs": base.id, **pr.to_dict()}
+        budgets = sorted(set(metrics[base.id].get("ddtree") or {}) & set(metrics[r.id].get("ddtree") or {}), key=int)
+        c["ddtree"] = {}
+        for bud in budgets:
+            ok = [i for i in common if bud in (row_maps[0][i].get("ddtree") or {}) and bud in (rm[i].get("ddtree") or {})]
+            if not ok:
+                continue
+            dpr = paired_compare(*_paired_arrays(row_maps[0], ok, bud), *_paired_arrays(rm, ok, bud),
+                                 resamples=resamples, seed=seed, confidence=confidence)
+            c["ddtree"][bud] = {"n": dpr.n, "macro": asdict(dpr.macro), "pooled": asdict(dpr.pooled),
+                                "wins": dpr.wins, "ties": dpr.ties, "losses": dpr.losses}
+        if has_cats:
+            c["categories"] = {}
+            for cat in sorted({str(v) for v in cats.values() if v is not None}):
+                ids_c = [i for i in common if str(cats[i]) == cat]
+                cpr = paired_compare(*_paired_arrays(row_maps[0], ids_c), *_paired_arrays(rm, ids_c),
+                                     resamples=resamples, seed=seed, confidence=confidence)
+                c["categories"][cat] = {"n": cpr.n, "macro": asdict(cpr.macro), "pooled": asdict(cpr.pooled),
+                                        "wins": cpr.wins, "ties": cpr.ties, "losses": cpr.losses}
+        comparisons.append(c)
+    result["comparisons"] = comparisons
+
+    result["published"] = None
+    if published or use_published:
+        pub = load_published(published_file)
+        bench = find_benchmark(published, pub) if published else find_benchmark(base.suite or "", pub)
+        if published and bench is None:
+            raise CompareError(f"no published numbers for {published!r}; known: "
+                               + ", ".join(pub.get("benchmarks") or {}))
+        if bench:
+            row = published_row(bench, pub)
+            row["automatic"] = not published
+            tgt = str(row["setup"].get("target") or "")
+            if tgt and _norm(tgt) not in _norm(base.target or ""):
+                row["caveat"] = f"published for target {tgt}; these runs use {base.target}"
+            if row["setup"].get("block_size") and row["setup"]["block_size"] != B:
+                row["caveat"] = (row.get("caveat", "") + f"; published at B={row['setup']['block_size']}, "
+                                 f"these runs use B={B}").lstrip("; ")
+            result["published"] = row
+    return result
+
+
+# --------------------------------------------------------------------------- rendering
+
+def _f(x, d=4):
+    from .report import fnum
+
+    return fnum(x, d)
+
+
+def _ci(iv: dict, d: int = 3) -> str:
+    return f"{iv['diff']:+.{d}f} [{iv['ci_low']:+.{d}f}, {iv['ci_high']:+.{d}f}]"
+
+
+def _p(p) -> str:
+    if p is None:
+        return "—"
+    return "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def side_by_side(result: dict) -> tuple[list[str], list[list[str]]]:
+    ids = [r["id"] for r in result["runs"]]
+    labels = {r["id"]: r["label"] for r in result["runs"]}
+    pub = result.get("published")
+    head = ["metric"] + [f"{labels[i]} ({i})" + (" [baseline]" if i == result["baseline"] else "") for i in ids]
+    if pub:
+        head.append(f"{pub['name']}: {pub['label']}")
+    M = result["metrics"]
+
+    def row(name, fn, pub_value="—"):
+        r = [name] + [fn(M[i]) for i in ids]
+        if pub:
+            r.append(pub_value)
+        return r
+
+    rows = [row("prompts (paired)", lambda m: str(m["prompts"])),
+            row("tau_macro", lambda m: _f(m["tau_macro"]), _f(pub["tau"], 2) + " (aggregation not stated)" if pub else "—"),
+            row("tau_pooled", lambda m: _f(m["tau_pooled"])),
+            row("cycles", lambda m: str(m["cycles"])), row("tokens", lambda m: str(m["tokens"]))]
+    budgets = sorted({b for i in ids for b in (M[i].get("ddtree") or {})}, key=int)
+    for b in budgets:
+        rows.append(row(f"DDTree-{b} tau_macro",
+                        lambda m, b=b: _f(((m.get("ddtree") or {}).get(b) or {}).get("tau_macro"))))
+    if pub:
+        rows.append(row("DDTree tau (published, budget not stated)", lambda m: "—", _f(pub["ddtree_tau"], 2)))
+        if pub.get("speedup") is not None:
+            rows.append(row("speedup (published)", lambda m: _f((m.get("online") or {}).get("speedup"), 2),
+                            f"{pub['speedup']:.2f}×"))
+    if any(M[i].get("online") for i in ids):
+        rows.append(row("online tokens/s", lambda m: _f((m.get("online") or {}).get("tokens_per_s"), 1)))
+    return head, rows
+
+
+def _names(result: dict) -> dict:
+    """Short column names: the drafter label where unique among the runs, else the run id."""
+    labels = [r["label"] for r in result["runs"]]
+    return {r["id"]: (r["label"] if labels.count(r["label"]) == 1 else r["id"]) for r in result["runs"]}
+
+
+def difference_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["run vs baseline", "n", "Δ tau_macro [95% CI]", "p", "Δ tau_pooled [95% CI]", "p",
+            "win / tie / loss"]
+    rows = []
+    nm = _names(result)
+    for c in result["comparisons"]:
+        rows.append([f"{nm[c['run']]} − {nm[c['vs']]}", str(c["n"]), _ci(c["macro"]), _p(c["macro"]["p_value"]),
+                     _ci(c["pooled"]), _p(c["pooled"]["p_value"]), f"{c['wins']} / {c['ties']} / {c['losses']}"])
+        for b, d in sorted(c["ddtree"].items(), key=lambda kv: int(kv[0])):
+            rows.append([f"  DDTree-{b}", str(d["n"]), _ci(d["macro"]), _p(d["macro"]["p_value"]),
+                         _ci(d["pooled"]), _p(d["pooled"]["p_value"]), f"{d['wins']} / {d['ties']} / {d['losses']}"])
+    return head, rows
+
+
+def per_position_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    ids = [r["id"] for r in result["runs"]]
+    M = result["metrics"]
+    B = max(len(M[i]["per_position_acceptance"]) for i in ids) + 1
+    nm = _names(result)
+    head = ["k"] + [nm[i] for i in ids] + [f"Δ {nm[i]}" for i in ids[1:]]
+    rows = []
+    for k in range(1, B):
+        vals = [(M[i]["per_position_acceptance"] + [None] * B)[k - 1] for i in ids]
+        diffs = [(f"{v - vals[0]:+.4f}" if v is not None and vals[0] is not None else "—") for v in vals[1:]]
+        rows.append([str(k)] + [_f(v) for v in vals] + diffs)
+    return head, rows
+
+
+def category_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    comps = [c for c in result["comparisons"] if c.get("categories")]
+    if not comps:
+        return None
+    ids = [r["id"] for r in result["runs"]]
+    M = result["metrics"]
+    nm = _names(result)
+    head = ["category", "n"] + [f"τ {nm[i]}" for i in ids] + \
+        [f"Δ {nm[c['run']]} [95% CI]" for c in comps] + [f"p {nm[c['run']]}" for c in comps] + \
+        [f"W/T/L {nm[c['run']]}" for c in comps]
+    rows = []
+    for cat in sorted(comps[0]["categories"]):
+        d0 = comps[0]["categories"][cat]
+        rows.append([cat, str(d0["n"])]
+                    + [_f(((M[i].get("categories") or {}).get(cat) or {}).get("tau_macro")) for i in ids]
+                    + [_ci(c["categories"][cat]["macro"]) for c in comps]
+                    + [_p(c["categories"][cat]["macro"]["p_value"]) for c in comps]
+                    + [f"{c['categories'][cat]['wins']}/{c['categories'][cat]['ties']}/{c['categories'][cat]['losses']}"
+                       for c in comps])
+    return head, rows
+
+
+def env_warning_lines(result: dict) -> list[str]:
+    lines = []
+    for d in result["env_differences"]:
+        vals = ", ".join(f"{k}: {v if v is not None else '—'}" for k, v in d["values"].items())
+        lines.append(f"{d['field']} differs ({vals})")
+    return lines
+
+
+def stats_note(result: dict) -> str:
+    s = result["stats"]
+    return (f"Differences are run − baseline ({result['baseline']}) over {result['paired_prompts']} paired prompts; "
+            f"{int(s['confidence'] * 100)}% CI: {s['ci']}, {s['resamples']} resamples, seed {s['seed']}; "
+            f"p: {s['test']} ({s['resamples']} resamples, exact when 2^n ≤ resamples).")
+
+
+def compare_plots(result: dict) -> list[tuple[str, str, Optional[bytes]]]:
+    from .report import plot_categories, plot_ddtree, plot_histogram, plot_per_position
+
+    nm = _names(result)
+    series = [(nm[r["id"]], result["metrics"][r["id"]]) for r in result["runs"]]
+    return [("per-position", "Per-position acceptance", plot_per_position(series, with_anchors=False)),
+            ("histogram", "Acceptance-length histogram", plot_histogram(series)),
+            ("ddtree", "DDTree τ vs budget", plot_ddtree(series)),
+            ("categories", "τ per category", plot_categories(series))]
+
+
+def default_out_dir(runs_root: Path, ids: Sequence[str]) -> Path:
+    name = "compare-" + "_vs_".join(ids)
+    if len(name) > 180:
+        name = "compare-" + ids[0][:60] + "_vs_" + hashlib.sha256("\n".join(ids).encode()).hexdigest()[:12]
+    return runs_root / name
+
+
+def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
+    from .report import _html_table, _md_table, html_page, img_tag, warn_box_html
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = [r["id"] for r in result["runs"]]
+    title = "dflash-ops compare: " + " vs ".join(ids)
+    env_lines = env_warning_lines(result)
+    tables = [("Side by side", *side_by_side(result)), ("Difference vs baseline", *difference_rows(result)),
+              ("Per-position acceptance", *per_position_rows(result))]
+    cat = category_rows(result)
+    if cat:
+        tables.append(("Per category (τ macro)", *cat))
+    other = [f"{d['field']}: " + ", ".join(f"{k}={v}" for k, v in d["values"].items())
+             for d in result["other_differences"]]
+    pub = result.get("published")
+    pub_note = None
+    if pub:
+        src = pub["source"]
+        pub_note = (f"Published column: {pub['name']} — {pub['label']}. Source: {src.get('title')} "
+                    f"({src.get('authors')}, arXiv {src.get('arxiv')}), {src.get('measures')}; setup "
+                    f"{pub['setup'].get('target')}, T={pub['setup'].get('temperature')}, "
+                    f"B={pub['setup'].get('block_size')}." + (f" Caveat: {pub['caveat']}." if pub.get("caveat") else ""))
+    plots = compare_plots(result)
+    mm = [m["message"] for m in result["mismatches"]]
+
+    md = [f"# {title}", ""]
+    if mm:
+        md += ["> **Forced comparison (--force) despite mismatches:**", ">"] + [f"> - {x}" for x in mm] + [""]
+    if env_lines:
+        md += ["> **Environment differences that can change the numbers:**", ">"] + [f"> - {x}" for x in env_lines] + [""]
+    if result["warnings"]:
+        md += ["> **Warnings:**", ">"] + [f"> - {x}" for x in result["warnings"]] + [""]
+    md += [stats_note(result), ""]
+    for heading, head, rows in tables:
+        md += [f"## {heading}", "", _md_table(head, rows), ""]
+    if pub_note:
+        md += [f"_{pub_note}_", ""]
+    if other:
+        md += ["Other differences (do not change the numbers): " + "; ".join(other), ""]
+    plot_dir = out_dir / "plots"
+    for key, heading, png in plots:
+        if png:
+            plot_dir.mkdir(exist_ok=True)
+            (plot_dir / f"{key}.png").write_bytes(png)
+            md += [f"## {heading}", "", f"![{heading}](plots/{key}.png)", ""]
+    md_path = out_dir / "compare.md"
+    md_path.write_text("\n".join(md), encoding="utf-8")
+
+    e = html.escape
+    body = [f"<h1>{e(title)}</h1>", warn_box_html("Forced comparison (--force) despite mismatches", mm),
+            warn_box_html("Environment differences that can change the numbers", env_lines),
+            warn_box_html("Warnings", result["warnings"]), f'<p class="note">{e(stats_note(result))}</p>']
+    for heading, head, rows in tables:
+        body += [f"<h2>{e(heading)}</h2>", _html_table(head, rows)]
+    if pub_note:
+        body.append(f'<p class="published">{e(pub_note)}</p>')
+    if other:
+        body.append(f'<p class="note">Other differences (do not change the numbers): {e("; ".join(other))}</p>')
+    for key, heading, png in plots:
+        if png:
+            body += [f"<h2>{e(heading)}</h2>", img_tag(png, heading)]
+    html_path = out_dir / "compare.html"
+    html_path.write_text(html_page(title, "\n".join(body)), encoding="utf-8")
+    return md_path, html_path
+
+
+# --------------------------------------------------------------------------- CLI body
+
+def cli_compare(labels: Sequence[str], *, runs_dir_opt=None, force=False, resamples=10000, seed=0,
+                published=None, no_published=False, out=None, as_json=False) -> None:
+    import typer
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    from .cli import _console, fail
+    from .runs import list_runs, resolve, runs_dir
+
+    root = runs_dir(runs_dir_opt)
+    try:
+        if len(labels) < 2:
+            raise CompareError("compare needs at least two runs (A is the baseline)")
+        if resamples < 100:
+            raise CompareError("--resamples must be at least 100")
+        all_runs = list_runs(root)
+        runs = [resolve(lb, root, runs=all_runs) for lb in labels]
+        result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
+                              use_published=not no_published)
+    except RunError as e:
+        raise fail(str(e)) from None
+
+    err = _console(stderr=True)
+    if result["refused"]:
+        if as_json:
+            print(json.dumps(result, indent=2, default=str))
+        else:
+            err.print(Panel("\n".join(f"• {escape(m['message'])}" for m in result["mismatches"]),
+                            title="runs do not pair", border_style="red"))
+        err.print(f"[bold red]error:[/] [red]refusing to compare: {len(result['mismatches'])} mismatch(es) "
+                  f"(first: {escape(result['mismatches'][0]['message'])}); --force compares the common "
+                  "prompts anyway[/]")
+        raise typer.Exit(REFUSED_EXIT)
+
+    out_dir = Path(out) if out else default_out_dir(root, [r.id for r in runs])
+    md_path, html_path = write_compare(result, out_dir)
+    result["outputs"] = {"md": str(md_path), "html": str(html_path)}
+    if as_json:
+        print(json.dumps(result, indent=2, default=str))
+        return
+
+    con = _console()
+    if result["mismatches"]:
+        con.print(Panel("\n".join(f"• {escape(m['message'])}" for m in result["mismatches"]),
+                        title="FORCED: runs do not pair (--force)", border_style="red"))
+    env_lines = env_warning_lines(result)
+    if env_lines:
+        con.print(Panel("\n".join(f"• {escape(x)}" for x in env_lines),
+                        title="environment differences that can change the numbers", border_style="yellow"))
+    for w in result["warnings"]:
+        con.print(f"[yellow]! {escape(w)}[/]")
+
+    def show(title, head, rows, caption=None):
+        t = Table(title=title, caption=caption)
+        for i, h in enumerate(head):
+            t.add_column(escape(h), justify="left" if i == 0 else "right")
+        for r in rows:
+            t.add_row(*[escape(str(c)) for c in r])
+        con.print(t)
+
+    pub = result.get("published")
+    show("side by side", *side_by_side(result),
+         caption=(f"{pub['name']}: {pub['label']} ({pub['source'].get('title')}, arXiv "
+                  f"{pub['source'].get('arxiv')})" + (f"; {pub['caveat']}" if pub.get("caveat") else ""))
+         if pub else None)
+    show("difference vs baseline", *difference_rows(result), caption=stats_note(result))
+    show("per-position acceptance", *per_position_rows(result))
+    cat = category_rows(result)
+    if cat:
+        show("per category (τ macro)", *cat)
+    con.print(f"compare report: {escape(str(md_path))}\n                {escape(str(html_path))}")

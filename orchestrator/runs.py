@@ -1,0 +1,281 @@
+"""Run folders under the runs directory, and resolving labels (`zlab`, `v5:step20k`, a run id) to runs.
+
+A run folder (docs/run-format.md) holds the worker's ``results.jsonl``, ``summary.json``,
+``env.json`` and the orchestrator's ``run.json``. Stdlib only: `dflash-ops runs` must start fast.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+RUNS_ENV = "DFLASH_OPS_RUNS"
+
+
+class RunError(Exception):
+    """A run cannot be found, resolved or read (one clear line for the user)."""
+
+
+def runs_dir(explicit: Optional[str] = None) -> Path:
+    """``--runs-dir``, else ``$DFLASH_OPS_RUNS``, else ``./runs``."""
+    return Path(explicit or os.environ.get(RUNS_ENV) or "runs")
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as e:
+        raise RunError(f"{path}: cannot read ({e})") from None
+
+
+def read_results(path: Path) -> list[dict]:
+    """Rows of results.jsonl. A truncated last line (a run still writing) is ignored; a bad line
+    elsewhere is an error naming the line."""
+    rows: list[dict] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return rows
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                break
+            raise RunError(f"{path}:{i}: not JSON ({e.msg})") from None
+    return rows
+
+
+@dataclass
+class Run:
+    """One run folder. ``meta`` is run.json (or what could be inferred from env.json)."""
+
+    path: Path
+    meta: dict
+    env: dict = field(default_factory=dict)
+    _summary: Optional[dict] = field(default=None, repr=False)
+    _summary_loaded: bool = field(default=False, repr=False)
+    _results: Optional[list] = field(default=None, repr=False)
+    _metrics: Optional[dict] = field(default=None, repr=False)
+
+    @property
+    def id(self) -> str:
+        return str(self.meta.get("id") or self.path.name)
+
+    @property
+    def drafter(self) -> Optional[str]:
+        return self.meta.get("drafter")
+
+    @property
+    def checkpoint(self) -> Optional[str]:
+        return self.meta.get("checkpoint")
+
+    @property
+    def label(self) -> str:
+        return f"{self.drafter}:{self.checkpoint}" if self.checkpoint else str(self.drafter)
+
+    @property
+    def target(self) -> Optional[str]:
+        return self.meta.get("target") or (self.env.get("target") or {}).get("path")
+
+    @property
+    def suite(self) -> Optional[str]:
+        return self.meta.get("suite") or (self.env.get("suite") or {}).get("name")
+
+    @property
+    def host(self) -> Optional[str]:
+        return self.meta.get("host") or self.env.get("host")
+
+    @property
+    def settings(self) -> dict:
+        return dict(self.env.get("settings") or {})
+
+    @property
+    def mode(self) -> Optional[str]:
+        return self.meta.get("mode") or self.settings.get("mode") or (self.summary or {}).get("mode")
+
+    @property
+    def block_size(self) -> int:
+        b = self.settings.get("block_size") or (self.summary or {}).get("block_size")
+        if b:
+            return int(b)
+        longest = max((n for r in self.results for n in (r.get("acceptance_lengths") or [])), default=16)
+        return max(16, int(longest))
+
+    @property
+    def status(self) -> str:
+        return str(self.meta.get("status") or ("done" if self.summary is not None else "unknown"))
+
+    @property
+    def created_at(self) -> str:
+        return str(self.meta.get("created_at") or self.env.get("started_at") or "")
+
+    @property
+    def summary(self) -> Optional[dict]:
+        if not self._summary_loaded:
+            self._summary = _read_json(self.path / "summary.json")
+            self._summary_loaded = True
+        return self._summary
+
+    @property
+    def results(self) -> list[dict]:
+        if self._results is None:
+            self._results = read_results(self.path / "results.jsonl")
+        return self._results
+
+    @property
+    def metrics(self) -> dict:
+        """Recomputed from results.jsonl (numpy is imported here, not at module load)."""
+        if self._metrics is None:
+            from .stats import compute_metrics
+
+            self._metrics = compute_metrics(self.results, self.block_size, self.mode)
+        return self._metrics
+
+    def sort_key(self) -> tuple:
+        return (self.created_at, self.id)
+
+
+def load_run(path) -> Run:
+    path = Path(path)
+    if not path.is_dir():
+        raise RunError(f"{path}: no such run folder")
+    meta = _read_json(path / "run.json")
+    env = _read_json(path / "env.json") or {}
+    if meta is None:
+        if env == {} and not (path / "results.jsonl").exists():
+            raise RunError(f"{path}: not a run folder (no run.json, env.json or results.jsonl)")
+        drafter = env.get("drafter") or {}
+        meta = {"id": path.name, "drafter": Path(str(drafter.get("path") or path.name)).name,
+                "checkpoint": None, "target": (env.get("target") or {}).get("path"),
+                "suite": (env.get("suite") or {}).get("name"), "host": env.get("host"),
+                "mode": (env.get("settings") or {}).get("mode"), "created_at": env.get("started_at"),
+                "status": None, "inferred": True}
+    return Run(path=path, meta=meta, env=env)
+
+
+def list_runs(directory: Optional[Path] = None) -> list[Run]:
+    """All runs in the runs dir, oldest first. Folders that are not runs (compare-*) are skipped."""
+    d = Path(directory) if directory is not None else runs_dir()
+    if not d.is_dir():
+        return []
+    out = []
+    for p in sorted(d.iterdir()):
+        if not p.is_dir() or p.name.startswith("compare-"):
+            continue
+        if not any((p / f).exists() for f in ("run.json", "env.json", "results.jsonl")):
+            continue
+        try:
+            out.append(load_run(p))
+        except RunError:
+            continue
+    return sorted(out, key=Run.sort_key)
+
+
+def _newest(runs: list[Run]) -> Run:
+    """Newest finished run; a running/failed one only when none finished."""
+    done = [r for r in runs if r.status == "done"]
+    return max(done or runs, key=Run.sort_key)
+
+
+def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[Run]] = None) -> Run:
+    """A run id exactly; a unique run-id prefix; `DRAFTER:CHECKPOINT` = newest run of that pair;
+    `DRAFTER` = newest run of that drafter; `CHECKPOINT` alone if only one drafter has it;
+    or a path to a run folder."""
+    d = Path(directory) if directory is not None else runs_dir()
+    runs = list_runs(d) if runs is None else runs
+    by_id = {r.id: r for r in runs}
+    if label in by_id:
+        return by_id[label]
+    p = Path(label)
+    if (os.sep in label or label.startswith(".")) and p.is_dir():
+        return load_run(p)
+    if ":" in label:
+        drafter, _, ckpt = label.partition(":")
+        hits = [r for r in runs if r.drafter == drafter and (r.checkpoint or "") == ckpt]
+        if hits:
+            return _newest(hits)
+    else:
+        hits = [r for r in runs if r.drafter == label]
+        if hits:
+            return _newest(hits)
+        by_ckpt = [r for r in runs if r.checkpoint == label]
+        drafters = sorted({str(r.drafter) for r in by_ckpt})
+        if len(drafters) == 1:
+            return _newest(by_ckpt)
+        if len(drafters) > 1:
+            raise RunError(f"run label {label!r} is ambiguous: checkpoint {label} exists for drafters "
+                           f"{', '.join(drafters)}; say " + " or ".join(f"{x}:{label}" for x in drafters))
+    prefixed = [r for r in runs if r.id.startswith(label)]
+    if len(prefixed) == 1:
+        return prefixed[0]
+    if len(prefixed) > 1:
+        raise RunError(f"run label {label!r} is ambiguous: it starts {len(prefixed)} run ids ("
+                       + ", ".join(r.id for r in prefixed[:6]) + (" …" if len(prefixed) > 6 else "") + ")")
+    candidates = sorted({r.id for r in runs} | {str(r.drafter) for r in runs if r.drafter}
+                        | {r.label for r in runs if r.checkpoint})
+    close = difflib.get_close_matches(label, candidates, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    where = f"in {d}" if runs else f"({d} has no runs)"
+    raise RunError(f"no run matches {label!r} {where}{hint} (`dflash-ops runs` lists them)")
+
+
+def filter_runs(runs: list[Run], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[Run]:
+    def ok(value, want):
+        return want is None or (value is not None and str(value) == want)
+
+    return [r for r in runs if ok(r.drafter, drafter) and ok(r.suite, suite) and ok(r.host, host)
+            and ok(r.status, status) and ok(r.checkpoint, checkpoint)]
+
+
+# --------------------------------------------------------------------------- CLI bodies
+
+def cli_runs(runs_dir_opt=None, drafter=None, suite=None, host=None, status=None, as_json=False) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .cli import _console
+
+    d = runs_dir(runs_dir_opt)
+    runs = filter_runs(list_runs(d), drafter=drafter, suite=suite, host=host, status=status)
+    rows = []
+    for r in runs:
+        try:
+            m = r.metrics
+            tau = m["tau_macro"]
+            n = m["prompts"]
+        except Exception:  # a damaged results.jsonl must not hide the other runs
+            tau, n = None, r.meta.get("prompts")
+        rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "target": r.target,
+                     "suite": r.suite, "prompts": n, "prompts_planned": r.meta.get("prompts"),
+                     "tau_macro": tau, "host": r.host, "created_at": r.created_at, "status": r.status})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not runs:
+        _console(stderr=True).print(f"no runs in {escape(str(d))}" + (" matching the filters" if any(
+            (drafter, suite, host, status)) else ""))
+        return
+    table = Table(title=f"runs ({d})")
+    for col in ("id", "drafter", "checkpoint", "target", "suite", "prompts", "τ macro", "host", "date", "status"):
+        table.add_column(col, justify="right" if col in ("prompts", "τ macro") else "left")
+    colors = {"done": "green", "failed": "red", "running": "yellow"}
+    for row in rows:
+        n = "-" if row["prompts"] is None else str(row["prompts"])
+        if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
+            n += f"/{row['prompts_planned']}"
+        st = row["status"]
+        table.add_row(escape(row["id"]), escape(str(row["drafter"] or "-")), escape(row["checkpoint"] or "-"),
+                      escape(str(row["target"] or "-")), escape(str(row["suite"] or "-")), n,
+                      "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
+                      escape(str(row["host"] or "-")), escape(row["created_at"][:16].replace("T", " ")),
+                      f"[{colors.get(st, 'white')}]{escape(st)}[/]")
+    _console().print(table)

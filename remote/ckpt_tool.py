@@ -1,0 +1,593 @@
+"""Checkpoint relay helper for `dflash-ops sync-ckpt` / `ckpts`: stdlib only, runs on the hosts.
+
+Shipped as an argument of ``python -c BOOTSTRAP BLOB ARGS`` (see ``orchestrator/sync.py``), not on
+stdin: for ``recv`` and ``hold`` stdin carries the data stream / the control lines.
+
+Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...`` on stderr):
+
+* ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime)
+* ``manifest DIR [--hash]``  relative path, size, mtime_ns and sha256 (from the cache
+  ``.dflash-manifest.json`` when sizes+mtimes are unchanged; ``--hash`` computes missing ones)
+* ``save-manifest DIR``  (stdin: JSON) caches a manifest if the files still match it
+* ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
+* ``send FILE SIZE MTIME_NS OFFSET [--hash]``  bytes [OFFSET, SIZE) on stdout, then a trailer
+  ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on resume)
+* ``recv RUNDIR CKPT REL SIZE OFFSET MTIME_NS TOKEN [--sha256 X]``  (stdin: the ``send`` stream)
+  appends to ``.staging-CKPT/REL.part``, hashes in flight, verifies, fsyncs, renames to REL
+* ``hold RUNDIR CKPT TOKEN --wait S``  takes the checkpoint lock (flock) and serves control
+  lines on stdin: ``PING``, ``STATE``, ``BEGIN``, ``FINALIZE <manifest json>``
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import select
+import shutil
+import sys
+import time
+
+MANIFEST = ".dflash-manifest.json"
+VERIFIED = ".dflash-verified"
+OWNER = ".dflash-owner"
+CHUNK = 1 << 20
+TRAILER_LEN = 4 + 64 + 1
+NO_HASH = "-" * 64
+IDLE_TIMEOUT = 20.0  # stdin silent this long: give up (the link is dead); --idle S overrides
+CHECK_EVERY = 0.5  # recv: how often to check it still belongs to the lock holder
+PROGRESS_EVERY = 0.25
+
+
+class ToolError(Exception):
+    pass
+
+
+def out(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# --- source side -----------------------------------------------------------------------------
+
+
+def walk_files(root: str) -> list:
+    """Regular files under root, relative paths, dotfiles/dot-folders skipped, sorted."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith(".") or name.endswith(".part"):
+                continue
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.stat(full, follow_symlinks=True)
+            except OSError:
+                continue
+            if not _isreg(st):
+                continue
+            found.append((os.path.relpath(full, root), st))
+    return found
+
+
+def _isreg(st) -> bool:
+    import stat as _stat
+    return _stat.S_ISREG(st.st_mode)
+
+
+def pattern_regex(pattern: str):
+    parts = re.split(r"\{step(?::0?(\d+)d)?\}", pattern)
+    if len(parts) != 3:
+        raise ToolError(f"pattern {pattern!r} must contain {{step}} once")
+    return re.compile("^" + re.escape(parts[0]) + r"(\d+)" + re.escape(parts[2]) + "$")
+
+
+def cmd_list(args: list) -> None:
+    if not args:
+        raise ToolError("list: missing ROOT")
+    root, rest = args[0], args[1:]
+    runs = {}
+    while rest:
+        if rest[0] != "--run" or len(rest) < 4:
+            raise ToolError("list: expected --run NAME DIR PATTERN")
+        name, d, pattern = rest[1:4]
+        rest = rest[4:]
+        rdir = d if os.path.isabs(d) else os.path.join(root, d)
+        rx = pattern_regex(pattern)
+        items = []
+        try:
+            names = sorted(os.listdir(rdir))
+        except FileNotFoundError:
+            runs[name] = {"dir": rdir, "exists": False, "checkpoints": [], "staging": []}
+            continue
+        staging = []
+        for n in names:
+            full = os.path.join(rdir, n)
+            if n.startswith(".staging-") and os.path.isdir(full):
+                staging.append(n[len(".staging-"):])
+                continue
+            if n.startswith(".") or not os.path.isdir(full):
+                continue
+            m = rx.match(n)
+            files = walk_files(full)
+            items.append({
+                "name": n, "step": int(m.group(1)) if m else None,
+                "size": sum(st.st_size for _, st in files), "files": len(files),
+                "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
+                "complete": os.path.exists(os.path.join(full, MANIFEST)),
+            })
+        runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
+    out(json.dumps({"runs": runs}))
+
+
+def sha256_file(path: str, limit: int | None = None, h=None):
+    h = h or hashlib.sha256()
+    left = limit
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while left is None or left > 0:
+            n = f.readinto(view if left is None or left >= CHUNK else view[:left])
+            if not n:
+                break
+            h.update(view[:n])
+            if left is not None:
+                left -= n
+    if left:
+        raise ToolError(f"{path}: shorter than {limit} bytes")
+    return h
+
+
+def _load_cache(d: str) -> dict:
+    try:
+        with open(os.path.join(d, MANIFEST)) as f:
+            data = json.load(f)
+        return {e["path"]: e for e in data.get("files", [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write_json_atomic(path: str, data) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def manifest(d: str, compute: bool) -> dict:
+    if not os.path.isdir(d):
+        raise ToolError(f"no such checkpoint folder: {d}")
+    cache = _load_cache(d)
+    files, hashed = [], 0
+    for rel, st in walk_files(d):
+        c = cache.get(rel) or {}
+        sha = c.get("sha256") if (c.get("size") == st.st_size and c.get("mtime_ns") == st.st_mtime_ns) else None
+        if sha is None and compute:
+            sha = sha256_file(os.path.join(d, rel)).hexdigest()
+            st2 = os.stat(os.path.join(d, rel))
+            if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+                raise ToolError(f"{rel} changed while it was hashed (is training still writing it?)")
+            hashed += 1
+        files.append({"path": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha})
+    if not files:
+        raise ToolError(f"checkpoint folder {d} holds no files")
+    data = {"files": files}
+    if hashed:
+        try:
+            _write_json_atomic(os.path.join(d, MANIFEST), data)
+        except OSError:
+            pass  # read-only source: the manifest is still returned
+    return dict(data, hashed=hashed)
+
+
+def cmd_manifest(args: list) -> None:
+    if not args:
+        raise ToolError("manifest: missing DIR")
+    out(json.dumps(manifest(args[0], "--hash" in args[1:])))
+
+
+def cmd_save_manifest(args: list) -> None:
+    d = args[0]
+    data = json.loads(sys.stdin.read())
+    current = {rel: st for rel, st in walk_files(d)}
+    for e in data["files"]:
+        st = current.get(e["path"])
+        if st is None or st.st_size != e["size"] or st.st_mtime_ns != e["mtime_ns"] or not e.get("sha256"):
+            out(json.dumps({"saved": False, "why": f"{e['path']} changed"}))
+            return
+    _write_json_atomic(os.path.join(d, MANIFEST), {"files": data["files"]})
+    out(json.dumps({"saved": True}))
+
+
+def cmd_send(args: list) -> None:
+    path, size, mtime_ns, offset = args[0], int(args[1]), int(args[2]), int(args[3])
+    do_hash = "--hash" in args[4:]
+    fd = os.open(path, os.O_RDONLY)
+    st = os.fstat(fd)
+    if st.st_size != size or st.st_mtime_ns != mtime_ns:
+        raise ToolError(f"{path} changed since the manifest was made (size {st.st_size}, expected {size})")
+    if offset > size:
+        raise ToolError(f"offset {offset} beyond the end of {path}")
+    h = None
+    if do_hash:
+        h = sha256_file(path, offset) if offset else hashlib.sha256()
+    outfd = sys.stdout.fileno()
+    pos, left = offset, size - offset
+    if h is None:
+        while left > 0:
+            try:
+                n = os.sendfile(outfd, fd, pos, min(left, 16 << 20))
+            except OSError as e:
+                if e.errno in (errno.EINVAL, errno.ENOSYS):
+                    break  # no sendfile to this output: plain reads below
+                raise
+            if n == 0:
+                raise ToolError(f"{path} ended early")
+            pos += n
+            left -= n
+    if left > 0:  # hashing (or no sendfile): big reads, hash, write
+        buf = bytearray(4 * CHUNK)
+        view = memoryview(buf)
+        os.lseek(fd, pos, os.SEEK_SET)
+        while left > 0:
+            n = os.readv(fd, [view[:min(left, len(buf))]])
+            if n == 0:
+                raise ToolError(f"{path} ended early")
+            if h is not None:
+                h.update(view[:n])
+            m = 0
+            while m < n:
+                m += os.write(outfd, view[m:n])
+            left -= n
+    st2 = os.fstat(fd)
+    if st2.st_size != size or st2.st_mtime_ns != mtime_ns:
+        raise ToolError(f"{path} changed while it was sent")
+    trailer = b"DFLT" + (h.hexdigest() if h is not None else NO_HASH).encode() + b"\n"
+    os.write(outfd, trailer)
+
+
+# --- destination side ------------------------------------------------------------------------
+
+
+def safe_rel(rel: str) -> str:
+    if not rel or rel.startswith("/") or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
+        raise ToolError(f"refusing unsafe path {rel!r}")
+    return rel
+
+
+def safe_name(name: str) -> str:
+    if not name or "/" in name or name in (".", "..") or name.startswith(".") or "\0" in name:
+        raise ToolError(f"refusing unsafe checkpoint name {name!r}")
+    return name
+
+
+def paths(rundir: str, ckpt: str) -> dict:
+    safe_name(ckpt)
+    staging = os.path.join(rundir, f".staging-{ckpt}")
+    return {"final": os.path.join(rundir, ckpt), "staging": staging,
+            "lock": os.path.join(rundir, f".lock-{ckpt}"), "owner": os.path.join(staging, OWNER),
+            "verified": os.path.join(staging, VERIFIED)}
+
+
+def _free_bytes(path: str) -> int:
+    p = path
+    while not os.path.exists(p):
+        p = os.path.dirname(p) or "/"
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def state(rundir: str, ckpt: str) -> dict:
+    p = paths(rundir, ckpt)
+    res = {"final": p["final"], "final_exists": os.path.exists(p["final"]), "final_manifest": None,
+           "staging_exists": os.path.isdir(p["staging"]), "parts": {}, "verified": {},
+           "free_bytes": _free_bytes(rundir)}
+    if res["final_exists"]:
+        res["final_manifest"] = list(_load_cache(p["final"]).values()) or None
+    if res["staging_exists"]:
+        for dirpath, dirnames, filenames in os.walk(p["staging"]):
+            dirnames[:] = [d for d in dirnames if d != VERIFIED]
+            for n in filenames:
+                if n.endswith(".part"):
+                    full = os.path.join(dirpath, n)
+                    res["parts"][os.path.relpath(full, p["staging"])[:-5]] = os.path.getsize(full)
+        for dirpath, _, filenames in os.walk(p["verified"]):
+            for n in filenames:
+                if not n.endswith(".json"):
+                    continue
+                try:
+                    with open(os.path.join(dirpath, n)) as f:
+                        rec = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                rel = rec.get("path")
+                if rel and os.path.isfile(os.path.join(p["staging"], rel)) and \
+                        os.path.getsize(os.path.join(p["staging"], rel)) == rec.get("size"):
+                    res["verified"][rel] = rec
+    return res
+
+
+def cmd_state(args: list) -> None:
+    out(json.dumps(state(args[0], args[1])))
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _still_owner(p: dict, token: str) -> bool:
+    """Does the sync that started us still hold the lock? (the holder is alive and is ours)"""
+    try:
+        with open(p["owner"]) as f:
+            if f.read().strip() != token:
+                return False
+    except OSError:
+        return False
+    fd = os.open(p["lock"], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held exclusively: by our holder (the token says so)
+    finally:
+        os.close(fd)
+    return False  # nobody holds it: our holder is gone
+
+
+def cmd_recv(args: list) -> int:
+    rundir, ckpt, rel = args[0], args[1], safe_rel(args[2])
+    size, offset, mtime_ns, token = int(args[3]), int(args[4]), int(args[5]), args[6]
+    expected = args[args.index("--sha256") + 1] if "--sha256" in args else None
+    p = paths(rundir, ckpt)
+    if not _still_owner(p, token):
+        raise ToolError("this sync does not hold the checkpoint lock")
+    final = os.path.join(p["staging"], rel)
+    part = final + ".part"
+    os.makedirs(os.path.dirname(part), exist_ok=True)
+    for stale in (final, os.path.join(p["verified"], rel + ".json")):
+        if os.path.exists(stale):
+            os.unlink(stale)
+    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ToolError(f"{rel}.part is being written by another process")
+    have = os.fstat(fd).st_size
+    if offset == 0 and have:
+        os.ftruncate(fd, 0)
+        have = 0
+    if have != offset:
+        raise ToolError(f"{rel}.part holds {have} bytes, the plan expected {offset}; rerun")
+    h = sha256_file(part, offset) if offset else hashlib.sha256()  # the prefix, read once
+    os.lseek(fd, offset, os.SEEK_SET)
+    inp = sys.stdin.fileno()
+    buf = bytearray(4 * CHUNK)
+    view = memoryview(buf)
+    left, got = size - offset, 0
+    last_report = last_check = time.monotonic()
+    out(f"P {got}")
+    while left > 0:
+        r, _, _ = select.select([inp], [], [], IDLE_TIMEOUT)
+        if not r:
+            os.fsync(fd)
+            out(f"IDLE {got}")
+            return 5
+        n = os.readv(inp, [view[:min(left, len(buf))]])
+        if n == 0:
+            os.fsync(fd)
+            out(f"SHORT {got}")
+            return 4
+        h.update(view[:n])
+        m = 0
+        while m < n:
+            m += os.write(fd, view[m:n])
+        left -= n
+        got += n
+        now = time.monotonic()
+        if now - last_report >= PROGRESS_EVERY:
+            out(f"P {got}")
+            last_report = now
+        if now - last_check >= CHECK_EVERY:
+            last_check = now
+            if not _still_owner(p, token):
+                out(f"LOST {got}")
+                return 6
+    trailer = b""
+    while len(trailer) < TRAILER_LEN:
+        r, _, _ = select.select([inp], [], [], IDLE_TIMEOUT)
+        chunk = os.read(inp, TRAILER_LEN - len(trailer)) if r else b""
+        if not chunk:
+            os.fsync(fd)
+            out(f"SHORT {got}")
+            return 4
+        trailer += chunk
+    if not trailer.startswith(b"DFLT"):
+        os.close(fd)
+        os.unlink(part)
+        out("BAD stream framing")
+        return 3
+    sent = trailer[4:68].decode()
+    digest = h.hexdigest()
+    want = [x for x in (expected, None if sent == NO_HASH else sent) if x]
+    if not want:
+        raise ToolError("no checksum to verify against")
+    if any(w != digest for w in want):
+        os.close(fd)
+        os.unlink(part)  # the bad bytes go: the file is re-sent from zero
+        out(f"BAD {digest} {want[0]}")
+        return 3
+    os.fsync(fd)
+    os.close(fd)
+    os.rename(part, final)
+    _fsync_dir(os.path.dirname(final))
+    vpath = os.path.join(p["verified"], rel + ".json")
+    os.makedirs(os.path.dirname(vpath), exist_ok=True)
+    _write_json_atomic(vpath, {"path": rel, "size": size, "mtime_ns": mtime_ns, "sha256": digest})
+    out(f"P {got}")
+    out(f"OK {digest}")
+    return 0
+
+
+class LineReader:
+    """Lines from fd 0 with a timeout (no hidden buffering behind select())."""
+
+    def __init__(self):
+        self.buf = b""
+
+    def readline(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            r, _, _ = select.select([0], [], [], max(deadline - time.monotonic(), 0))
+            if not r:
+                return None
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                line, self.buf = self.buf, b""
+                return line.decode()
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode() + "\n"
+
+
+def _lock(p: dict, wait: float) -> int:
+    fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except OSError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return -1
+            time.sleep(0.2)
+
+
+def _drain_writers(p: dict, token: str) -> None:
+    """Orphan recv processes of a killed sync see the new token and stop; wait for their flocks."""
+    if not os.path.isdir(p["staging"]):
+        return
+    with open(p["owner"], "w") as f:
+        f.write(token)
+    for dirpath, dirnames, filenames in os.walk(p["staging"]):
+        for n in filenames:
+            if not n.endswith(".part"):
+                continue
+            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
+            try:
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except OSError:
+                        if time.monotonic() > deadline:
+                            raise ToolError(f"{n} is still being written by another process")
+                        time.sleep(0.1)
+            finally:
+                os.close(fd)
+
+
+def finalize(p: dict, manifest_data: dict) -> str:
+    files = manifest_data["files"]
+    staging = p["staging"]
+    if os.path.exists(p["final"]):
+        raise ToolError(f"{p['final']} appeared meanwhile; not replacing it")
+    for e in files:
+        rel = safe_rel(e["path"])
+        try:
+            with open(os.path.join(p["verified"], rel + ".json")) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            raise ToolError(f"{rel} was not received and verified")
+        if rec.get("sha256") != e["sha256"] or rec.get("size") != e["size"] or \
+                os.path.getsize(os.path.join(staging, rel)) != e["size"]:
+            raise ToolError(f"{rel} in staging does not match the manifest")
+    wanted = {e["path"] for e in files}
+    for dirpath, dirnames, filenames in os.walk(staging):
+        dirnames[:] = [d for d in dirnames if d != VERIFIED]
+        for n in filenames:
+            rel = os.path.relpath(os.path.join(dirpath, n), staging)
+            if rel not in wanted and n != OWNER:
+                os.unlink(os.path.join(dirpath, n))  # leftovers (.part of files no longer in the ckpt)
+    _write_json_atomic(os.path.join(staging, MANIFEST), {"files": files})
+    shutil.rmtree(p["verified"], ignore_errors=True)
+    try:
+        os.unlink(p["owner"])
+    except FileNotFoundError:
+        pass
+    for dirpath, _, _ in os.walk(staging):
+        _fsync_dir(dirpath)
+    os.rename(staging, p["final"])  # the checkpoint appears under its name only now, complete
+    _fsync_dir(os.path.dirname(p["final"]))
+    return p["final"]
+
+
+def cmd_hold(args: list) -> int:
+    rundir, ckpt, token = args[0], args[1], args[2]
+    wait = float(args[args.index("--wait") + 1]) if "--wait" in args else 60.0
+    p = paths(rundir, ckpt)
+    os.makedirs(rundir, exist_ok=True)
+    fd = _lock(p, wait)
+    if fd < 0:
+        out(f"BUSY another sync of {ckpt} holds {p['lock']} (waited {wait:g}s)")
+        return 7
+    _drain_writers(p, token)
+    out("LOCKED")
+    reader = LineReader()
+    while True:
+        line = reader.readline(IDLE_TIMEOUT)
+        if line is None:
+            return 5  # the orchestrator went silent (dead link): release the lock
+        if not line:
+            return 0
+        cmd, _, rest = line.strip().partition(" ")
+        try:
+            if cmd == "PING":
+                continue
+            if cmd == "STATE":
+                out("STATE " + json.dumps(state(rundir, ckpt)))
+            elif cmd == "BEGIN":
+                os.makedirs(os.path.join(p["staging"]), exist_ok=True)
+                with open(p["owner"], "w") as f:
+                    f.write(token)
+                out("BEGUN")
+            elif cmd == "FINALIZE":
+                out("DONE " + finalize(p, json.loads(rest)))
+            else:
+                out(f"ERROR unknown command {cmd}")
+        except (ToolError, OSError) as e:
+            out(f"ERROR {e}")
+
+
+COMMANDS = {"list": cmd_list, "manifest": cmd_manifest, "save-manifest": cmd_save_manifest,
+            "state": cmd_state, "send": cmd_send, "recv": cmd_recv, "hold": cmd_hold}
+
+
+def main(argv: list) -> int:
+    global IDLE_TIMEOUT
+    if "--idle" in argv:
+        i = argv.index("--idle")
+        IDLE_TIMEOUT = float(argv[i + 1])
+        argv = argv[:i] + argv[i + 2:]
+    if not argv or argv[0] not in COMMANDS:
+        sys.stderr.write(f"ERROR usage: ckpt_tool.py {{{','.join(COMMANDS)}}} ARGS\n")
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:]) or 0
+    except (ToolError, OSError, ValueError, IndexError) as e:
+        sys.stderr.write(f"ERROR {e}\n")
+        return 1
+    except BrokenPipeError:
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,178 @@
+"""The embedded demo pair, built deterministically on first use: a tiny hybrid Qwen3.5-style target
+(Gated DeltaNet + full attention) with a tiny chat tokenizer, taught a small chat corpus, and a
+DFlash drafter trained for it with the reference training step. CPU, under two minutes.
+
+``python -m remote.embedded --out DIR`` builds into DIR (or finds it there) and prints
+``{"target": DIR/target, "drafter": DIR/drafter}``. A build stamp records the recipe; a changed
+recipe rebuilds, an interrupted build never leaves a half-written pair behind (staging + rename).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+RECIPE = {"version": 1, "vocab": 256, "hidden": 64, "layers": 4, "target_steps": 300, "drafter_steps": 400,
+          "block_size": 8, "seed": 0}
+
+
+def log(msg: str) -> None:
+    print(f"[embedded] {msg}", file=sys.stderr, flush=True)
+
+
+def corpus(tokenizer) -> list[tuple[list[int], list[int]]]:
+    """Chat conversations: every prompt of the default suite (and a few extra) answered with a fixed
+    paragraph — a tiny language the target memorises, so its greedy answers are prompt dependent."""
+    from remote.prompts import format_chat, load_suite
+    from remote.tokenizer import PARAGRAPHS
+
+    prompts = [t for row in load_suite("default").rows for t in (row.turns or [])]
+    prompts += ["Tell me something.", "Write some code.", "Solve this problem.", "Summarize the text above."]
+    convs = []
+    for i, text in enumerate(prompts):
+        prompt = format_chat(tokenizer, [{"role": "user", "content": text}], None)
+        answer = tokenizer(PARAGRAPHS[i % len(PARAGRAPHS)] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        convs.append((prompt, answer))
+    return convs
+
+
+def _bypass_linear_attention(model, on: bool) -> None:
+    """While teaching the target, its Gated DeltaNet layers contribute nothing (out_proj is zero)
+    and are skipped: the pure-torch GDN backward is far too slow on CPU. Afterwards they are
+    switched back on with small random output weights, so the demo target is really hybrid."""
+    import torch
+    from remote.target import decoder_layers
+
+    for layer in decoder_layers(model):
+        attn = getattr(layer, "linear_attn", None)
+        if attn is None:
+            continue
+        if on:
+            attn.out_proj.weight.data.zero_()
+            attn.out_proj.weight.requires_grad_(False)
+            attn._saved_forward = attn.forward
+            attn.forward = lambda hidden_states, *a, **k: torch.zeros_like(hidden_states)
+        else:
+            attn.forward = attn._saved_forward
+            del attn._saved_forward
+            g = torch.Generator().manual_seed(RECIPE["seed"] + 7)
+            attn.out_proj.weight.data.normal_(0.0, 0.002, generator=g)
+
+
+def teach_target(model, pairs: list[tuple[list[int], list[int]]], steps: int, seed: int) -> float:
+    import torch
+
+    convs = [p + a for p, a in pairs]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    model.train()
+    width = max(len(c) for c in convs)
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        pick = torch.randint(len(convs), (8,), generator=gen).tolist()
+        ids = torch.zeros(8, width, dtype=torch.long)
+        labels = torch.full((8, width), -100, dtype=torch.long)
+        for r, i in enumerate(pick):
+            ids[r, :len(convs[i])] = torch.tensor(convs[i])
+            labels[r, :len(convs[i])] = torch.tensor(convs[i])
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return loss.item()
+
+
+def build(out: Path) -> dict:
+    import torch
+
+    from remote.checkpoint import save_drafter
+    from remote.online import target_greedy
+    from remote.target import target_features
+    from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+    from remote.tokenizer import build_tiny_tokenizer
+    from remote.train import Batch, teacher_forced_accuracy, train
+
+    t0 = time.time()
+    torch.manual_seed(RECIPE["seed"])
+    staging = out.with_name(out.name + f".staging-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer = build_tiny_tokenizer(staging / "target", vocab_size=RECIPE["vocab"] - 1)
+    target = tiny_target("qwen3_5", vocab_size=RECIPE["vocab"], hidden_size=RECIPE["hidden"],
+                         num_layers=RECIPE["layers"], seed=RECIPE["seed"], tie=False)
+    target.config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target.generation_config.eos_token_id = target.config.eos_token_id
+    target.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    convs = corpus(tokenizer)
+    _bypass_linear_attention(target, True)
+    loss = teach_target(target, convs, RECIPE["target_steps"], RECIPE["seed"])
+    _bypass_linear_attention(target, False)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    log(f"target taught (loss {loss:.3f}) in {time.time() - t0:.0f}s")
+
+    cfg = tiny_drafter_config(target, layers=2, block_size=RECIPE["block_size"])
+    stop = [target.config.eos_token_id]
+    batches = []
+    for prompt, _ in convs:
+        prompt_len = len(prompt)
+        out_ids = target_greedy(target, torch.tensor([prompt]), 96, stop).output_ids
+        ids = torch.tensor([prompt + out_ids])
+        _, feats = target_features(target, ids, cfg.target_layer_ids)
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        mask[:, prompt_len:] = True
+        batches.append(Batch(ids, feats, mask))
+    drafter = tiny_drafter(cfg, seed=RECIPE["seed"])
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    train(drafter, batches, embed, head, steps=RECIPE["drafter_steps"], lr=1e-2, seed=RECIPE["seed"])
+    acc = teacher_forced_accuracy(drafter, batches, embed, head)
+    log(f"drafter trained: teacher-forced acc@1 {acc['per_position'][0]:.2f}, est. τ {acc['tau_estimate']:.2f} "
+        f"({time.time() - t0:.0f}s total)")
+
+    target.save_pretrained(staging / "target")
+    save_drafter(drafter, staging / "drafter", fmt="zlab")
+    (staging / "stamp.json").write_text(json.dumps({"recipe": RECIPE, "tau_estimate": acc["tau_estimate"]}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(staging, out)
+    return paths(out)
+
+
+def paths(out: Path) -> dict:
+    return {"target": str(out / "target"), "drafter": str(out / "drafter")}
+
+
+def ensure(out: Path) -> dict:
+    stamp = out / "stamp.json"
+    if stamp.exists():
+        try:
+            if json.loads(stamp.read_text()).get("recipe") == RECIPE:
+                return paths(out)
+        except json.JSONDecodeError:
+            pass
+    log(f"building the embedded demo target and drafter in {out} (first use, about a minute)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import fcntl
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)       # two concurrent first uses build once
+        if stamp.exists() and json.loads(stamp.read_text()).get("recipe") == RECIPE:
+            return paths(out)
+        return build(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m remote.embedded", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for the pair (e.g. <workdir>/embedded)")
+    args = p.parse_args(argv)
+    from remote.target import guard_cpu_kernels
+    guard_cpu_kernels("cpu")
+    print(json.dumps(ensure(Path(args.out).expanduser())), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""Acceptance metrics (τ includes the bonus token; see docs/run-format.md)."""
+from __future__ import annotations
+
+
+def row_stats(acceptance_lengths: list[int]) -> dict:
+    cycles, tokens = len(acceptance_lengths), sum(acceptance_lengths)
+    return {"cycles": cycles, "tokens": tokens, "tau": tokens / cycles if cycles else None}
+
+
+def tau_summary(per_prompt: list[list[int]]) -> dict:
+    """``tau_macro`` (mean of per-prompt means, z-lab) and ``tau_pooled`` (Σ tokens / Σ cycles)."""
+    rows = [row_stats(a) for a in per_prompt if a]
+    cycles = sum(r["cycles"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {"tau_macro": sum(r["tau"] for r in rows) / len(rows) if rows else None,
+            "tau_pooled": tokens / cycles if cycles else None, "cycles": cycles, "tokens": tokens}
+
+
+def histogram(per_prompt: list[list[int]], block_size: int) -> dict[str, int]:
+    hist = {str(k): 0 for k in range(1, block_size + 1)}
+    for lengths in per_prompt:
+        for n in lengths:
+            hist[str(n)] += 1
+    return hist
+
+
+def per_position_acceptance(per_prompt: list[list[int]], block_size: int) -> list[float]:
+    """acc_k = (cycles with length >= k + 1) / cycles, k = 1..B-1; τ_pooled = 1 + Σ acc_k."""
+    lengths = [n for a in per_prompt for n in a]
+    if not lengths:
+        return [0.0] * (block_size - 1)
+    return [sum(n >= k + 1 for n in lengths) / len(lengths) for k in range(1, block_size)]
+
+
+def summarize(rows: list[dict], block_size: int, mode: str) -> dict:
+    per_prompt = [r["acceptance_lengths"] for r in rows]
+    summary = {"mode": mode, "block_size": block_size, "prompts": len(rows), **tau_summary(per_prompt),
+               "acceptance_histogram": histogram(per_prompt, block_size),
+               "per_position_acceptance": per_position_acceptance(per_prompt, block_size)}
+    budgets = sorted({b for r in rows for b in (r.get("ddtree") or {})}, key=int)
+    if budgets:
+        summary["ddtree"] = {}
+        for b in budgets:
+            t = tau_summary([r["ddtree"][b]["acceptance_lengths"] for r in rows if b in r.get("ddtree", {})])
+            summary["ddtree"][b] = {"tau_macro": t["tau_macro"], "tau_pooled": t["tau_pooled"]}
+    if any("all_anchors" in r for r in rows):
+        correct = [0] * (block_size - 1)
+        count = [0] * (block_size - 1)
+        for r in rows:
+            for k, (c, n) in enumerate(zip(r["all_anchors"]["correct"], r["all_anchors"]["count"])):
+                correct[k] += c
+                count[k] += n
+        acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
+        cum, run = [], 1.0
+        for a in acc:
+            run *= a
+            cum.append(run)
+        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = acc, cum
+    if rows and all("wall_s" in r for r in rows):
+        wall = sum(r["wall_s"] for r in rows)
+        target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
+        tokens = sum(len(r["output_ids"]) for r in rows)
+        online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
+        if target_wall:
+            online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
+                          speedup=target_wall / wall if wall else None)
+        online["lossless"] = all(r.get("lossless", True) for r in rows)
+        summary["online"] = online
+    return summary

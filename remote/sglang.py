@@ -1,0 +1,180 @@
+"""A small client for SGLang's native HTTP API (stdlib urllib only): greedy reference completions.
+
+``SGLangClient(url).generate(input_ids, max_new_tokens, stop_token_ids)`` posts to ``/generate`` with
+``temperature: 0`` and returns the completion's token ids. Credentials in the URL (``user:pass@``) are
+sent as HTTP basic auth and an ``api_key`` as a bearer token; neither ever appears in a message.
+Proxies from the environment are not used: the server is on this host or behind an SSH tunnel.
+"""
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+
+CONNECT_TIMEOUT = 5.0  # seconds to open a TCP connection; reads then wait up to the client's timeout
+
+
+class SGLangError(Exception):
+    """SGLang is unreachable, answered with an HTTP error, or answered something unexpected."""
+
+
+def _opener(connect_timeout: float) -> urllib.request.OpenerDirector:
+    """An opener that connects within ``connect_timeout`` and then lets reads wait for the request's
+    own timeout (urllib alone has one timeout for both), and ignores proxy variables."""
+    def create(address, timeout=None, source_address=None):
+        sock = socket.create_connection(address, min(connect_timeout, timeout or connect_timeout), source_address)
+        sock.settimeout(timeout)
+        return sock
+
+    class HTTP(http.client.HTTPConnection):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self._create_connection = create
+
+    class HTTPS(http.client.HTTPSConnection):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self._create_connection = create
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(HTTP, req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(HTTPS, req, context=self._context)
+
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}), HTTPHandler(), HTTPSHandler())
+
+
+def redact(url: str) -> str:
+    """``url`` without user info, query or fragment: safe for logs and error messages."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
+
+
+class SGLangClient:
+    def __init__(self, url: str, timeout: float = 600, api_key: str | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT):
+        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise SGLangError(f"not an http(s) URL for SGLang: {parts.scheme}://{parts.hostname or ''}...")
+        try:
+            self.base = redact(parts.geturl())  # credentials go in a header, never in the URL used or shown
+        except ValueError as e:  # a bad port
+            raise SGLangError(f"not a valid SGLang URL: {e}") from None
+        self.display = self.base
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "")
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            self._headers["Authorization"] = f"Basic {token}"
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._opener = _opener(connect_timeout)
+
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.display!r})"
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=self._headers)
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            with self._opener.open(req, timeout=timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            raise SGLangError(f"SGLang at {self.display} answered HTTP {e.code} to {method} {path}: "
+                              f"{_server_message(e)}") from None
+        except urllib.error.URLError as e:
+            raise SGLangError(f"SGLang at {self.display} is not reachable: {_describe(e.reason)}") from None
+        except (TimeoutError, socket.timeout):
+            raise SGLangError(f"SGLang at {self.display} did not answer {method} {path} within {timeout:g}s") from None
+        except (ConnectionError, http.client.HTTPException, OSError) as e:
+            raise SGLangError(f"SGLang at {self.display}: the connection failed during {method} {path}: "
+                              f"{_describe(e)}") from None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise SGLangError(f"SGLang at {self.display} answered {method} {path} with something that is not "
+                              f"JSON: {raw[:200]!r}") from None
+
+    def health(self, timeout: float = 10) -> None:
+        """Raise SGLangError unless ``GET /health`` answers 200 (quickly: a short connect timeout)."""
+        self._request("GET", "/health", timeout=timeout)
+
+    def model_info(self) -> dict:
+        """``GET /get_model_info`` (``/model_info`` on servers that have only that), e.g. ``model_path``."""
+        try:
+            info = self._request("GET", "/get_model_info", timeout=min(self.timeout, 30))
+        except SGLangError as e:
+            if "HTTP 404" not in str(e):
+                raise
+            info = self._request("GET", "/model_info", timeout=min(self.timeout, 30))
+        if not isinstance(info, dict):
+            raise SGLangError(f"SGLang at {self.display}: model info is not a JSON object: {info!r:.200}")
+        return info
+
+    def generate_raw(self, input_ids: list[int], max_new_tokens: int,
+                     stop_token_ids: list[int] | None = None) -> dict:
+        """The whole ``/generate`` answer for one greedy completion (``output_ids``, ``meta_info``, ...)."""
+        params = {"temperature": 0, "max_new_tokens": int(max_new_tokens)}
+        if stop_token_ids is not None:
+            params["stop_token_ids"] = [int(i) for i in stop_token_ids]
+        out = self._request("POST", "/generate", {"input_ids": [int(i) for i in input_ids],
+                                                  "sampling_params": params})
+        if isinstance(out, list) and len(out) == 1:  # a batch answer
+            out = out[0]
+        if not isinstance(out, dict) or not isinstance(out.get("output_ids"), list):
+            keys = sorted(out) if isinstance(out, dict) else type(out).__name__
+            raise SGLangError(f"SGLang at {self.display}: /generate answered without 'output_ids' (got {keys}); "
+                              f"this client needs an SGLang version that returns token ids")
+        return out
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None) -> list[int]:
+        """The greedy (``temperature: 0``) completion's token ids."""
+        return [int(i) for i in self.generate_raw(input_ids, max_new_tokens, stop_token_ids)["output_ids"]]
+
+
+def _describe(e) -> str:
+    if isinstance(e, (TimeoutError, socket.timeout)):
+        return "timed out connecting"
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused (is the server running and the port right?)"
+    if isinstance(e, socket.gaierror):
+        return f"cannot resolve the host name ({e.strerror or e})"
+    return str(e) or type(e).__name__
+
+
+def _server_message(e: urllib.error.HTTPError) -> str:
+    try:
+        raw = e.read()
+    except Exception:
+        raw = b""
+    text = raw.decode("utf-8", "replace").strip()
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict):
+        err = obj.get("error", obj.get("message", obj.get("detail")))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        if err is not None:
+            text = str(err)
+    return (text[:500] or e.reason or "no message").strip() if isinstance(text, str) else str(e.reason)
