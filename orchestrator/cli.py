@@ -179,6 +179,44 @@ from .cli_eval import register as _register_eval  # noqa: E402  (eval, attach, c
 _register_eval(app)
 
 
+# --- sync-ckpt, ckpts (bodies in sync.py; imported lazily) ----------------------------------------
+
+
+@app.command("sync-ckpt")
+def sync_ckpt_cmd(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Checkpoint: step20k, 20000, step_20000, 20k, a folder name, or latest."),
+    run: Optional[str] = typer.Option(None, "--run", help="Training run (configs/drafters.yaml; default: newest)."),
+    src: Optional[str] = typer.Option(None, "--from", metavar="HOST", help="Source host (default: the train host)."),
+    dst: Optional[str] = typer.Option(None, "--to", metavar="HOST", help="Destination host (default: the eval host)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (send/resume/skip per file); move nothing."),
+    jobs: int = typer.Option(4, "--jobs", "-j", min=1, help="Files moved at once."),
+    direct: Optional[bool] = typer.Option(None, "--direct/--relay",
+                                          help="The eval host pulls from the train host itself (default: run's `direct`)."),
+    lock_wait: float = typer.Option(60.0, "--lock-wait", metavar="S", help="Wait this long for another sync's lock."),
+    catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help="Catalog (default: configs/drafters.yaml)."),
+):
+    """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
+    from .sync import cli_sync
+
+    cli_sync(_inventory(ctx), name, run=run, src=src, dst=dst, dry_run=dry_run, jobs=jobs, direct=direct,
+             lock_wait=lock_wait, catalog=catalog)
+
+
+@app.command("ckpts")
+def ckpts_cmd(
+    ctx: typer.Context,
+    run: Optional[str] = typer.Argument(None, help="Training run (default: all runs in the catalog)."),
+    src: Optional[str] = typer.Option(None, "--from", metavar="HOST", help="Training host (default: by role)."),
+    dst: Optional[str] = typer.Option(None, "--to", metavar="HOST", help="Eval host (default: by role)."),
+    catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help="Catalog (default: configs/drafters.yaml)."),
+):
+    """List a run's checkpoints on the training host: step, size, time, and whether on the eval host."""
+    from .sync import cli_ckpts
+
+    cli_ckpts(_inventory(ctx), run, src=src, dst=dst, catalog=catalog)
+
+
 def main() -> None:
     app()
 

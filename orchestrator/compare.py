@@ -365,7 +365,7 @@ def difference_rows(result: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([f"{nm[c['run']]} − {nm[c['vs']]}", str(c["n"]), _ci(c["macro"]), _p(c["macro"]["p_value"]),
                      _ci(c["pooled"]), _p(c["pooled"]["p_value"]), f"{c['wins']} / {c['ties']} / {c['losses']}"])
         for b, d in sorted(c["ddtree"].items(), key=lambda kv: int(kv[0])):
-            rows.append([f"  DDTree-{b}", str(d["n"]), _ci(d["macro"]), _p(d["macro"]["p_value"]),
+            rows.append([f"↳ DDTree-{b}", str(d["n"]), _ci(d["macro"]), _p(d["macro"]["p_value"]),
                          _ci(d["pooled"]), _p(d["pooled"]["p_value"]), f"{d['wins']} / {d['ties']} / {d['losses']}"])
     return head, rows
 

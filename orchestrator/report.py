@@ -10,6 +10,7 @@ import base64
 import html
 import io
 import math
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -191,10 +192,15 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(out)
 
 
+_NUMERIC = re.compile(r"^[+\-−<]?\d[\d.]*( \[.*\])?$|^\d+ / \d+ / \d+$|^\d+/\d+/\d+$")
+
+
 def _html_table(header: Sequence[str], rows: Sequence[Sequence[str]], cls: str = "") -> str:
     e = html.escape
     head = "".join(f"<th>{e(str(h))}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(
+        f'<td class="num">{e(str(c))}</td>' if _NUMERIC.match(str(c)) else f"<td>{e(str(c))}</td>" for c in r)
+        + "</tr>" for r in rows)
     return f'<table class="{e(cls)}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 

@@ -450,7 +450,9 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                     stall: float = STALL_TIMEOUT, console=None, progress: bool = True,
                     on_plan: Callable[[SyncPlan], None] | None = None) -> SyncResult:
     src, dst = pick_host(inv, "train", src_name), pick_host(inv, "eval", dst_name)
-    with runner_for(src, inv) as srun, runner_for(dst, inv) as drun:
+    with runner_for(src, inv) as srun, runner_for(dst, inv) as drun, ThreadPoolExecutor(2) as bg:
+        started = time.monotonic()
+        dconn = bg.submit(_connect, drun)  # both control connections come up at once
         r, info = _pick_run(catalog, run, lambda runs: list_runs(
             srun, src, runs, lambda x: x.source_dir(src.checkpoints)))
         ckpt = _resolve(name, r, info, src)
@@ -459,10 +461,11 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                         src_dir=str(PurePosixPath(info["dir"]) / ckpt), dst_rundir=dest_rundir(dst, r))
         if src.name == dst.name and plan.src_dir == plan.dst_final:
             raise SyncError(f"source and destination are the same folder: {plan.src_dir}")
-        src_files = run_tool(srun, src, "manifest", plan.src_dir, timeout=600)["files"]
-        started = time.monotonic()
+        manifest_f = bg.submit(run_tool, srun, src, "manifest", plan.src_dir, timeout=600)
+        dconn.result()
         if dry_run:
             st = run_tool(drun, dst, "state", plan.dst_rundir, ckpt, timeout=120)
+            src_files = manifest_f.result()["files"]
             plan.final_exists = st["final_exists"]
             plan.up_to_date = st["final_exists"] and _same_manifest(st["final_manifest"], src_files)
             _make_plan(plan, src_files, st)
@@ -477,6 +480,7 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             pinger.start()
             holder.send("STATE")
             st = json.loads(holder.expect("STATE ", 120))
+            src_files = manifest_f.result()["files"]
             plan.final_exists = st["final_exists"]
             if st["final_exists"]:
                 if any(e.get("sha256") is None for e in src_files):
@@ -506,6 +510,9 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             _move(plan, inv, token, jobs, alive, idle, stall, direct, result, console, progress)
             manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                                    "sha256": f.sha256} for f in plan.files]}
+            # cache the manifest on the source (for the next sync) while the destination finalizes
+            saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
+                              input=json.dumps(manifest), timeout=60)
             holder.send("FINALIZE " + json.dumps(manifest))
             holder.expect("DONE", 300)
             result.seconds = time.monotonic() - started
@@ -513,11 +520,16 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             result.skipped = sum(f.action == "skip" for f in plan.files)
         finally:
             holder.close()
-        try:  # cache the manifest on the source for the next sync / a later check
-            run_tool(srun, src, "save-manifest", plan.src_dir, input=json.dumps(manifest), timeout=60)
+        try:
+            saved.result()
         except (SyncError, TransportError):
             pass
         return result
+
+
+def _connect(runner) -> None:
+    if hasattr(runner, "connect"):
+        runner.connect()
 
 
 def _move(plan: SyncPlan, inv: Inventory, token: str, jobs: int, alive, idle: float, stall: float,
@@ -707,3 +719,85 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
             rows.append(CkptRow(r.name, c["name"], c["step"], c["size"], c["files"], c["mtime"], on))
     rows.sort(key=lambda x: (x.run, x.step if x.step is not None else -1, x.name))
     return rows, warnings
+
+
+# --- command line bodies (called from cli.py) -----------------------------------------------------
+
+
+def _errors():
+    from contextlib import contextmanager
+
+    from .cli import fail
+
+    @contextmanager
+    def guard():
+        try:
+            yield
+        except (SyncError, CatalogError, InventoryError, TransportError) as e:
+            raise fail(str(e)) from None
+    return guard()
+
+
+def _print_plan(console, plan: SyncPlan) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=f"{plan.src.name}:{plan.src_dir} → {plan.dst.name}:{plan.dst_final}")
+    for c in ("file", "size", "action", "from"):
+        t.add_column(c, justify="right" if c in ("size", "from") else "left")
+    for f in plan.files:
+        t.add_row(escape(f.path), _human(f.size), f.action, _human(f.offset) if f.action == "resume" else "-")
+    console.print(t)
+    if plan.up_to_date:
+        console.print("[green]already on the destination and verified: nothing to move[/]")
+    elif plan.final_exists:
+        console.print(f"[yellow]{escape(plan.dst_final)} exists (not identical or unverified)[/]")
+    else:
+        free = "" if plan.free_bytes is None else f", {_human(plan.free_bytes)} free there"
+        console.print(f"to move: {_human(plan.to_move)} of {_human(plan.total)}{free}")
+
+
+def cli_sync(inv: Inventory, name: str, *, run=None, src=None, dst=None, dry_run=False, jobs=4,
+             direct=None, lock_wait=LOCK_WAIT, catalog=None) -> None:
+    from rich.console import Console
+
+    from .catalog import load_catalog
+
+    err = Console(stderr=True, highlight=False)
+    out = Console(highlight=False)
+    with _errors():
+        cat = load_catalog(catalog)
+        result = sync_checkpoint(inv, cat, name, run=run, src_name=src, dst_name=dst, jobs=jobs,
+                                 dry_run=dry_run, direct=direct, lock_wait=lock_wait, console=err,
+                                 progress=err.is_terminal, on_plan=lambda p: _print_plan(out, p))
+    if dry_run:
+        return
+    p = result.plan
+    moved = f"moved {_human(result.bytes_moved)} in {result.seconds:.1f}s ({_human(result.rate)}/s)"
+    extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
+    out.print(f"[green]✔[/] {p.run}/{p.checkpoint} on {p.dst.name}:{p.dst_final}: {moved}; "
+              f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
+
+
+def cli_ckpts(inv: Inventory, run=None, *, src=None, dst=None, catalog=None) -> None:
+    from datetime import datetime
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .catalog import load_catalog
+
+    out = Console(highlight=False)
+    with _errors():
+        rows, warnings = list_checkpoints(inv, load_catalog(catalog), run, src_name=src, dst_name=dst)
+    t = Table(title="checkpoints on the training host")
+    for c in ("run", "checkpoint", "step", "size", "files", "time", "on eval"):
+        t.add_column(c)
+    colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
+    for r in rows:
+        t.add_row(r.run, r.name, "-" if r.step is None else str(r.step), _human(r.size), str(r.files),
+                  datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M"),
+                  f"[{colour[r.on_eval]}]{r.on_eval}[/]")
+    out.print(t)
+    for w in warnings:
+        out.print(f"[yellow]! {w}[/]")

@@ -59,7 +59,7 @@ def summarize(rows: list[dict], block_size: int, mode: str) -> dict:
     if rows and all("wall_s" in r for r in rows):
         wall = sum(r["wall_s"] for r in rows)
         target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
-        tokens = sum(len(r["output_ids"]) for r in rows)
+        tokens = sum(len(t["output_ids"]) for r in rows for t in (r.get("turns") or [r]))
         online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
         if target_wall:
             online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,

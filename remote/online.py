@@ -205,7 +205,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                 new_tokens = new_tokens[:produced]
             output_ids += new_tokens
             acceptance_lengths.append(produced)
-            new_feats = features(store, layer_ids)[:, :produced]         # positions start..start+produced-1
+            # features of the kept positions start..start+produced-1, from this verify (causal: the
+            # rejected drafts after them do not affect them; a re-forward would recompute the same)
+            new_feats = features(store, layer_ids)[:, :produced]
             start_old, start = start, start + produced
             token = posterior.new_tensor([[new_tokens[-1]]])
             if start + 1 >= max_length or stopped_at is not None:

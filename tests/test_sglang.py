@@ -133,8 +133,9 @@ def test_a_server_that_never_answers_times_out():
 
 
 def test_http_500_carries_the_servers_message(url):
-    with pytest.raises(SGLangError, match=r"answered HTTP 500 to POST /generate: IndexError: .*index out of range"):
+    with pytest.raises(SGLangError, match=r"answered HTTP 500 to POST /generate: IndexError: .*index out of range") as e:
         SGLangClient(url).generate([1, 2, 100000], 4)  # an id outside the embedding crashes the model
+    assert e.value.status == 500
 
 
 def test_http_404_is_clear(url):

@@ -1,0 +1,223 @@
+"""Run reports (report.md / self-contained report.html), `dflash-ops show`, `dflash-ops runs` and
+run-label resolution, and the HTML rendered in headless Chromium."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.report import write_report
+from orchestrator.runs import RunError, list_runs, resolve
+from runfixtures import check_self_contained_html, make_run, md_table_values, read_rows, recompute
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def invoke(*args: str):
+    res = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in res.output, res.output
+    return res
+
+
+@pytest.fixture
+def runs(tmp_path):
+    d = tmp_path / "runs"
+    make_run(d, "20261201-1000-zlab-ct129", "zlab", prompts=9)
+    make_run(d, "20261202-1000-zlab-ct129", "zlab", prompts=15, mean=4.4)
+    make_run(d, "20261203-1000-zlab-ct129", "zlab", prompts=4, status="failed", summary=False)
+    make_run(d, "20261202-2041-v5-step20k-ct129", "v5", "step20k", prompts=15, mean=3.2)
+    make_run(d, "20261202-2100-v5-step10k-ct200", "v5", "step10k", prompts=15, mean=2.8, host="ct200",
+             suite="humaneval")
+    make_run(d, "20261203-0900-v6-step20k-ct129", "v6", "step20k", prompts=15, mean=3.5)
+    return d
+
+
+def test_report_files_numbers_and_self_contained_html(runs):
+    run_dir = runs / "20261202-1000-zlab-ct129"
+    md_path, html_path = write_report(run_dir)
+    assert md_path == run_dir / "report.md" and html_path == run_dir / "report.html"
+    assert md_path.stat().st_size > 0 and html_path.stat().st_size > 0
+    imgs = check_self_contained_html(html_path)
+    assert {i["alt"] for i in imgs} == {"Per-position acceptance", "Acceptance-length histogram",
+                                        "τ per prompt category", "DDTree τ vs budget"}
+    md = md_path.read_text()
+    values = md_table_values(md)
+    expected = recompute(read_rows(run_dir))
+    assert len(expected) == 5 + 8
+    for key, want in expected.items():
+        got = values[key]
+        if isinstance(want, int):
+            assert int(got) == want, key
+        else:
+            assert float(got) == pytest.approx(want, abs=5e-5), key
+            assert f"{want:.4f}" in html_path.read_text(), key
+    for key in ("device", "GPU", "dtype", "kernel path", "versions", "drafter sha256", "mode", "block size"):
+        assert key in values
+    assert values["kernel path"] == "fla" and values["block size"] == "16"
+    env = json.loads((run_dir / "env.json").read_text())
+    assert values["drafter sha256"] == env["drafter"]["sha256"]["model.safetensors"][:12]
+    assert "Warnings" not in md  # summary.json (the worker's) agrees with the recomputation
+    # per-position table: τ_pooled = 1 + Σ acceptance
+    section = md.split("### Per-position acceptance", 1)[1].split("###", 1)[0]
+    acc = [float(m.group(1)) for m in re.finditer(r"^\| \d+ \| ([0-9.]+) \| [0-9.]+ \| [0-9.]+ \|$", section, re.M)]
+    assert len(acc) == 15 and 1 + sum(acc) == pytest.approx(expected["tau_pooled"], abs=1e-3)
+    for png in ("per-position", "histogram", "categories", "ddtree"):
+        assert (run_dir / "plots" / f"{png}.png").stat().st_size > 2000
+        assert f"plots/{png}.png" in md
+
+
+def test_report_numbers_come_from_results_not_summary(tmp_path):
+    d = make_run(tmp_path, "r1", prompts=6, summary={"tau_macro": 9.99, "ddtree": {"16": {"tau_pooled": 1.0}}})
+    md_path, html_path = write_report(d)
+    md, page = md_path.read_text(), html_path.read_text()
+    assert "9.99" not in md_table_values(md)["tau_macro"]
+    assert float(md_table_values(md)["tau_macro"]) == pytest.approx(recompute(read_rows(d))["tau_macro"], abs=5e-5)
+    assert "summary.json tau_macro = 9.99 but results.jsonl gives" in md
+    assert "summary.json ddtree[16].tau_pooled = 1.0" in md
+    assert 'class="warn"' in page and "summary.json tau_macro = 9.99" in page
+
+
+def test_report_of_online_and_running_runs(tmp_path):
+    d = make_run(tmp_path, "online1", mode="online", prompts=5, categories=False, status="running", summary=False)
+    md_path, html_path = write_report(d)
+    values = md_table_values(md_path.read_text())
+    rows = read_rows(d)
+    tokens = sum(sum(r["acceptance_lengths"]) for r in rows)
+    assert float(values["online tokens/s"]) == pytest.approx(tokens / sum(r["wall_s"] for r in rows), abs=0.01)
+    assert float(values["speedup"]) == pytest.approx(sum(r["target_wall_s"] for r in rows) / sum(r["wall_s"] for r in rows), abs=1e-3)
+    md = md_path.read_text()
+    assert "summary.json is missing" in md and "status is 'running'" in md
+    check_self_contained_html(html_path)   # histogram + per-position only
+
+
+def test_resolve_labels(runs):
+    assert resolve("20261201-1000-zlab-ct129", runs).id == "20261201-1000-zlab-ct129"
+    assert resolve("zlab", runs).id == "20261202-1000-zlab-ct129"   # newest *finished* zlab run
+    assert resolve("v5:step20k", runs).id == "20261202-2041-v5-step20k-ct129"
+    assert resolve("step10k", runs).id == "20261202-2100-v5-step10k-ct200"
+    assert resolve("20261202-21", runs).id == "20261202-2100-v5-step10k-ct200"  # unique id prefix
+    with pytest.raises(RunError, match=r"ambiguous.*v5:step20k or v6:step20k"):
+        resolve("step20k", runs)
+    with pytest.raises(RunError, match=r"ambiguous: it starts 3 run ids"):
+        resolve("20261202", runs)
+    with pytest.raises(RunError, match=r"no run matches 'zlb'.*did you mean 'zlab'"):
+        resolve("zlb", runs)
+    with pytest.raises(RunError, match=r"did you mean 'v5:step20k'"):
+        resolve("v5:step2k", runs)
+    assert [r.id for r in list_runs(runs)][0] == "20261201-1000-zlab-ct129"
+
+
+def test_runs_command_lists_and_filters(runs):
+    res = invoke("runs", "--runs-dir", str(runs))
+    assert res.exit_code == 0, res.output
+    for rid in ("20261201-1000-zlab-ct129", "20261202-2041-v5-step20k-ct129", "20261203-0900-v6-step20k-ct129"):
+        assert rid in res.output
+    for col in ("drafter", "checkpoint", "target", "suite", "prompts", "τ", "host", "date", "status"):
+        assert col in res.output
+    res = invoke("runs", "--runs-dir", str(runs), "--drafter", "v5", "--json")
+    rows = json.loads(res.output)
+    assert {r["id"] for r in rows} == {"20261202-2041-v5-step20k-ct129", "20261202-2100-v5-step10k-ct200"}
+    want = recompute(read_rows(runs / "20261202-2041-v5-step20k-ct129"))["tau_macro"]
+    assert next(r for r in rows if r["checkpoint"] == "step20k")["tau_macro"] == pytest.approx(want)
+    res = invoke("runs", "--runs-dir", str(runs), "--host", "ct200", "--suite", "humaneval", "--json")
+    assert [r["id"] for r in json.loads(res.output)] == ["20261202-2100-v5-step10k-ct200"]
+    res = invoke("runs", "--runs-dir", str(runs), "--status", "failed", "--json")
+    assert [r["id"] for r in json.loads(res.output)] == ["20261203-1000-zlab-ct129"]
+    env = dict(os.environ, DFLASH_OPS_RUNS=str(runs))
+    res = CliRunner().invoke(app, ["runs", "--json"], env=env)
+    assert len(json.loads(res.output)) == 6
+
+
+def test_show_command(runs):
+    run_dir = runs / "20261202-2041-v5-step20k-ct129"
+    assert not (run_dir / "report.html").exists()
+    res = invoke("show", "v5:step20k", "--runs-dir", str(runs))
+    assert res.exit_code == 0, res.output
+    want = recompute(read_rows(run_dir))
+    assert f"{want['tau_macro']:.4f}" in res.output and f"{want['tau_pooled']:.4f}" in res.output
+    assert "report.html" in res.output and (run_dir / "report.html").exists()
+    assert "math" in res.output  # category table
+    mtime = (run_dir / "report.html").stat().st_mtime_ns
+    invoke("show", "v5:step20k", "--runs-dir", str(runs))
+    assert (run_dir / "report.html").stat().st_mtime_ns == mtime   # current: not rewritten
+    res = invoke("show", "nope", "--runs-dir", str(runs))
+    assert res.exit_code == 2 and "no run matches 'nope'" in res.output
+
+
+# --------------------------------------------------------------------------- headless Chromium
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--hide-scrollbars"]
+
+IMG_PROBE = """<script>
+window.addEventListener('load', function () {
+  var out = [];
+  document.querySelectorAll('img').forEach(function (i) {
+    out.push(i.complete + ':' + i.naturalWidth + 'x' + i.naturalHeight);
+  });
+  var p = document.createElement('pre'); p.id = 'imgprobe';
+  p.textContent = 'IMG' + 'PROBE[' + out.join(',') + ']'; document.body.appendChild(p);
+});
+</script>"""
+
+
+def _run_chromium(exe: str, tmp: Path, args: list[str]) -> subprocess.CompletedProcess:
+    profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
+    profile.mkdir()
+    return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_html_report_renders_in_headless_chromium(runs, tmp_path):
+    exe = _chromium()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (CI is set): add `chromium` to .ci/run's apt packages")
+        pytest.skip("chromium is not installed (apt-get install -y chromium)")
+    from PIL import Image
+
+    _, html_path = write_report(runs / "20261202-1000-zlab-ct129")
+    shot = tmp_path / "shot.png"
+    res = _run_chromium(exe, tmp_path, [f"--screenshot={shot}", "--window-size=1200,2000",
+                                        html_path.resolve().as_uri()])
+    assert shot.exists() and shot.stat().st_size > 20_000, res.stderr[-2000:]
+    im = Image.open(shot).convert("RGB")
+    assert im.size == (1200, 2000)
+    colors = im.getcolors(maxcolors=1 << 20)
+    assert colors is not None and len(colors) > 50, "screenshot is (nearly) one colour"
+    # matplotlib's default blue (C0 #1f77b4) drawn in the plots must be on screen
+    import numpy as np
+
+    a = np.asarray(im, dtype=np.int32)
+    r, g, b = a[..., 0], a[..., 1], a[..., 2]
+    blueish = int(((b > 150) & (r < 90) & (g > 90) & (g < 150)).sum())
+    assert blueish > 800, f"no plot colours in the screenshot ({blueish} blue pixels)"
+
+    # the embedded images decode in the page: probe naturalWidth from a copy with a tiny script
+    probe = tmp_path / "probe.html"
+    probe.write_text(html_path.read_text().replace("</body>", IMG_PROBE + "</body>"))
+    res = _run_chromium(exe, tmp_path, ["--dump-dom", "--virtual-time-budget=5000", probe.as_uri()])
+    m = re.search(r"IMGPROBE\[([^\]]*)\]", res.stdout)
+    assert m, res.stdout[-500:] + res.stderr[-2000:]
+    entries = m.group(1).split(",")
+    assert len(entries) == 4
+    for e in entries:
+        complete, size = e.split(":")
+        w, h = map(int, size.split("x"))
+        assert complete == "true" and w >= 300 and h >= 200, entries
