@@ -31,8 +31,8 @@ def resolver(inv, req: EvalRequest, label: str, ckpt: str | None):
         if label == EMBEDDED or req.target == EMBEDDED:
             drafter, target = embedded_models(host, runner, code_dir)
             return (drafter if label == EMBEDDED else label), (target if req.target in (None, EMBEDDED) else req.target)
-        from .catalog import resolve_eval_paths
-        return resolve_eval_paths(host, runner, label, ckpt, req.target)
+        from .evaluate import catalog_paths
+        return catalog_paths(host, runner, label, ckpt, req.target)
 
     return resolve
 
@@ -206,8 +206,7 @@ def eval_cmd(
     else:
         label, ckpt = split_drafter(drafter or (EMBEDDED if hosts[0].is_local else None))
         if label is None:
-            from .catalog import default_drafter
-            label, ckpt = split_drafter(default_drafter())
+            raise cli.fail("name a drafter: --drafter LABEL[:CKPT] (configs/drafters.yaml) or a folder on the host")
         req = EvalRequest(hosts=[h.name for h in hosts], drafter=label if ckpt is None else f"{label}:{ckpt}",
                           target=target, suite=suite, prompts=prompts or None, mode=mode,
                           max_new_tokens=max_new_tokens, max_blocks=max_blocks, device=device, dtype=dtype,

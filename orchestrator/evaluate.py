@@ -92,7 +92,7 @@ class RunRecord:
 def run_id(drafter: str, checkpoint: str | None, host: str, when: datetime | None = None) -> str:
     when = when or datetime.now()
     parts = [when.strftime("%Y%m%d-%H%M%S"), drafter, checkpoint or "", host]
-    return "-".join(re.sub(r"[^A-Za-z0-9._]+", "_", p).strip("_") for p in parts if p)
+    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", p).strip("_") for p in parts if p)
 
 
 def split_drafter(spec: str | None) -> tuple[str | None, str | None]:
@@ -160,6 +160,59 @@ def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
     if res is None:
         raise EvalError(f"host {host.name}: building the embedded demo models failed: {err[-800:]}")
     return res["drafter"], res["target"]
+
+
+_LIST_DIR = "import json, os, sys; d = sys.argv[1]; print(json.dumps(sorted(os.listdir(d)) if os.path.isdir(d) else None))"
+
+
+def list_dir(runner, python: str, path: str) -> list[str] | None:
+    res = runner.run([python, "-c", _LIST_DIR, path], timeout=60)
+    return json.loads(res.stdout) if res.ok else None
+
+
+def catalog_paths(host: Host, runner, label: str, ckpt: str | None, target: str | None) -> tuple[str, str]:
+    """Drafter and target folders on ``host`` for ``label[:ckpt]`` (configs/drafters.yaml) or paths.
+    A run drafter's checkpoints live in ``<host checkpoints>/<run>/``; ``ckpt`` may be any spelling
+    of a step (``step20k``, ``20000``) or a folder name; without one the newest is used."""
+    from .catalog import CatalogError, load_catalog, resolve_checkpoint
+
+    try:
+        cat = load_catalog()
+        entry = None
+        if "/" in label:
+            drafter_path = label
+        else:
+            entry = cat.drafter(label)
+            if entry.path:
+                drafter_path = entry.path
+            else:
+                run = cat.run(entry.run)
+                root = f"{(host.checkpoints or '').rstrip('/')}/{entry.run}"
+                if not host.checkpoints:
+                    raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
+                folders = [f for f in (list_dir(runner, host.python, root) or []) if not f.startswith(".")]
+                if not folders:
+                    raise EvalError(f"host {host.name}: no checkpoints of run {entry.run} in {root} "
+                                    f"(copy one there with: dflash-ops sync-ckpt {ckpt or 'STEP'} --run {entry.run})")
+                if ckpt is None:
+                    stepped = sorted((f for f in folders if run.step_of(f) is not None), key=run.step_of)
+                    if not stepped:
+                        raise EvalError(f"drafter {label}: name a checkpoint ({label}:NAME); {root} holds "
+                                        f"{', '.join(folders[:10])}")
+                    ckpt_folder = stepped[-1]
+                else:
+                    ckpt_folder = resolve_checkpoint(ckpt, run, folders)
+                drafter_path = f"{root}/{ckpt_folder}"
+        if target and "/" in target:
+            target_path = target
+        elif target or (entry and entry.target):
+            target_path = cat.target(target or entry.target).path
+        else:
+            raise EvalError(f"no target for drafter {label}: pass --target LABEL|PATH or set `target:` "
+                            f"for it in configs/drafters.yaml")
+    except CatalogError as e:
+        raise EvalError(str(e)) from None
+    return drafter_path, target_path
 
 
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:

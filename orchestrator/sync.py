@@ -88,7 +88,7 @@ def ssh_argv(host: Host, remote: list[str], inventory: Inventory | None = None, 
     opts = ["-T", "-x", "-a", "-o", "BatchMode=yes", "-o", "ControlMaster=no", "-o", "ControlPath=none",
             "-o", f"ConnectTimeout={int(CONNECT_TIMEOUT)}", "-o", f"ServerAliveInterval={alive[0]}",
             "-o", f"ServerAliveCountMax={alive[1]}", "-o", "TCPKeepAlive=yes", "-o", "Compression=no",
-            "-o", f"Ciphers={CIPHERS}", "-o", "LogLevel=ERROR", "-p", str(host.port)]
+            "-o", f"Ciphers={CIPHERS}", "-p", str(host.port)]
     if host.trust_host_key:  # as the inventory says: accept an unknown key, write nothing
         opts += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
     else:
@@ -344,6 +344,7 @@ class Transfer:
         self.last = time.monotonic()
         self.procs: list[subprocess.Popen] = []
         self.killed_for: str | None = None
+        self.rcs = (0, 0)
 
     def kill(self, why: str) -> None:
         self.killed_for = self.killed_for or why
@@ -404,8 +405,9 @@ class Transfer:
                 src.wait()
         for t in threads:
             t.join(5)
+        self.rcs = (src.returncode if src is not None else 0, dst.returncode)
         return (status, errs["dst"].decode(errors="replace"), errs["src"].decode(errors="replace"),
-                str(src.returncode if src is not None else 0))
+                str(self.rcs[0]))
 
 
 # --- the sync -----------------------------------------------------------------------------------
@@ -653,6 +655,12 @@ def _explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc
         if any(w in low for w in ("connection refused", "no route", "could not resolve",
                                   "network is unreachable", "permission denied")):
             return f"cannot reach host {host.name} ({host.address}:{host.port}): {err.strip().splitlines()[-1]}"
+    for host, rc, err, ssh_used in ((dst, t.rcs[1], derr, not dst.is_local),
+                                    (src, t.rcs[0], serr, t.src_argv is not None and not src.is_local)):
+        if ssh_used and rc == 255 and not t.killed_for:  # ssh itself failed: the connection
+            tail = (err.strip().splitlines() or ["connection closed"])[-1]
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while "
+                    f"moving {where} (ssh: {tail}); {keep}")
     if t.killed_for:
         return f"stopped moving {where}: {t.killed_for}; {keep}"
     if status.startswith("IDLE"):

@@ -190,6 +190,38 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     return DrafterCheckpoint(path=folder, format=fmt, config=cfg, weight_files=files)
 
 
+MANIFEST = ".dflash-manifest.json"   # written by `dflash-ops sync-ckpt` (remote/ckpt_tool.py)
+
+
+def completeness_problems(folder: str | Path, verify_hashes: bool = False) -> list[str]:
+    """A checkpoint folder that is still arriving or was damaged: ``.part`` files, or files that
+    disagree with the sync manifest (size always; sha256 with ``verify_hashes``)."""
+    import hashlib
+
+    folder = Path(folder)
+    problems = []
+    parts = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.part"))
+    if parts:
+        problems.append(f"{folder}: incomplete, partial files present (interrupted transfer?): {_short(parts)}")
+    manifest = folder / MANIFEST
+    if manifest.exists():
+        for entry in _read_json(manifest).get("files", []):
+            f = folder / entry["path"]
+            if not f.exists():
+                problems.append(f"{folder}: {entry['path']} is in the sync manifest but missing")
+            elif f.stat().st_size != entry["size"]:
+                problems.append(f"{folder}: {entry['path']} has {f.stat().st_size} bytes, the sync manifest "
+                                f"says {entry['size']}")
+            elif verify_hashes and entry.get("sha256"):
+                h = hashlib.sha256()
+                with open(f, "rb") as fh:
+                    while chunk := fh.read(8 << 20):
+                        h.update(chunk)
+                if h.hexdigest() != entry["sha256"]:
+                    problems.append(f"{folder}: {entry['path']} does not match its sha256 in the sync manifest")
+    return problems
+
+
 # ----------------------------------------------------------------------------- tensors
 
 def _unnest(sd: dict) -> dict:

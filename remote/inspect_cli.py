@@ -9,15 +9,26 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from remote.checkpoint import CheckpointError, check_tensors, open_checkpoint, read_tensors
+from remote.checkpoint import CheckpointError, check_tensors, completeness_problems, open_checkpoint, read_tensors
 from remote.compat import compatibility_problems, read_target_config
 
 
-def inspect(drafter: str, target: str | None = None, block_size: int | None = None) -> dict:
+def inspect(drafter: str, target: str | None = None, block_size: int | None = None,
+            verify_hashes: bool = False) -> dict:
     """The inspection report as a dict: ``ok`` plus ``problems`` (never raises for bad input)."""
     report: dict = {"drafter": drafter, "ok": False, "problems": []}
     try:
+        folder = Path(drafter).expanduser()
+        if not folder.exists():
+            parent = folder.parent
+            there = sorted(p.name for p in parent.iterdir()) if parent.is_dir() else []
+            raise CheckpointError(f"drafter not found: {folder}" + (
+                f" ({parent} holds: {', '.join(there[:20])}{' ...' if len(there) > 20 else ''})" if there
+                else f" ({parent} does not exist either)"))
+        if folder.is_dir():
+            report["problems"] += completeness_problems(folder, verify_hashes)
         ckpt = open_checkpoint(drafter)
         report["config"] = ckpt.describe()
         report["format"] = ckpt.format

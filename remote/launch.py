@@ -47,7 +47,13 @@ def start(run_dir: Path, argv: list[str], cwd: str | None = None) -> int:
         os.dup2(devnull, fd)
     events = open(run_dir / "events.jsonl", "ab")
     log = open(run_dir / "worker.log", "ab")
-    proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd, start_new_session=False)
+    try:
+        proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd)
+    except OSError as e:
+        log.write(f"cannot start {argv[0]}: {e}\n".encode())
+        log.flush()
+        _write_atomic(run_dir / "exit_code", "127\n")
+        os._exit(0)
     _write_atomic(run_dir / "pid", f"{proc.pid} {os.getpid()}\n")   # job, supervisor
     os.write(write_end, str(proc.pid).encode())
     os.close(write_end)
@@ -138,14 +144,18 @@ def main(argv=None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--cwd", default=None)
-    p.add_argument("argv", nargs=argparse.REMAINDER, help="start: -- COMMAND ...")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     run_dir = Path(args.run_dir).expanduser()
     if args.action == "start":
-        cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         if not cmd:
             p.error("start needs -- COMMAND ...")
-        print(json.dumps({"pid": start(run_dir, cmd, args.cwd)}), flush=True)
+        pid = start(run_dir, cmd, args.cwd)
+        if not pid:
+            print(f"could not start {cmd[0]} in {run_dir} (see {run_dir / 'worker.log'})", file=sys.stderr)
+            return 1
+        print(json.dumps({"pid": pid}), flush=True)
     elif args.action == "follow":
         return follow(run_dir, args.offset)
     elif args.action == "status":

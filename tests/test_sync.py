@@ -276,34 +276,42 @@ def test_cut_link_fails_in_bounded_time_and_rerun_completes(env, ssh_lab):
 
 
 def test_not_enough_space_is_refused_before_a_byte_moves(ssh_lab, tmp_path):
+    """A real small tmpfs as the eval host's checkpoints root (mounted in the mount namespace the
+    eval sshd lives in: `ip netns exec` gave it its own)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)]).returncode != 0:
+    ns = ["nsenter", "-t", str(ssh_lab.eval.sshd_pid()), "-m", "--"]
+    if subprocess.run([*ns, "mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt)]).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
+    probe = ("import os, sys; s = os.statvfs(sys.argv[1]); "
+             "print(s.f_blocks - s.f_bfree, sum(len(f) for _, _, f in os.walk(sys.argv[1])))")
     try:
         env = Env(ssh_lab, tmp_path, eval_ckpts=mnt)
         env.ckpt(5, {"model.safetensors": 64, "config.json": b"{}\n"})
-        with pytest.raises(SyncError, match="not enough space on eval.*nothing was moved"):
+        with pytest.raises(SyncError, match="not enough space on eval.*96.0 MiB free; nothing was moved"):
             env.sync("5")
-        assert os.statvfs(mnt).f_bfree == os.statvfs(mnt).f_blocks  # not a data block used
-        assert not [p for p in mnt.rglob("*") if p.is_file() and p.stat().st_size]
+        used, nfiles = subprocess.run([*ns, sys.executable, "-c", probe, str(mnt)], capture_output=True,
+                                      text=True, check=True).stdout.split()
+        assert int(used) == 0  # not one data block written (only the empty lock file exists)
+        assert int(nfiles) <= 1
     finally:
-        subprocess.run(["umount", "-l", str(mnt)])
+        subprocess.run([*ns, "umount", "-l", str(mnt)])
 
 
 def test_concurrent_second_sync_refuses_or_waits_never_interleaves(env):
-    src = env.ckpt(9, {"model.safetensors": 200})
+    src = env.ckpt(9, {"model.safetensors": 500})
     box: dict = {}
     first = threading.Thread(target=lambda: box.setdefault("a", env.sync("9")))
     first.start()
     env.wait_part(9, "model.safetensors", 10 * MiB)
     with pytest.raises(SyncError, match="another sync of step_9 holds"):
         env.sync("9", lock_wait=1)
+    assert first.is_alive()
     waiter = threading.Thread(target=lambda: box.setdefault("b", env.sync("9", lock_wait=120)))
     waiter.start()
     first.join(120)
     waiter.join(120)
-    assert box["a"].bytes_moved == 200 * MiB
+    assert box["a"].bytes_moved == 500 * MiB
     assert box["b"].bytes_moved == 0 and box["b"].plan.up_to_date  # waited, then found it done
     identical(src, env.dst_run / "step_9")
 

@@ -1,0 +1,215 @@
+"""`dflash-ops eval` end to end: real sshd eval hosts, the real CLI as a subprocess, a real
+detached worker; dropped connections, killed workers, sharding and pre-flight errors."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+N_PROMPTS = 5
+
+
+@pytest.fixture(scope="module")
+def setup(ssh_lab, embedded_pair, tmp_path_factory):
+    """Both lab hosts get the embedded pair in their workdir, a synced-looking run `v9` with
+    checkpoint step_100 (a copy of the drafter) and a catalog that names them."""
+    base = tmp_path_factory.mktemp("eval")
+    pair = Path(embedded_pair["target"]).parent
+    for h in ssh_lab.hosts.values():
+        shutil.copytree(pair, h.root / "workdir" / "embedded", dirs_exist_ok=True)
+        ckpt = h.root / "checkpoints" / "v9" / "step_100"
+        shutil.copytree(pair / "drafter", ckpt, dirs_exist_ok=True)
+    catalog = base / "drafters.yaml"
+    catalog.write_text(yaml.safe_dump({
+        "runs": {"v9": {"dir": "v9", "pattern": "step_{step}"}},
+        "drafters": {"v9": {"run": "v9", "format": "zlab", "target": "tiny"},
+                     "demo": {"path": str(ssh_lab.eval.root / "workdir" / "embedded" / "drafter"),
+                              "format": "zlab", "target": "tiny"}},
+        "targets": {"tiny": {"path": str(ssh_lab.eval.root / "workdir" / "embedded" / "target")}}}))
+    inventory = ssh_lab.write_inventory(base / "inventory.yaml", train={"roles": ["train", "eval"]})
+    nopython = ssh_lab.write_inventory(base / "no-torch.yaml", eval={"python": "/usr/bin/python3"})
+    return {"base": base, "catalog": catalog, "inventory": inventory, "no_torch": nopython, "lab": ssh_lab,
+            "pair": pair}
+
+
+def cli(setup, *args, inventory=None, runs=None, popen=False, timeout=600):
+    env = {**os.environ, "DFLASH_OPS_CATALOG": str(setup["catalog"]), "OMP_NUM_THREADS": "2",
+           "DFLASH_OPS_RUNS": str(runs or setup["base"] / "runs"), "COLUMNS": "160"}
+    argv = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory or setup["inventory"]), *map(str, args)]
+    if popen:
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def results(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+
+
+def only_run(runs: Path) -> Path:
+    dirs = [d for d in runs.iterdir() if (d / "run.json").exists()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def remote_run_dir(setup, host: str, run_id: str) -> Path:
+    return setup["lab"].hosts[host].root / "workdir" / "runs" / run_id
+
+
+def wait_for(predicate, timeout=240, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def prompt_events(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum('"event": "prompt"' in line for line in path.read_text().splitlines())
+
+
+def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
+    runs = tmp_path / "runs"
+    proc = cli(setup, "eval", "--host", "eval", "--drafter", "v9:100", "--prompts", 3, "--max-new-tokens", 64,
+               "--device", "cpu", runs=runs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3/3" in proc.stdout and "tau_pooled" in proc.stdout
+    run_dir = only_run(runs)
+    assert "-v9-100-eval" in run_dir.name
+    for name in ("results.jsonl", "summary.json", "env.json", "report.md", "report.html", "worker.log", "run.json"):
+        assert (run_dir / name).exists(), name
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "done" and record["checkpoint"] == "100"
+    assert record["shards"][0]["drafter_path"].endswith("/checkpoints/v9/step_100")
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["host"] == "eval"
+    # the same worker by hand, here, on the same files
+    by_hand = tmp_path / "by_hand"
+    subprocess.run([sys.executable, "-m", "remote.worker", "--target", str(setup["pair"] / "target"),
+                    "--drafter", record["shards"][0]["drafter_path"], "--prompts", "3", "--max-new-tokens", "64",
+                    "--device", "cpu", "--out", str(by_hand)], cwd=REPO, check=True, capture_output=True, timeout=600)
+    keys = ("id", "prompt_ids", "output_ids", "acceptance_lengths", "ddtree")
+    assert [{k: r[k] for k in keys} for r in results(run_dir)] == [{k: r[k] for k in keys} for r in results(by_hand)]
+    # the worker code is content-addressed: a second eval ships nothing new
+    code = list((setup["lab"].eval.root / "workdir" / "code").iterdir())
+    assert len([c for c in code if (c / ".complete").exists()]) == 1
+
+
+def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_path):
+    runs = tmp_path / "runs"
+    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 160,
+               "--device", "cpu", runs=runs, popen=True)
+    wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
+    run_id = only_run(runs).name
+    events = remote_run_dir(setup, "eval", run_id) / "events.jsonl"
+    wait_for(lambda: prompt_events(events) >= 1, what="first prompt")
+    proc.kill()                                    # the client dies: its SSH connections drop
+    proc.wait()
+    pid = int((remote_run_dir(setup, "eval", run_id) / "pid").read_text().split()[0])
+    done_at_kill = prompt_events(events)
+    time.sleep(1.0)
+    assert (remote_run_dir(setup, "eval", run_id) / "exit_code").exists() or os.path.exists(f"/proc/{pid}"), \
+        "the worker died with the SSH connection"
+    attach = cli(setup, "attach", run_id, runs=runs)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    rows = results(runs / run_id)
+    assert len(rows) == N_PROMPTS and len({r["id"] for r in rows}) == N_PROMPTS
+    assert done_at_kill < N_PROMPTS or True        # informative: the worker ran on after the drop
+    assert json.loads((runs / run_id / "run.json").read_text())["status"] == "done"
+
+
+def test_killed_worker_is_resumed_without_duplicates(setup, tmp_path):
+    runs = tmp_path / "runs"
+    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 160,
+               "--device", "cpu", runs=runs, popen=True)
+    wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
+    run_id = only_run(runs).name
+    rdir = remote_run_dir(setup, "eval", run_id)
+    wait_for(lambda: prompt_events(rdir / "events.jsonl") >= 2, what="two prompts")
+    os.kill(int((rdir / "pid").read_text().split()[0]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "failed" in out and "exit code -9" in out and f"--resume {run_id}" in out
+    finished = len((rdir / "out" / "results.jsonl").read_text().splitlines())
+    assert 2 <= finished < N_PROMPTS
+    resumed = cli(setup, "eval", "--resume", run_id, runs=runs)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    rows = results(runs / run_id)
+    suite_ids = json.loads((runs / run_id / "env.json").read_text())["suite"]["ids"]
+    assert [r["id"] for r in rows] == suite_ids and len(set(suite_ids)) == N_PROMPTS
+    worker_events = [json.loads(line) for line in (rdir / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in worker_events if e["event"] == "start"]
+    assert starts[-1]["done"] == finished          # the resumed worker skipped the finished prompts
+
+
+def test_two_eval_hosts_shard_one_run(setup, tmp_path):
+    runs = tmp_path / "runs"
+    target = setup["lab"].eval.root / "workdir" / "embedded" / "target"
+    proc = cli(setup, "eval", "--host", "eval", "--host", "train", "--drafter", "embedded", "--prompts", N_PROMPTS,
+               "--max-new-tokens", 48, "--device", "cpu", "--ddtree", "", runs=runs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = only_run(runs)
+    rows = results(run_dir)
+    env = json.loads((run_dir / "env.json").read_text())
+    assert len(rows) == N_PROMPTS and len({r["id"] for r in rows}) == N_PROMPTS
+    assert [r["id"] for r in rows] == env["suite"]["ids"]                 # suite order
+    assert sorted(e["host"] for e in env["shards"]) == ["eval", "train"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["prompts"] == N_PROMPTS
+    assert target.exists()
+
+
+@pytest.mark.parametrize("case", ["unknown-label", "missing-checkpoint", "incomplete", "no-torch", "no-gpu"])
+def test_preflight_errors_are_clear(setup, tmp_path, case):
+    args = ["eval", "--host", "eval", "--prompts", 1, "--device", "cpu"]
+    inventory = None
+    if case == "unknown-label":
+        args += ["--drafter", "v8"]
+        want = "did you mean 'v9'"
+    elif case == "missing-checkpoint":
+        args += ["--drafter", "v9:step999"]
+        want = "no checkpoint 'step999' in run v9; nearest: step_100"
+    elif case == "incomplete":
+        broken = setup["lab"].eval.root / "checkpoints" / "v9" / "step_200"
+        shutil.copytree(setup["pair"] / "drafter", broken, dirs_exist_ok=True)
+        (broken / "model.safetensors").rename(broken / "model.safetensors.part")
+        args += ["--drafter", "v9:200"]
+        want = "incomplete"
+    elif case == "no-torch":
+        args += ["--drafter", "demo"]
+        inventory = setup["no_torch"]
+        want = "lacks torch"
+    else:
+        args = ["eval", "--host", "eval", "--prompts", 1, "--drafter", "demo"]   # GPU asked, none there
+        want = "no CUDA GPU"
+    proc = cli(setup, *args, inventory=inventory, runs=tmp_path / "runs", timeout=300)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert want in out, out
+    assert "Traceback" not in out
+    if case == "incomplete":
+        shutil.rmtree(setup["lab"].eval.root / "checkpoints" / "v9" / "step_200")
+
+
+def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
+    """The README's first command, on the built-in `local` host (embedded pair pre-built)."""
+    home = tmp_path / "home"
+    shutil.copytree(Path(embedded_pair["target"]).parent, home / "embedded")
+    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "160"}
+    env.pop("DFLASH_OPS_INVENTORY", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--prompts", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = only_run(tmp_path / "runs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["prompts"] == 2 and summary["tau_pooled"] > 1.5
+    assert (run_dir / "report.html").exists()
