@@ -286,7 +286,61 @@ def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."
     record.save(run_dir)
 
 
+def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
+               max_anchors: int = typer.Option(2000, "--max-anchors", help="Anchors to check (from the run's completions)."),
+               runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
+    """Teacher-forced per-position accuracy of the run's checkpoint computed the training way
+    (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .ship import ship
+    from .transport import runner_for
+
+    cli = _cli()
+    console = Console(highlight=False)
+    run_dir = runs_root(runs_dir) / run
+    if not (run_dir / "results.jsonl").exists() or not (run_dir / "run.json").exists():
+        raise cli.fail(f"no finished run {run!r} in {runs_root(runs_dir)}")
+    record = RunRecord.load(run_dir)
+    shard = record.shards[0]
+    inv = cli._inventory(ctx)
+    with cli.user_errors():
+        host = inv.get(shard.host)
+        runner = runner_for(host, inv)
+        code_dir = ship(runner, host.python, host.workdir)
+        remote_in, remote_out = f"{shard.run_dir}/parity-input.jsonl", f"{shard.run_dir}/parity.json"
+        runner.put_file(run_dir / "results.jsonl", remote_in)
+        device = record.request.get("device") or ("cpu" if host.is_local else None)
+        argv = [host.python, "-m", "remote.parity", "--target", shard.target_path, "--drafter", shard.drafter_path,
+                "--results", remote_in, "--out", remote_out, "--max-anchors", str(max_anchors)]
+        argv += ["--device", device] if device else []
+        with console.status(f"parity on {host.name} ..."):
+            res = runner.run(argv, timeout=3600, env={"PYTHONPATH": code_dir}, cwd=code_dir)
+        if not res.ok:
+            raise cli.fail(f"parity failed on {host.name}: {res.stderr.strip()[-1500:]}", code=1)
+        runner.get_file(remote_out, run_dir / "parity.json")
+    report = json.loads((run_dir / "parity.json").read_text())
+    table = Table(title=f"parity {run}: teacher-forced accuracy over {report['anchors']} anchors")
+    table.add_column("slot k", justify="right")
+    for name in ("training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (seed bug)"):
+        table.add_column(name, justify="right")
+    acc = report["accuracy"]
+    for k in range(len(acc["training"])):
+        table.add_row(str(k + 1), *(f"{acc[m][k]:.3f}" for m in ("training", "eval", "eval_ctx_plus_one")))
+    tau = report["tau_estimate"]
+    table.add_row("τ est.", *(f"{tau[m]:.2f}" for m in ("training", "eval", "eval_ctx_plus_one")))
+    console.print(table)
+    if report["agree"]:
+        console.print("[green]training and eval paths agree draft for draft[/] "
+                      "([:p+1] reads the anchor's own target features, which do not exist yet at inference)")
+    else:
+        console.print(f"[bold red]training and eval paths disagree on {report['draft_disagreements']} draft tokens[/]")
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("eval")(eval_cmd)
     app.command("attach")(attach_cmd)
     app.command("cancel")(cancel_cmd)
+    app.command("parity")(parity_cmd)

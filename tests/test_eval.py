@@ -213,3 +213,11 @@ def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["prompts"] == 2 and summary["tau_pooled"] > 1.5
     assert (run_dir / "report.html").exists()
+    # parity on the same run: the training-style batched path and the per-anchor path agree
+    par = subprocess.run([sys.executable, "-m", "orchestrator.cli", "parity", run_dir.name], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert par.returncode == 0, par.stdout + par.stderr
+    report = json.loads((run_dir / "parity.json").read_text())
+    assert report["agree"] and report["draft_disagreements"] == 0 and report["anchors"] > 0
+    assert report["accuracy"]["training"] == report["accuracy"]["eval"]
+    assert "agree draft for draft" in par.stdout

@@ -1,0 +1,119 @@
+"""Train/eval parity: the same checkpoint's teacher-forced per-position accuracy, computed the
+training way (all anchors at once through the anchor-block mask) and the eval way (one anchor at a
+time, context slice ``[:p]``), plus the seed harness's mistake (context ``[:p+1]``) for reference.
+
+``python -m remote.parity --target DIR --drafter DIR --results results.jsonl --out parity.json``
+
+If the first two columns disagree, the eval path does not reproduce training semantics; a
+checkpoint whose training log says 3.58 while an eval says 0.33 is diagnosed here in one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _turns(row: dict) -> list[tuple[list[int], list[int]]]:
+    return [(t["prompt_ids"], t["output_ids"]) for t in row.get("turns") or [row]]
+
+
+def parity(drafter, target, pairs: list[tuple[list[int], list[int]]], max_anchors: int | None = None) -> dict:
+    import torch
+
+    from remote.drafter import block_input_ids
+    from remote.offline import DraftTable
+    from remote.target import target_features
+
+    device = next(target.parameters()).device
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    B = drafter.block_size
+    methods = ("training", "eval", "eval_ctx_plus_one")
+    hits = {m: [0] * (B - 1) for m in methods}
+    count = [0] * (B - 1)
+    disagreements = 0            # draft tokens where the two paths differ (expected 0 in fp32)
+    anchors_done = 0
+    with torch.no_grad():
+        for prompt, output in pairs:
+            ref = list(prompt) + list(output)
+            if len(ref) < len(prompt) + 2:
+                continue
+            ids = torch.tensor(ref, device=device)
+            _, th = target_features(target, ids[None], drafter.config.target_layer_ids)
+            th = th.to(next(drafter.parameters()).dtype)
+            anchors = list(range(len(prompt), len(ref) - 1))
+            if max_anchors is not None:
+                anchors = anchors[:max(0, max_anchors - anchors_done)]
+            if not anchors:
+                break
+            table = DraftTable(drafter, th, ids, embed, head)
+            table.compute(anchors)
+            ctx_kv = drafter.context_kv(th, torch.arange(th.shape[1], device=device)[None])
+            for p in anchors:
+                noise = embed(block_input_ids(ids[p:p + 1], B, drafter.config.mask_token_id))[None]
+                logits = head(drafter.draft(th, p, noise, ctx_kv=ctx_kv)[:, 1:])[0].float()
+                plus_one = _ctx_plus_one(drafter, th, p, noise, head)
+                per_anchor = logits.argmax(-1).tolist()
+                batched = table.tokens[p]
+                for k in range(1, B):
+                    if p + k >= len(ref):
+                        break
+                    truth = ref[p + k]
+                    count[k - 1] += 1
+                    hits["training"][k - 1] += int(batched[k - 1] == truth)
+                    hits["eval"][k - 1] += int(per_anchor[k - 1] == truth)
+                    hits["eval_ctx_plus_one"][k - 1] += int(plus_one[k - 1] == truth)
+                disagreements += sum(a != b for a, b in zip(batched, per_anchor))
+            anchors_done += len(anchors)
+    acc = {m: [h / c if c else 0.0 for h, c in zip(hits[m], count)] for m in methods}
+    cum = {}
+    for m in methods:
+        run, cum[m] = 1.0, []
+        for a in acc[m]:
+            run *= a
+            cum[m].append(run)
+    return {"anchors": anchors_done, "block_size": B, "count": count, "accuracy": acc, "cumulative": cum,
+            "tau_estimate": {m: 1 + sum(cum[m]) for m in methods},
+            "draft_disagreements": disagreements, "agree": disagreements == 0}
+
+
+def _ctx_plus_one(drafter, th, p, noise, head) -> list[int]:
+    """The seed harness's context slice ``[:p+1]`` (one token too many), block positions as usual."""
+    import torch
+    ctx_len = min(p + 1, th.shape[1])
+    kv = drafter.context_kv(th[:, :ctx_len], torch.arange(ctx_len, device=th.device)[None])
+    block_pos = torch.arange(p, p + drafter.block_size, device=th.device)[None]
+    return head(drafter(noise, block_pos, kv)[:, 1:])[0].argmax(-1).tolist()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m remote.parity", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--results", required=True, help="results.jsonl of a run (prompt and reference completions)")
+    ap.add_argument("--out", required=True, help="parity.json to write")
+    ap.add_argument("--max-anchors", type=int, default=2000)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    from remote.checkpoint import load_drafter
+    from remote.target import load_target
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    target = load_target(args.target, device, dtype)
+    drafter, _ = load_drafter(args.drafter, device=device, dtype=getattr(torch, dtype))
+    rows = [json.loads(line) for line in Path(args.results).read_text().splitlines() if line.strip()]
+    pairs = [pair for row in rows for pair in _turns(row)]
+    report = parity(drafter, target, pairs, args.max_anchors)
+    report.update(device=device, dtype=dtype, drafter=args.drafter, target=args.target)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
