@@ -245,18 +245,21 @@ def eval_cmd(
     _finish(record, run_dir, jobs, console)
 
 
-def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
-               runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
-    """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
+def _open_run(ctx, run: str, runs_dir: str | None):
+    """(cli, console, local run folder, its RunRecord, inventory) for a command on an existing run."""
     from rich.console import Console
 
     cli = _cli()
-    console = Console(highlight=False)
     run_dir = runs_root(runs_dir) / run
     if not (run_dir / "run.json").exists():
         raise cli.fail(f"no run {run!r} in {runs_root(runs_dir)}")
-    record = RunRecord.load(run_dir)
-    inv = cli._inventory(ctx)
+    return cli, Console(highlight=False), run_dir, RunRecord.load(run_dir), cli._inventory(ctx)
+
+
+def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
+               runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
+    """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
+    cli, console, run_dir, record, inv = _open_run(ctx, run, runs_dir)
     with cli.user_errors():
         jobs = _jobs_for(record, inv)
         for s in record.shards:
@@ -268,15 +271,7 @@ def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."
 def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Stop a run's workers (finished prompts stay on the host; `eval --resume RUN` continues)."""
-    from rich.console import Console
-
-    cli = _cli()
-    console = Console(highlight=False)
-    run_dir = runs_root(runs_dir) / run
-    if not (run_dir / "run.json").exists():
-        raise cli.fail(f"no run {run!r} in {runs_root(runs_dir)}")
-    record = RunRecord.load(run_dir)
-    inv = cli._inventory(ctx)
+    cli, console, run_dir, record, inv = _open_run(ctx, run, runs_dir)
     with cli.user_errors():
         for i, job in _jobs_for(record, inv).items():
             st = job.cancel()

@@ -64,27 +64,23 @@ def _bypass_linear_attention(model, on: bool) -> None:
 
 
 def teach_target(model, pairs: list[tuple[list[int], list[int]]], steps: int, seed: int) -> float:
+    """Causal-LM training on the conversations, 8 padded rows a step (padding is not a label)."""
     import torch
+
+    from remote.tiny import teach_lm
 
     convs = [p + a for p, a in pairs]
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
-    model.train()
     width = max(len(c) for c in convs)
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        pick = torch.randint(len(convs), (8,), generator=gen).tolist()
+
+    def batches():
         ids = torch.zeros(8, width, dtype=torch.long)
         labels = torch.full((8, width), -100, dtype=torch.long)
-        for r, i in enumerate(pick):
+        for r, i in enumerate(torch.randint(len(convs), (8,), generator=gen).tolist()):
             ids[r, :len(convs[i])] = torch.tensor(convs[i])
             labels[r, :len(convs[i])] = torch.tensor(convs[i])
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.eval()
-    return loss.item()
+        return ids, labels
+    return teach_lm(model, batches, steps)
 
 
 def build(out: Path) -> dict:

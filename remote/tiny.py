@@ -85,17 +85,27 @@ def walk_batch(n: int, length: int, vocab: int, gen: torch.Generator, seed: int 
     return ids
 
 
-def pretrain_target(target, steps: int = 200, batch: int = 32, length: int = 48, lr: float = 3e-3, seed: int = 0):
-    """Teach a random tiny target the progression language so its greedy output is structured."""
-    gen = torch.Generator().manual_seed(seed)
-    V = target.config.vocab_size - 1  # keep the last id free for the mask token
-    opt = torch.optim.AdamW(target.parameters(), lr=lr)
-    target.train()
+def teach_lm(model, batches, steps: int, lr: float = 3e-3) -> float:
+    """Plain causal-LM training of a tiny target: ``batches()`` -> ``(input_ids, labels)``."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    loss = torch.tensor(0.0)
     for _ in range(steps):
-        ids = walk_batch(batch, length, V, gen, seed)
-        loss = target(input_ids=ids, labels=ids).loss
+        ids, labels = batches()
+        loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    target.eval()
+    model.eval()
     return loss.item()
+
+
+def pretrain_target(target, steps: int = 200, batch: int = 32, length: int = 48, lr: float = 3e-3, seed: int = 0):
+    """Teach a random tiny target the permutation-walk language so its greedy output is structured."""
+    gen = torch.Generator().manual_seed(seed)
+    V = target.config.vocab_size - 1  # keep the last id free for the mask token
+
+    def batches():
+        ids = walk_batch(batch, length, V, gen, seed)
+        return ids, ids
+    return teach_lm(target, batches, steps, lr)
