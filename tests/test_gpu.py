@@ -1,0 +1,59 @@
+"""GPU-only paths (skipped without CUDA; not run on the CPU machines this project is built on)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.gpu
+
+_FEATURES = """
+import sys, json, torch
+if sys.argv[2] == "torch":
+    sys.modules["fla"] = None           # force the pure-torch Gated DeltaNet path
+from remote.target import load_target, target_features, gdn_kernel_path
+model = load_target(sys.argv[1], "cuda", "bfloat16")
+ids = torch.arange(1, 200, device="cuda")[None] % 250
+_, th = target_features(model, ids, [0, 1, 2])
+torch.save(th.float().cpu(), sys.argv[3])
+print(json.dumps({"kernel_path": gdn_kernel_path(model)}))
+"""
+
+
+def test_worker_bf16_on_cuda(embedded_pair, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for mode in ("offline", "online"):
+        out = tmp_path / mode
+        proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"],
+                               "--drafter", embedded_pair["drafter"], "--prompts", "3", "--out", str(out),
+                               "--device", "cuda", "--mode", mode, "--max-new-tokens", "96"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        env_json = json.loads((out / "env.json").read_text())
+        assert env_json["dtype"] == "bfloat16" and env_json["gpu"]
+        assert env_json["kernel_path"] in ("fla", "torch")
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["tau_pooled"] > 1.0
+        if mode == "online":
+            assert summary["online"]["lossless"], "bf16 speculative decoding diverged from greedy"
+
+
+def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path):
+    pytest.importorskip("fla")
+    import torch
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    paths = {}
+    for path in ("fla", "torch"):
+        paths[path] = tmp_path / f"{path}.pt"
+        proc = subprocess.run([sys.executable, "-c", _FEATURES, embedded_pair["target"], path, str(paths[path])],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["kernel_path"] == path
+    a, b = torch.load(paths["fla"]), torch.load(paths["torch"])
+    drift = (a - b).abs().max().item()
+    print(f"fla vs torch-fallback bf16 feature drift: max |diff| = {drift:.3e}")
+    assert drift < 1.0, drift    # a few bf16 ulps are expected; a large drift means a kernel problem
