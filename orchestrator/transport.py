@@ -409,7 +409,10 @@ class SSHRunner(Runner):
                 last = e.strerror or str(e)
             except (paramiko.SSHException, EOFError) as e:
                 msg = str(e)
-                if "banner" in msg.lower() and time.monotonic() - started >= 0.9 * t:
+                # a server that never speaks SSH: paramiko reports the banner timeout, or (when the
+                # banner wait races the auth step under load) "No existing session"
+                if time.monotonic() - started >= 0.9 * t and ("banner" in msg.lower() or "session" in msg.lower()
+                                                              or isinstance(e, EOFError)):
                     raise TransportError(f"{self._where()}: timed out waiting for the SSH banner after {t:g}s") from None
                 last = msg or type(e).__name__
             if attempt < self.retries:
