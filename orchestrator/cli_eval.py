@@ -85,8 +85,7 @@ def _follow(record: RunRecord, run_dir: Path, jobs: dict, console) -> None:
                           f"Re-attach with: [bold]dflash-ops attach {record.id}[/]  "
                           f"(cancel with: dflash-ops cancel {record.id})")
             raise typer.Exit(130)
-    for i, msg in errors.items():
-        record.shards[i].state = record.shards[i].state if record.shards[i].fetched else "detached"
+    for i, msg in errors.items():   # a shard we lost contact with stays unfetched: _finish says how to re-attach
         console.print(f"[red]{record.shards[i].host}: {msg}[/]")
 
 
@@ -231,6 +230,8 @@ def eval_cmd(
     except EvalError as e:
         raise cli.fail(str(e), code=1)
     jobs = {i: job for i, job in enumerate(prepared)}
+    if not req.target:        # show what was resolved (the drafter's catalog target or the embedded one)
+        record.target = EMBEDDED if label == EMBEDDED else record.shards[0].target_path
     for i, job in jobs.items():
         shard = record.shards[i]
         shard.fetched, shard.state = False, "running"
