@@ -178,6 +178,8 @@ def eval_cmd(
     all_anchors: bool = typer.Option(False, "--all-anchors", help="Also every completion position as an anchor."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
+    verify_weights: bool = typer.Option(False, "--verify-weights",
+                                        help="Pre-flight: check the weights' sha256 against the sync manifest."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
@@ -209,7 +211,8 @@ def eval_cmd(
         req = EvalRequest(hosts=[h.name for h in hosts], drafter=label if ckpt is None else f"{label}:{ckpt}",
                           target=target, suite=suite, prompts=prompts or None, mode=mode,
                           max_new_tokens=max_new_tokens, max_blocks=max_blocks, device=device, dtype=dtype,
-                          sglang=sglang, thinking=thinking, ddtree_budgets=ddtree, all_anchors=all_anchors)
+                          sglang=sglang, thinking=thinking, ddtree_budgets=ddtree, all_anchors=all_anchors,
+                          verify_weights=verify_weights)
         rid = run_id(label, ckpt, "+".join(h.name for h in hosts))
         run_dir = root / rid
         record = RunRecord(id=rid, drafter=label, checkpoint=ckpt, target=target or "default", suite=suite,

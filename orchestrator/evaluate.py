@@ -43,6 +43,7 @@ class EvalRequest:
     ddtree_budgets: str = "8,16,32,64"
     all_anchors: bool = False
     min_free_gb: float = 1.0
+    verify_weights: bool = False    # sha256 of the weights vs the sync manifest (slow on 17 GB)
 
 
 @dataclass
@@ -141,8 +142,9 @@ def prepare_shard(host: Host, inventory: Inventory, req: EvalRequest, shard: Sha
     runner = runner_for(host, inventory)
     code_dir = ship(runner, host.python, host.workdir)
     drafter_path, target_path = catalog_resolve(host, runner, code_dir)
+    flags = ["--verify-hashes"] if req.verify_weights else []
     report, err = _python_json(runner, host.python, code_dir, "remote.drafter", "inspect", drafter_path,
-                               "--target", target_path, "--json", timeout=300)
+                               "--target", target_path, "--json", *flags, timeout=1800)
     if report is None:
         raise EvalError(f"host {host.name}: drafter inspection failed: {err[-800:]}")
     if not report["ok"]:

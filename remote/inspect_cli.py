@@ -56,9 +56,10 @@ def main(argv=None) -> int:
     p.add_argument("drafter")
     p.add_argument("--target")
     p.add_argument("--block-size", type=int)
+    p.add_argument("--verify-hashes", action="store_true", help="check weights against the sync manifest's sha256")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    report = inspect(args.drafter, args.target, args.block_size)
+    report = inspect(args.drafter, args.target, args.block_size, args.verify_hashes)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

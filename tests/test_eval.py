@@ -115,7 +115,6 @@ def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_pat
     proc.kill()                                    # the client dies: its SSH connections drop
     proc.wait()
     pid = int((remote_run_dir(setup, "eval", run_id) / "pid").read_text().split()[0])
-    done_at_kill = prompt_events(events)
     time.sleep(1.0)
     assert (remote_run_dir(setup, "eval", run_id) / "exit_code").exists() or os.path.exists(f"/proc/{pid}"), \
         "the worker died with the SSH connection"
@@ -123,7 +122,6 @@ def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_pat
     assert attach.returncode == 0, attach.stdout + attach.stderr
     rows = results(runs / run_id)
     assert len(rows) == N_PROMPTS and len({r["id"] for r in rows}) == N_PROMPTS
-    assert done_at_kill < N_PROMPTS or True        # informative: the worker ran on after the drop
     assert json.loads((runs / run_id / "run.json").read_text())["status"] == "done"
 
 
@@ -168,7 +166,7 @@ def test_two_eval_hosts_shard_one_run(setup, tmp_path):
     assert target.exists()
 
 
-@pytest.mark.parametrize("case", ["unknown-label", "missing-checkpoint", "incomplete", "no-torch", "no-gpu"])
+@pytest.mark.parametrize("case", ["unknown-label", "missing-checkpoint", "incomplete", "corrupt", "no-torch", "no-gpu"])
 def test_preflight_errors_are_clear(setup, tmp_path, case):
     args = ["eval", "--host", "eval", "--prompts", 1, "--device", "cpu"]
     inventory = None
@@ -184,6 +182,19 @@ def test_preflight_errors_are_clear(setup, tmp_path, case):
         (broken / "model.safetensors").rename(broken / "model.safetensors.part")
         args += ["--drafter", "v9:200"]
         want = "incomplete"
+    elif case == "corrupt":
+        broken = setup["lab"].eval.root / "checkpoints" / "v9" / "step_300"
+        shutil.copytree(setup["pair"] / "drafter", broken, dirs_exist_ok=True)
+        weights = broken / "model.safetensors"
+        import hashlib
+        good = hashlib.sha256(weights.read_bytes()).hexdigest()
+        (broken / ".dflash-manifest.json").write_text(json.dumps({"files": [
+            {"path": "model.safetensors", "size": weights.stat().st_size, "sha256": good}]}))
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0xFF                              # same size, one byte flipped
+        weights.write_bytes(bytes(data))
+        args += ["--drafter", "v9:300", "--verify-weights"]
+        want = "does not match its sha256 in the sync manifest"
     elif case == "no-torch":
         args += ["--drafter", "demo"]
         inventory = setup["no_torch"]
@@ -196,8 +207,8 @@ def test_preflight_errors_are_clear(setup, tmp_path, case):
     out = proc.stdout + proc.stderr
     assert want in out, out
     assert "Traceback" not in out
-    if case == "incomplete":
-        shutil.rmtree(setup["lab"].eval.root / "checkpoints" / "v9" / "step_200")
+    if case in ("incomplete", "corrupt"):
+        shutil.rmtree(setup["lab"].eval.root / "checkpoints" / "v9" / ("step_200" if case == "incomplete" else "step_300"))
 
 
 def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
