@@ -12,7 +12,6 @@ Prints MiB/s of both and the ratio sync/pipe (goal >= 1.0).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import statistics
@@ -31,14 +30,7 @@ import sshlab  # noqa: E402
 from orchestrator.catalog import parse_catalog  # noqa: E402
 from orchestrator.inventory import load_inventory  # noqa: E402
 from orchestrator.sync import sync_checkpoint  # noqa: E402
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(4 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+from remote.checkpoint import sha256_file as sha256  # noqa: E402
 
 
 def main() -> int:

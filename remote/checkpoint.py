@@ -193,11 +193,19 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
 MANIFEST = ".dflash-manifest.json"   # written by `dflash-ops sync-ckpt` (remote/ckpt_tool.py)
 
 
+def sha256_file(path: str | Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def completeness_problems(folder: str | Path, verify_hashes: bool = False) -> list[str]:
     """A checkpoint folder that is still arriving or was damaged: ``.part`` files, or files that
     disagree with the sync manifest (size always; sha256 with ``verify_hashes``)."""
-    import hashlib
-
     folder = Path(folder)
     problems = []
     parts = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.part"))
@@ -213,11 +221,7 @@ def completeness_problems(folder: str | Path, verify_hashes: bool = False) -> li
                 problems.append(f"{folder}: {entry['path']} has {f.stat().st_size} bytes, the sync manifest "
                                 f"says {entry['size']}")
             elif verify_hashes and entry.get("sha256"):
-                h = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    while chunk := fh.read(8 << 20):
-                        h.update(chunk)
-                if h.hexdigest() != entry["sha256"]:
+                if sha256_file(f) != entry["sha256"]:
                     problems.append(f"{folder}: {entry['path']} does not match its sha256 in the sync manifest")
     return problems
 

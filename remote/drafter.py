@@ -390,17 +390,6 @@ def block_input_ids(anchor_tokens: torch.Tensor, block_size: int, mask_token_id:
     return blocks.flatten(-2)
 
 
-def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
-    """Evenly spread ids in [1, L-3] (the layout used by released drafters, e.g. [1,16,31,46,61] for 64)."""
-    if k == 1:
-        return [num_target_layers // 2]
-    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def init_weights(model: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
     for m in model.modules():
         if isinstance(m, nn.Linear):

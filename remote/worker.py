@@ -13,7 +13,6 @@ Exit status: 0 done, 1 a check failed (drafter/target mismatch, bad prompts, SGL
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -111,27 +110,17 @@ def read_finished(path: Path) -> list[dict]:
     return rows
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def weight_hashes(ckpt) -> dict[str, str]:
     """sha256 per weight file, reused from a sync manifest in the folder when it covers the file
     with the same size."""
+    from remote.checkpoint import MANIFEST, sha256_file
+
     manifest: dict = {}
-    for name in (".dflash-manifest.json", "dflash-manifest.json"):
-        m = ckpt.path / name
-        if m.exists():
-            try:
-                data = json.loads(m.read_text())
-                for entry in data.get("files", []):
-                    manifest[entry["path"]] = entry
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass
+    if (ckpt.path / MANIFEST).exists():
+        try:
+            manifest = {e["path"]: e for e in json.loads((ckpt.path / MANIFEST).read_text()).get("files", [])}
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
     out = {}
     for f in ckpt.weight_files:
         entry = manifest.get(f.name)

@@ -104,12 +104,17 @@ def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
     assert len([c for c in code if (c / ".complete").exists()]) == 1
 
 
-def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_path):
-    runs = tmp_path / "runs"
+def start_long_eval(setup, runs: Path):
+    """`dflash-ops eval` of N_PROMPTS long prompts as a background process; returns (proc, run id)."""
     proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 160,
                "--device", "cpu", runs=runs, popen=True)
     wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
-    run_id = only_run(runs).name
+    return proc, only_run(runs).name
+
+
+def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_path):
+    runs = tmp_path / "runs"
+    proc, run_id = start_long_eval(setup, runs)
     events = remote_run_dir(setup, "eval", run_id) / "events.jsonl"
     wait_for(lambda: prompt_events(events) >= 1, what="first prompt")
     proc.kill()                                    # the client dies: its SSH connections drop
@@ -127,10 +132,7 @@ def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_pat
 
 def test_killed_worker_is_resumed_without_duplicates(setup, tmp_path):
     runs = tmp_path / "runs"
-    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 160,
-               "--device", "cpu", runs=runs, popen=True)
-    wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
-    run_id = only_run(runs).name
+    proc, run_id = start_long_eval(setup, runs)
     rdir = remote_run_dir(setup, "eval", run_id)
     wait_for(lambda: prompt_events(rdir / "events.jsonl") >= 2, what="two prompts")
     os.kill(int((rdir / "pid").read_text().split()[0]), signal.SIGKILL)
