@@ -1,10 +1,17 @@
 """Run control on a host, stdlib only: start a command detached from the SSH session, follow its
 events, report its state, cancel it.  ``python -m remote.launch start|follow|status|cancel RUN_DIR``
 
-A run folder holds: ``cmd.json`` (argv), ``pid`` (the job's process-group leader), ``events.jsonl``
-(the job's stdout), ``worker.log`` (its stderr), ``exit_code`` (written when it ends, atomically).
-The job runs in its own session (``setsid``) with stdin from /dev/null, so a dropped SSH
-connection or a Ctrl-C on the user's machine does not touch it.
+A run folder holds: ``cmd.json`` (argv), ``pid``, ``events.jsonl`` (the job's stdout),
+``worker.log`` (its stderr), ``exit_code`` (written when it ends, atomically). The job runs in its
+own session and process group with stdin from /dev/null, so a dropped SSH connection or a Ctrl-C on
+the user's machine does not touch it; ``cancel`` signals that whole group.
+
+``pid`` is one line ``JOB SUPERVISOR JOB_START SUPERVISOR_START BOOT_ID``: a pid names a process
+only together with its start time (``/proc/PID/stat`` field 22) and the boot it belongs to, since
+after a reboot or a container restart the same number can be any process. A process counts as the
+job only when both match. An older two-number pid file cannot be checked that way: a live process
+behind it is reported ``unverifiable`` and is never signalled (unless it started after the file was
+written, which proves it is not the job: ``lost``).
 """
 from __future__ import annotations
 
@@ -27,8 +34,12 @@ def _write_atomic(path: Path, text: str) -> None:
 def start(run_dir: Path, argv: list[str], cwd: str | None = None) -> int:
     """Double-fork a supervisor that runs ``argv`` and records its exit code; returns the job pid."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if (run_dir / "pid").exists() and state(run_dir)["state"] == "running":
-        raise SystemExit(f"{run_dir}: a job is already running there")
+    st = state(run_dir)
+    if st["state"] == "running":
+        raise SystemExit(f"{run_dir}: a job is already running there (pid {st['pid']})")
+    if st["state"] == "unverifiable":
+        raise SystemExit(f"{run_dir}: {st['why']}; if it is not this run's job, delete {run_dir / 'pid'} "
+                         f"and start again")
     for name in ("exit_code", "pid"):
         (run_dir / name).unlink(missing_ok=True)
     _write_atomic(run_dir / "cmd.json", json.dumps({"argv": argv, "cwd": cwd}))
@@ -47,14 +58,15 @@ def start(run_dir: Path, argv: list[str], cwd: str | None = None) -> int:
         os.dup2(devnull, fd)
     events = open(run_dir / "events.jsonl", "ab")
     log = open(run_dir / "worker.log", "ab")
-    try:
-        proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd)
+    try:                           # its own process group, so cancel reaches the job's children too
+        proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd, start_new_session=True)
     except OSError as e:
         log.write(f"cannot start {argv[0]}: {e}\n".encode())
         log.flush()
         _write_atomic(run_dir / "exit_code", "127\n")
         os._exit(0)
-    _write_atomic(run_dir / "pid", f"{proc.pid} {os.getpid()}\n")   # job, supervisor
+    me = os.getpid()               # (a job that already exited is a zombie until proc.wait: still readable)
+    _write_atomic(run_dir / "pid", f"{proc.pid} {me} {_start_time(proc.pid) or 0} {_start_time(me) or 0} {_boot_id()}\n")
     os.write(write_end, str(proc.pid).encode())
     os.close(write_end)
     code = proc.wait()
@@ -62,39 +74,102 @@ def start(run_dir: Path, argv: list[str], cwd: str | None = None) -> int:
     os._exit(0)
 
 
-def _alive(pid: int) -> bool:
+def _boot_id() -> str:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].split()[0] != "Z"
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
     except OSError:
-        return True
+        return "-"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces and parens)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks after boot (field 22); None if there is no such process."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def _alive(pid: int, start: int | None = None) -> bool:
+    """Is ``pid`` a live (not zombie) process, and, with ``start``, the one that started then?"""
+    fields = _stat(pid)
+    if fields is None or fields[0] == "Z":
+        return False
+    return start is None or int(fields[19]) == start
+
+
+def _started_after(pid: int, when: float) -> bool:
+    """Did ``pid`` start after the wall-clock time ``when`` (1 s of slack)?"""
+    ticks = _start_time(pid)
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return ticks is not None and btime + ticks / os.sysconf("SC_CLK_TCK") > when + 1.0
+
+
+def _read_pid(pid_file: Path) -> dict | None:
+    try:
+        fields = pid_file.read_text().split()
+        nums = [int(x) for x in fields[:4]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) == 5 and len(nums) == 4:
+        return {"pid": nums[0], "supervisor": nums[1], "starts": nums[2:4], "boot_id": fields[4]}
+    if len(fields) == 2:           # written by an older version: no start times, no boot id
+        return {"pid": nums[0], "supervisor": nums[1], "starts": None, "boot_id": None}
+    return None
+
+
+def _exit_state(code_file: Path) -> dict:
+    try:
+        code = int(code_file.read_text().strip())
+    except (OSError, ValueError):
+        return {"state": "failed", "exit_code": None, "why": f"unreadable {code_file.name}"}
+    return {"state": "done" if code == 0 else "failed", "exit_code": code}
 
 
 def state(run_dir: Path) -> dict:
     pid_file, code_file = run_dir / "pid", run_dir / "exit_code"
     if code_file.exists():
-        code = int(code_file.read_text().strip() or -1)
-        return {"state": "done" if code == 0 else "failed", "exit_code": code}
+        return _exit_state(code_file)
     if not pid_file.exists():
         return {"state": "unknown" if run_dir.exists() else "missing", "exit_code": None}
-    pid, supervisor = (int(x) for x in pid_file.read_text().split())
-    if _alive(pid) or _alive(supervisor):   # the supervisor is about to write exit_code
-        return {"state": "running", "exit_code": None, "pid": pid}
+    rec = _read_pid(pid_file)
+    if rec is None:
+        return {"state": "unknown", "exit_code": None, "why": f"unreadable {pid_file}"}
+    pid, supervisor = rec["pid"], rec["supervisor"]
+    if rec["starts"] is not None:
+        if rec["boot_id"] == _boot_id() and (_alive(pid, rec["starts"][0]) or _alive(supervisor, rec["starts"][1])):
+            return {"state": "running", "exit_code": None, "pid": pid}   # the supervisor is about to write exit_code
+        if code_file.exists():
+            return _exit_state(code_file)
+        why = ("the host rebooted since the job started" if rec["boot_id"] != _boot_id()
+               else "the job ended without recording an exit code (killed with its supervisor?)")
+        return {"state": "lost", "exit_code": None, "pid": pid, "why": why}
+    written = pid_file.stat().st_mtime
+    suspects = [p for p in (pid, supervisor) if _alive(p) and not _started_after(p, written)]
     if code_file.exists():
-        return state(run_dir)
-    return {"state": "lost", "exit_code": None, "pid": pid}   # e.g. the host rebooted
+        return _exit_state(code_file)
+    if not suspects:
+        return {"state": "lost", "exit_code": None, "pid": pid, "why": "no process from the pid file is left"}
+    return {"state": "unverifiable", "exit_code": None, "pid": suspects[0],
+            "why": f"pid {suspects[0]} is alive but {pid_file} has no start time to prove it is this run's job"}
 
 
 def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float = 10.0) -> int:
     """Copy events.jsonl to stdout from byte ``offset`` until the job has ended, then print a
     final ``{"event": "exit", ...}`` line. A heartbeat line every ``heartbeat`` seconds lets the
-    reader tell a quiet job from a dead link."""
+    reader tell a quiet job from a dead link. Only whole lines are copied; an unterminated last line
+    left by a job that ended (killed mid-write) is reported in the exit line as ``torn_tail``."""
     events = run_dir / "events.jsonl"
     last_beat = time.time()
     while True:
@@ -102,39 +177,56 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
             print(json.dumps({"event": "heartbeat"}), flush=True)
             last_beat = time.time()
         st = state(run_dir)
-        if events.exists():
-            with open(events, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            cut = data.rfind(b"\n") + 1                 # only whole lines
-            if cut:
-                sys.stdout.buffer.write(data[:cut])
-                sys.stdout.flush()
-                offset += cut
+        data = _read_from(events, offset)  # read after the state: once the job has ended this is all of it
+        cut = data.rfind(b"\n") + 1
+        if cut:
+            sys.stdout.buffer.write(data[:cut])
+            sys.stdout.flush()
+            offset += cut
         if st["state"] != "running":
-            if events.exists() and events.stat().st_size > offset:
-                continue                                # drain what was written before the end
-            print(json.dumps({"event": "exit", **st, "offset": offset}), flush=True)
+            end = {"event": "exit", **st, "offset": offset}
+            if len(data) > cut:
+                torn = data[cut:]
+                end["torn_tail"] = {"bytes": len(torn), "text": torn[:200].decode("utf-8", "replace")}
+            print(json.dumps(end), flush=True)
             return 0
         time.sleep(poll)
 
 
+def _read_from(path: Path, offset: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
 def cancel(run_dir: Path, grace: float = 10.0) -> dict:
+    """SIGTERM, then SIGKILL after ``grace`` seconds, to the job's process group; only while the
+    process behind the pid file is provably the job (see the module docstring)."""
     st = state(run_dir)
+    if st["state"] == "unverifiable":
+        return {**st, "why": st["why"] + "; not signalled"}
     if st["state"] != "running":
         return st
-    pid = st["pid"]
+    rec = _read_pid(run_dir / "pid")
+    pid, start = rec["pid"], rec["starts"][0]
     for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _alive(pid, start):
+            break
         try:
-            os.kill(pid, sig)
+            os.killpg(pid, sig)                        # the job leads its own group
         except ProcessLookupError:
             break
+        except PermissionError as e:
+            return {**st, "why": f"cannot signal process group {pid}: {e}"}
         deadline = time.time() + grace
-        while time.time() < deadline and _alive(pid):
+        while time.time() < deadline and _alive(pid, start):
             time.sleep(0.1)
-        if not _alive(pid):
-            break
-    time.sleep(0.3)
+    deadline = time.time() + 5                         # the supervisor records the exit code
+    while state(run_dir)["state"] == "running" and time.time() < deadline:
+        time.sleep(0.05)
     return state(run_dir)
 
 
