@@ -512,9 +512,12 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             _move(plan, inv, token, jobs, alive, idle, stall, direct, result, console, progress)
             manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                                    "sha256": f.sha256} for f in plan.files]}
-            # cache the manifest on the source (for the next sync) while the destination finalizes
+            # cache the manifest on the source (for the next sync) while the destination finalizes,
+            # keyed by the inode and ctime listed at the start: a file rewritten since is not cached
+            listed = {e["path"]: e for e in src_files}
+            cache = {"files": [{**listed[e["path"]], **e} for e in manifest["files"]]}
             saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
-                              input=json.dumps(manifest), timeout=60)
+                              input=json.dumps(cache), timeout=60)
             holder.send("FINALIZE " + json.dumps(manifest))
             holder.expect("DONE", 300)
             result.seconds = time.monotonic() - started

@@ -6,16 +6,21 @@ stdin: for ``recv`` and ``hold`` stdin carries the data stream / the control lin
 Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...`` on stderr):
 
 * ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime)
-* ``manifest DIR [--hash]``  relative path, size, mtime_ns and sha256 (from the cache
-  ``.dflash-manifest.json`` when sizes+mtimes are unchanged; ``--hash`` computes missing ones)
+* ``manifest DIR [--hash]``  relative path, size, mtime_ns, inode, ctime_ns and sha256 (from the
+  cache ``.dflash-manifest.json`` when none of size, mtime, inode, ctime changed; ``--hash``
+  computes missing ones). Refused when the folder holds symbolic links (never followed: they can
+  point anywhere on the host) or unfinished ``*.part`` files
 * ``save-manifest DIR``  (stdin: JSON) caches a manifest if the files still match it
 * ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
 * ``send FILE SIZE MTIME_NS OFFSET [--hash]``  bytes [OFFSET, SIZE) on stdout, then a trailer
   ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on resume)
 * ``recv RUNDIR CKPT REL SIZE OFFSET MTIME_NS TOKEN [--sha256 X]``  (stdin: the ``send`` stream)
   appends to ``.staging-CKPT/REL.part``, hashes in flight, verifies, fsyncs, renames to REL
-* ``hold RUNDIR CKPT TOKEN --wait S``  takes the checkpoint lock (flock) and serves control
+* ``hold RUNDIR CKPT TOKEN [--wait S] [--idle S]``  takes the checkpoint lock (flock) and serves control
   lines on stdin: ``PING``, ``STATE``, ``BEGIN``, ``FINALIZE <manifest json>``
+
+Arguments are positional first, then flags: a file may well be called ``--sha256``. A global
+``--idle S`` may come before the command.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import os
 import re
 import select
 import shutil
+import stat
 import sys
 import time
 
@@ -73,28 +79,55 @@ def out(line: str) -> None:
 # --- source side -----------------------------------------------------------------------------
 
 
-def walk_files(root: str) -> list:
-    """Regular files under root, relative paths, dotfiles/dot-folders skipped, sorted."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if name.startswith(".") or name.endswith(".part"):
-                continue
-            full = os.path.join(dirpath, name)
-            try:
-                st = os.stat(full, follow_symlinks=True)
-            except OSError:
-                continue
-            if not _isreg(st):
-                continue
-            found.append((os.path.relpath(full, root), st))
-    return found
+class Walk:
+    """What is under a checkpoint folder (dotfiles and dot-folders left out), sorted: ``files``
+    (relative path, stat) of the regular files, ``links`` ("rel -> target") of the symbolic links,
+    never followed, and ``parts``, unfinished ``*.part`` files."""
+
+    def __init__(self, root: str):
+        self.files, self.links, self.parts = [], [], []
+        for dirpath, dirnames, filenames in os.walk(root):
+            names = sorted(n for n in dirnames + filenames if not n.startswith("."))
+            dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and
+                           not os.path.islink(os.path.join(dirpath, d))]
+            for name in names:
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, root)
+                try:
+                    st = os.lstat(full)
+                except OSError:
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    self.links.append(f"{rel} -> {os.readlink(full)}")
+                elif not stat.S_ISREG(st.st_mode):
+                    continue
+                elif name.endswith(".part"):
+                    self.parts.append(rel)
+                else:
+                    self.files.append((rel, st))
+
+    def refuse_unsafe(self, root: str) -> None:
+        if self.links:
+            raise ToolError(f"{root} holds symbolic links, which sync-ckpt does not follow (they can point "
+                            f"anywhere on the host): {_few(self.links)}; replace each with the file it points "
+                            f"to, or remove it")
+        if self.parts:
+            raise ToolError(f"{root} holds unfinished files (*.part): {_few(self.parts)}; is it still being "
+                            f"written? Sync it once they are complete (or remove them)")
 
 
-def _isreg(st) -> bool:
-    import stat as _stat
-    return _stat.S_ISREG(st.st_mode)
+def _few(items: list, n: int = 10) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _ident(st) -> dict:
+    """What a cached sha256 is keyed by: a rewrite that keeps size and mtime still changes ctime."""
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
+
+
+def _matches(entry: dict, st, keys=("size", "mtime_ns", "ino", "ctime_ns")) -> bool:
+    ident = _ident(st)
+    return all(entry.get(k) == ident[k] for k in keys)
 
 
 def pattern_regex(pattern: str):
@@ -131,7 +164,7 @@ def cmd_list(args: list) -> None:
             if n.startswith(".") or not os.path.isdir(full):
                 continue
             m = rx.match(n)
-            files = walk_files(full)
+            files = Walk(full).files
             items.append({
                 "name": n, "step": int(m.group(1)) if m else None,
                 "size": sum(st.st_size for _, st in files), "files": len(files),
@@ -182,17 +215,18 @@ def manifest(d: str, compute: bool) -> dict:
     if not os.path.isdir(d):
         raise ToolError(f"no such checkpoint folder: {d}")
     cache = _load_cache(d)
+    walk = Walk(d)
+    walk.refuse_unsafe(d)
     files, hashed = [], 0
-    for rel, st in walk_files(d):
+    for rel, st in walk.files:
         c = cache.get(rel) or {}
-        sha = c.get("sha256") if (c.get("size") == st.st_size and c.get("mtime_ns") == st.st_mtime_ns) else None
+        sha = c.get("sha256") if _matches(c, st) else None
         if sha is None and compute:
             sha = sha256_file(os.path.join(d, rel)).hexdigest()
-            st2 = os.stat(os.path.join(d, rel))
-            if (st2.st_size, st2.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            if not _matches(_ident(st), os.lstat(os.path.join(d, rel))):
                 raise ToolError(f"{rel} changed while it was hashed (is training still writing it?)")
             hashed += 1
-        files.append({"path": rel, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha})
+        files.append({"path": rel, **_ident(st), "sha256": sha})
     if not files:
         raise ToolError(f"checkpoint folder {d} holds no files")
     data = {"files": files}
@@ -205,29 +239,41 @@ def manifest(d: str, compute: bool) -> dict:
 
 
 def cmd_manifest(args: list) -> None:
-    if not args:
-        raise ToolError("manifest: missing DIR")
-    out(json.dumps(manifest(args[0], "--hash" in args[1:])))
+    (d,), opts = parse(args, ("DIR",), {"--hash": 0})
+    out(json.dumps(manifest(d, "--hash" in opts)))
 
 
 def cmd_save_manifest(args: list) -> None:
-    d = args[0]
+    """Cache the manifest of a finished sync, if every file is still the one that was listed
+    (size and mtime; inode and ctime too where the entry carries them)."""
+    (d,), _ = parse(args, ("DIR",), {})
     data = json.loads(sys.stdin.read())
-    current = {rel: st for rel, st in walk_files(d)}
+    current = dict(Walk(d).files)
+    files = []
     for e in data["files"]:
         st = current.get(e["path"])
-        if st is None or st.st_size != e["size"] or st.st_mtime_ns != e["mtime_ns"] or not e.get("sha256"):
+        keys = ["size", "mtime_ns"] + [k for k in ("ino", "ctime_ns") if k in e]
+        if st is None or not _matches(e, st, keys) or not e.get("sha256"):
             out(json.dumps({"saved": False, "why": f"{e['path']} changed"}))
             return
-    _write_json_atomic(os.path.join(d, MANIFEST), {"files": data["files"]})
+        files.append({**e, **_ident(st)})
+    _write_json_atomic(os.path.join(d, MANIFEST), {"files": files})
     out(json.dumps({"saved": True}))
 
 
 def cmd_send(args: list) -> None:
-    path, size, mtime_ns, offset = args[0], int(args[1]), int(args[2]), int(args[3])
-    do_hash = "--hash" in args[4:]
-    fd = os.open(path, os.O_RDONLY)
+    (path, size, mtime_ns, offset), opts = parse(args, ("FILE", "SIZE", "MTIME_NS", "OFFSET"), {"--hash": 0})
+    size, mtime_ns, offset = int(size), int(mtime_ns), int(offset)
+    do_hash = "--hash" in opts
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ToolError(f"{path} is a symbolic link now; not following it") from None
+        raise
     st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ToolError(f"{path} is not a regular file")
     if st.st_size != size or st.st_mtime_ns != mtime_ns:
         raise ToolError(f"{path} changed since the manifest was made (size {st.st_size}, expected {size})")
     if offset > size:
@@ -264,8 +310,7 @@ def cmd_send(args: list) -> None:
     if view is not None:
         view.release()
         mm.close()
-    st2 = os.fstat(fd)
-    if st2.st_size != size or st2.st_mtime_ns != mtime_ns:
+    if not _matches(_ident(st), os.fstat(fd)):
         raise ToolError(f"{path} changed while it was sent")
     trailer = b"DFLT" + (h.hexdigest() if h is not None else NO_HASH).encode() + b"\n"
     os.write(outfd, trailer)
@@ -275,8 +320,13 @@ def cmd_send(args: list) -> None:
 
 
 def safe_rel(rel: str) -> str:
+    """A relative path from a manifest, checked before it names anything in the staging folder."""
     if not rel or rel.startswith("/") or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
         raise ToolError(f"refusing unsafe path {rel!r}")
+    if any(p.startswith(".dflash-") for p in rel.split("/")):
+        raise ToolError(f"refusing reserved name {rel!r}: .dflash-* is the sync's own bookkeeping")
+    if rel.endswith(".part"):
+        raise ToolError(f"refusing reserved name {rel!r}: .part marks a file still arriving")
     return rel
 
 
@@ -333,7 +383,8 @@ def state(rundir: str, ckpt: str) -> dict:
 
 
 def cmd_state(args: list) -> None:
-    out(json.dumps(state(args[0], args[1])))
+    (rundir, ckpt), _ = parse(args, ("RUNDIR", "CKPT"), {})
+    out(json.dumps(state(rundir, ckpt)))
 
 
 def _fsync_dir(d: str) -> None:
@@ -363,9 +414,10 @@ def _still_owner(p: dict, token: str) -> bool:
 
 
 def cmd_recv(args: list) -> int:
-    rundir, ckpt, rel = args[0], args[1], safe_rel(args[2])
-    size, offset, mtime_ns, token = int(args[3]), int(args[4]), int(args[5]), args[6]
-    expected = args[args.index("--sha256") + 1] if "--sha256" in args else None
+    (rundir, ckpt, rel, size, offset, mtime_ns, token), opts = parse(
+        args, ("RUNDIR", "CKPT", "REL", "SIZE", "OFFSET", "MTIME_NS", "TOKEN"), {"--sha256": 1})
+    rel, size, offset, mtime_ns = safe_rel(rel), int(size), int(offset), int(mtime_ns)
+    expected = opts.get("--sha256")
     p = paths(rundir, ckpt)
     if not _still_owner(p, token):
         raise ToolError("this sync does not hold the checkpoint lock")
@@ -523,7 +575,8 @@ def _drain_writers(p: dict, token: str) -> None:
 
 
 def finalize(p: dict, manifest_data: dict) -> str:
-    files = manifest_data["files"]
+    files = [{k: v for k, v in e.items() if k not in ("ino", "ctime_ns")}  # the source host's, not ours
+             for e in manifest_data["files"]]
     staging = p["staging"]
     if os.path.exists(p["final"]):
         raise ToolError(f"{p['final']} appeared meanwhile; not replacing it")
@@ -558,8 +611,10 @@ def finalize(p: dict, manifest_data: dict) -> str:
 
 
 def cmd_hold(args: list) -> int:
-    rundir, ckpt, token = args[0], args[1], args[2]
-    wait = float(args[args.index("--wait") + 1]) if "--wait" in args else 60.0
+    global IDLE_TIMEOUT
+    (rundir, ckpt, token), opts = parse(args, ("RUNDIR", "CKPT", "TOKEN"), {"--wait": 1, "--idle": 1})
+    wait = float(opts.get("--wait", 60.0))
+    IDLE_TIMEOUT = float(opts.get("--idle", IDLE_TIMEOUT))
     p = paths(rundir, ckpt)
     os.makedirs(rundir, exist_ok=True)
     fd = _lock(p, wait)
@@ -594,16 +649,29 @@ def cmd_hold(args: list) -> int:
             out(f"ERROR {e}")
 
 
+def parse(args: list, names: tuple, flags: dict) -> tuple[list, dict]:
+    """The positional arguments ``names`` (all required), then flags (``flags``: flag -> how many
+    values it takes). Positionals are never read as flags, so any file name is safe there."""
+    if len(args) < len(names):
+        raise ToolError(f"missing {' '.join(names[len(args):])}")
+    pos, rest, opts = list(args[:len(names)]), list(args[len(names):]), {}
+    while rest:
+        flag = rest.pop(0)
+        if flag not in flags or len(rest) < flags[flag]:
+            raise ToolError(f"unexpected argument {flag!r}")
+        opts[flag] = rest.pop(0) if flags[flag] else True
+    return pos, opts
+
+
 COMMANDS = {"list": cmd_list, "manifest": cmd_manifest, "save-manifest": cmd_save_manifest,
             "state": cmd_state, "send": cmd_send, "recv": cmd_recv, "hold": cmd_hold}
 
 
 def main(argv: list) -> int:
     global IDLE_TIMEOUT
-    if "--idle" in argv:
-        i = argv.index("--idle")
-        IDLE_TIMEOUT = float(argv[i + 1])
-        argv = argv[:i] + argv[i + 2:]
+    if argv[:1] == ["--idle"] and len(argv) > 1:
+        IDLE_TIMEOUT = float(argv[1])
+        argv = argv[2:]
     if not argv or argv[0] not in COMMANDS:
         sys.stderr.write(f"ERROR usage: ckpt_tool.py {{{','.join(COMMANDS)}}} ARGS\n")
         return 2
