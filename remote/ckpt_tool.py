@@ -575,6 +575,10 @@ def _drain_writers(p: dict, token: str) -> None:
 
 
 def finalize(p: dict, manifest_data: dict) -> str:
+    """Rename the staging folder to the checkpoint's name once every file in the manifest was
+    received and verified. The verification records stay until after the rename, so a crash at
+    any point here leaves either a staging folder whose files a rerun skips, or the finished
+    checkpoint (with records that the next ``hold`` tidies away)."""
     files = [{k: v for k, v in e.items() if k not in ("ino", "ctime_ns")}  # the source host's, not ours
              for e in manifest_data["files"]]
     staging = p["staging"]
@@ -592,22 +596,29 @@ def finalize(p: dict, manifest_data: dict) -> str:
             raise ToolError(f"{rel} in staging does not match the manifest")
     wanted = {e["path"] for e in files}
     for dirpath, dirnames, filenames in os.walk(staging):
-        dirnames[:] = [d for d in dirnames if d != VERIFIED]
+        if dirpath == staging:
+            dirnames[:] = [d for d in dirnames if d != VERIFIED]
         for n in filenames:
             rel = os.path.relpath(os.path.join(dirpath, n), staging)
-            if rel not in wanted and n != OWNER:
+            if rel not in wanted and rel != OWNER:
                 os.unlink(os.path.join(dirpath, n))  # leftovers (.part of files no longer in the ckpt)
     _write_json_atomic(os.path.join(staging, MANIFEST), {"files": files})
-    shutil.rmtree(p["verified"], ignore_errors=True)
-    try:
-        os.unlink(p["owner"])
-    except FileNotFoundError:
-        pass
     for dirpath, _, _ in os.walk(staging):
         _fsync_dir(dirpath)
     os.rename(staging, p["final"])  # the checkpoint appears under its name only now, complete
     _fsync_dir(os.path.dirname(p["final"]))
+    _tidy_final(p)
     return p["final"]
+
+
+def _tidy_final(p: dict) -> None:
+    """Drop the staging bookkeeping that a finished checkpoint carried through the rename."""
+    if os.path.isdir(p["final"]):
+        shutil.rmtree(os.path.join(p["final"], VERIFIED), ignore_errors=True)
+        try:
+            os.unlink(os.path.join(p["final"], OWNER))
+        except FileNotFoundError:
+            pass
 
 
 def cmd_hold(args: list) -> int:
@@ -622,6 +633,7 @@ def cmd_hold(args: list) -> int:
         out(f"BUSY another sync of {ckpt} holds {p['lock']} (waited {wait:g}s)")
         return 7
     _drain_writers(p, token)
+    _tidy_final(p)  # a crash right after an earlier final rename
     out("LOCKED")
     reader = LineReader()
     while True:

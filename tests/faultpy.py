@@ -1,0 +1,68 @@
+"""A host's `python` for fault-injection tests: ``faultpy.py SPEC -c CODE ARGS...`` runs
+``python -c CODE ARGS...`` (how the orchestrator starts ckpt_tool on a host) with pause points
+planted in it, so a test can put a real fault (SIGKILL, a cut link, a full disk) at an exact point
+of a real sync. The inventory names a two-line shell script that execs this; nothing in the product
+knows about it.
+
+SPEC (JSON): ``{"dir": D, "pause": {"at": "send", "file": NAME, "bytes": N}}`` pauses the sender of
+NAME once N bytes are out (the sender sends 256 KiB per call, so N is exact), or
+``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder just before it renames
+the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
+``D/release`` (60 s at most), then goes on.
+"""
+import json
+import os
+import sys
+import time
+
+STEP = 256 << 10
+
+
+def pause(spec: dict, what: str) -> None:
+    marker = os.path.join(spec["dir"], "paused")
+    with open(marker + ".tmp", "w") as f:
+        f.write(f"{what} {os.getpid()}\n")
+    os.replace(marker + ".tmp", marker)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(spec["dir"], "release")) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def plant(spec: dict, tool_args: list) -> None:
+    if tool_args[:1] == ["--idle"]:
+        tool_args = tool_args[2:]
+    p = spec.get("pause") or {}
+    if p.get("at") == "send" and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == p["file"]:
+        real, sent, done = os.sendfile, [int(tool_args[4])], []
+
+        def sendfile(out_fd, in_fd, offset, count):
+            if sent[0] >= p["bytes"] and not done:
+                done.append(1)
+                pause(spec, "send")
+            n = real(out_fd, in_fd, offset, min(count, STEP))
+            sent[0] += n
+            return n
+        os.sendfile = sendfile
+    elif p.get("at") == "rename" and tool_args[:1] == ["hold"]:
+        real_rename = os.rename
+
+        def rename(src, dst, *a, **kw):
+            if os.path.basename(str(src)).startswith(".staging-") and os.path.basename(str(dst)) == p["ckpt"]:
+                pause(spec, "rename")
+            return real_rename(src, dst, *a, **kw)
+        os.rename = rename
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    if sys.argv[2] != "-c":
+        raise SystemExit("faultpy: expected SPEC -c CODE ARGS")
+    code, args = sys.argv[3], sys.argv[4:]
+    plant(spec, args[1:])            # args[0] is the tool itself (ckpt_tool's bootstrap pops it)
+    sys.argv = ["-c", *args]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
+if __name__ == "__main__":
+    main()
