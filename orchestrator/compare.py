@@ -200,7 +200,8 @@ def compare_runs(runs: Sequence[Run], *, force: bool = False, resamples: int = 1
                  published_file=None) -> dict:
     """The comparison as a JSON-able dict. Refused comparisons come back with ``refused: True``
     (and no statistics) unless ``force``."""
-    from .stats import compute_metrics, paired_compare
+    from .run_metrics import compute_metrics
+    from .stats import paired_compare
 
     if len(runs) < 2:
         raise CompareError("compare needs at least two runs")

@@ -238,7 +238,7 @@ def warn_box_html(title: str, items: Sequence[str]) -> str:
 # --------------------------------------------------------------------------- report
 
 def run_warnings(run: Run) -> list[str]:
-    from .stats import summary_disagreements
+    from .run_metrics import summary_disagreements
 
     m = run.metrics
     w = []

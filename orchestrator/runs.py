@@ -133,9 +133,9 @@ class Run:
 
     @property
     def metrics(self) -> dict:
-        """Recomputed from results.jsonl (numpy is imported here, not at module load)."""
+        """Recomputed from results.jsonl (remote.metrics, like the worker's summary.json)."""
         if self._metrics is None:
-            from .stats import compute_metrics
+            from .run_metrics import compute_metrics
 
             self._metrics = compute_metrics(self.results, self.block_size, self.mode)
         return self._metrics
