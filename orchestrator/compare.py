@@ -15,11 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .paths import shipped
 from .render import fnum
-from .runs import Run, RunError
+from .runs import EvalRun, RunError
 
 REFUSED_EXIT = 3
-PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
+PUBLISHED_FILE = shipped("published.yaml")
 
 # settings keys that do not change what is measured (other keys must match)
 SETTINGS_IGNORED = {"mode", "block_size", "sglang_url", "ddtree_budgets"}
@@ -81,7 +82,7 @@ def _prompt(row: dict):
     return tuple(row.get("prompt_ids") or [])
 
 
-def check_pair(a: Run, b: Run) -> tuple[list[Mismatch], list[str]]:
+def check_pair(a: EvalRun, b: EvalRun) -> tuple[list[Mismatch], list[str]]:
     """Mismatches that make the pairing invalid, and warnings that do not."""
     mm: list[Mismatch] = []
     warn: list[str] = []
@@ -137,7 +138,7 @@ def check_pair(a: Run, b: Run) -> tuple[list[Mismatch], list[str]]:
     return mm, warn
 
 
-def env_differences(runs: Sequence[Run], fields) -> list[dict]:
+def env_differences(runs: Sequence[EvalRun], fields) -> list[dict]:
     out = []
     for name, path in fields:
         values = {r.id: _get(r.env, path) for r in runs}
@@ -195,7 +196,7 @@ def _paired_arrays(rows: dict, ids: Sequence[str], key=None):
     return toks, cycs
 
 
-def compare_runs(runs: Sequence[Run], *, force: bool = False, resamples: int = 10000, seed: int = 0,
+def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int = 10000, seed: int = 0,
                  confidence: float = 0.95, published: Optional[str] = None, use_published: bool = True,
                  published_file=None) -> dict:
     """The comparison as a JSON-able dict. Refused comparisons come back with ``refused: True``

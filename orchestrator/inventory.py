@@ -1,7 +1,7 @@
 """The host inventory: which machines exist, what they are for, and how to reach them.
 
-Resolution order for the inventory file: explicit path, ``$DFLASH_OPS_INVENTORY``,
-``./inventory.yaml``, else only the built-in ``local`` host.
+The file is found as: explicit path, ``$DFLASH_OPS_INVENTORY``, ``./inventory.yaml``,
+``$XDG_CONFIG_HOME/dflash-ops/inventory.yaml``, else only the built-in ``local`` host.
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from typing import Any
 
 import yaml
 
+from .paths import find_config, local_home
+
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
-HOME_ENV_VAR = "DFLASH_OPS_HOME"
 
 
 class InventoryError(Exception):
@@ -65,10 +66,6 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "gpus": ((int,), "an integer"),
 }
 _LOCAL_ONLY_IGNORED = {"is_local"}
-
-
-def local_home() -> str:
-    return os.environ.get(HOME_ENV_VAR) or str(Path("~/.cache/dflash-ops/local").expanduser())
 
 
 def builtin_local() -> Host:
@@ -254,13 +251,7 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
 
 
 def resolve_inventory_path(path: str | os.PathLike | None = None) -> Path | None:
-    if path:
-        return Path(path).expanduser()
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    cwd = Path("inventory.yaml")
-    return cwd if cwd.exists() else None
+    return find_config(path, ENV_VAR, "inventory.yaml", "inventory.yaml")
 
 
 def load_inventory(

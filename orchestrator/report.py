@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .render import Document, fnum
-from .runs import Run, load_run
+from .runs import EvalRun, load_run
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
 
@@ -31,7 +31,7 @@ def versions_text(env: dict) -> str:
 
 # --------------------------------------------------------------------------- tables
 
-def summary_rows(run: Run, m: dict) -> list[tuple[str, str]]:
+def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
     env = run.env
     rows = [("run", run.id), ("drafter", run.label), ("target", str(run.target or "—")),
             ("suite", str(run.suite or "—")), ("host", str(run.host or "—")), ("status", run.status),
@@ -62,7 +62,7 @@ def summary_rows(run: Run, m: dict) -> list[tuple[str, str]]:
 
 # --------------------------------------------------------------------------- report
 
-def run_warnings(run: Run) -> list[str]:
+def run_warnings(run: EvalRun) -> list[str]:
     from .run_metrics import summary_disagreements
 
     m = run.metrics
@@ -80,7 +80,7 @@ def run_warnings(run: Run) -> list[str]:
     return w
 
 
-def report_plots(run: Run) -> list[tuple[str, str, Optional[bytes]]]:
+def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
     from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position
 
     m, label = run.metrics, run.label
@@ -116,7 +116,7 @@ def _detail_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
     """Write report.md and report.html for the run folder; return their paths."""
-    run = run_dir if isinstance(run_dir, Run) else load_run(run_dir)
+    run = run_dir if isinstance(run_dir, EvalRun) else load_run(run_dir)
     m = run.metrics
     doc = Document(f"dflash-ops run {run.id}")
     doc.para(f"Drafter **{run.label}** on target `{run.target}`, suite `{run.suite}`. "

@@ -1,4 +1,4 @@
-"""Run folders under the runs directory, and resolving labels (`zlab`, `v5:step20k`, a run id) to runs.
+"""Eval run folders under the runs directory, and resolving labels (`zlab`, `v5:step20k`, a run id) to them.
 
 A run folder (docs/run-format.md) holds the worker's ``results.jsonl``, ``summary.json``,
 ``env.json`` and the orchestrator's ``run.json``. Stdlib only: `dflash-ops runs` must start fast.
@@ -55,8 +55,9 @@ def read_results(path: Path) -> list[dict]:
 
 
 @dataclass
-class Run:
-    """One run folder. ``meta`` is run.json (or what could be inferred from env.json)."""
+class EvalRun:
+    """One eval run's folder as reports read it (a training run is catalog.TrainingRun).
+    ``meta`` is run.json (or what could be inferred from env.json)."""
 
     path: Path
     meta: dict
@@ -144,7 +145,7 @@ class Run:
         return (self.created_at, self.id)
 
 
-def load_run(path) -> Run:
+def load_run(path) -> EvalRun:
     path = Path(path)
     if not path.is_dir():
         raise RunError(f"{path}: no such run folder")
@@ -159,10 +160,10 @@ def load_run(path) -> Run:
                 "suite": (env.get("suite") or {}).get("name"), "host": env.get("host"),
                 "mode": (env.get("settings") or {}).get("mode"), "created_at": env.get("started_at"),
                 "status": None, "inferred": True}
-    return Run(path=path, meta=meta, env=env)
+    return EvalRun(path=path, meta=meta, env=env)
 
 
-def list_runs(directory: Optional[Path] = None) -> list[Run]:
+def list_runs(directory: Optional[Path] = None) -> list[EvalRun]:
     """All runs in the runs dir, oldest first. Folders that are not runs (compare-*) are skipped."""
     d = Path(directory) if directory is not None else runs_dir()
     if not d.is_dir():
@@ -177,16 +178,16 @@ def list_runs(directory: Optional[Path] = None) -> list[Run]:
             out.append(load_run(p))
         except RunError:
             continue
-    return sorted(out, key=Run.sort_key)
+    return sorted(out, key=EvalRun.sort_key)
 
 
-def _newest(runs: list[Run]) -> Run:
+def _newest(runs: list[EvalRun]) -> EvalRun:
     """Newest finished run; a running/failed one only when none finished."""
     done = [r for r in runs if r.status == "done"]
-    return max(done or runs, key=Run.sort_key)
+    return max(done or runs, key=EvalRun.sort_key)
 
 
-def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[Run]] = None) -> Run:
+def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[EvalRun]] = None) -> EvalRun:
     """A run id exactly; a unique run-id prefix; `DRAFTER:CHECKPOINT` = newest run of that pair;
     `DRAFTER` = newest run of that drafter; `CHECKPOINT` alone if only one drafter has it;
     or a path to a run folder."""
@@ -228,7 +229,7 @@ def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[Ru
     raise RunError(f"no run matches {label!r} {where}{hint} (`dflash-ops runs` lists them)")
 
 
-def filter_runs(runs: list[Run], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[Run]:
+def filter_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[EvalRun]:
     def ok(value, want):
         return want is None or (value is not None and str(value) == want)
 

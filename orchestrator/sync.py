@@ -37,7 +37,7 @@ from importlib import resources
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from .catalog import Catalog, CatalogError, Run, check_name, resolve_checkpoint
+from .catalog import Catalog, CatalogError, TrainingRun, check_name, resolve_checkpoint
 from .inventory import Host, Inventory, InventoryError
 from .transport import CONNECT_TIMEOUT, TransportError, command_line, runner_for
 
@@ -156,7 +156,7 @@ def pick_host(inv: Inventory, role: str, name: str | None) -> Host:
     return hosts[0]
 
 
-def list_runs(runner, host: Host, runs: list[Run], root_for: Callable[[Run], str]) -> dict:
+def list_runs(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
     args: list[str] = ["list", host.checkpoints or "/"]
     for r in runs:
         args += ["--run", r.name, root_for(r), r.pattern]
@@ -172,7 +172,7 @@ def newest_run(listing: dict) -> str | None:
     return best
 
 
-def dest_rundir(dst: Host, run: Run) -> str:
+def dest_rundir(dst: Host, run: TrainingRun) -> str:
     if not dst.checkpoints:
         raise SyncError(f"host {dst.name} has no `checkpoints` root in the inventory")
     return str(PurePosixPath(dst.checkpoints) / run.name)
@@ -421,7 +421,7 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def _pick_run(catalog: Catalog, run: str | None, listing_fn) -> tuple[Run, dict]:
+def _pick_run(catalog: Catalog, run: str | None, listing_fn) -> tuple[TrainingRun, dict]:
     if run:
         r = catalog.run(run)
         return r, listing_fn([r])[r.name]
@@ -432,7 +432,7 @@ def _pick_run(catalog: Catalog, run: str | None, listing_fn) -> tuple[Run, dict]
     return catalog.runs[name], listing[name]
 
 
-def _resolve(name: str, r: Run, info: dict, src: Host) -> str:
+def _resolve(name: str, r: TrainingRun, info: dict, src: Host) -> str:
     folders = [c["name"] for c in info["checkpoints"]]
     if name in ("latest", "newest"):
         stepped = [c for c in info["checkpoints"] if c["step"] is not None]
