@@ -42,6 +42,9 @@ class Host:
     sglang: str | None = None
     gpus: int | None = None
     is_local: bool = False
+    # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
+    ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    ssh_config_file: str | None = field(default=None, compare=False, repr=False)  # `-F` (tests)
 
     @property
     def endpoint(self) -> str:
@@ -156,27 +159,24 @@ def _read_yaml(path: Path) -> Any:
 # --- ssh_config ----------------------------------------------------------------------------
 
 
-def default_ssh_config_path() -> Path:
-    return Path("~/.ssh/config").expanduser()
+SSH_FIELDS = frozenset({"address", "port", "user", "identity", "known_hosts", "jump"})
 
 
-def _resolve_ssh_alias(alias: str, ssh_config_path: Path | None) -> dict[str, Any]:
-    import paramiko  # local import: keep CLI start-up light
+def _resolve_ssh_alias(where: str, alias: str, ssh_config_path: Path | None) -> dict[str, Any]:
+    """A ``Host`` alias as OpenSSH resolves it (``ssh -G``: Include, Match and defaults honoured)."""
+    from . import sshconfig
 
-    path = ssh_config_path or default_ssh_config_path()
-    cfg = paramiko.SSHConfig.from_path(str(path)) if path.exists() else paramiko.SSHConfig()
-    looked = cfg.lookup(alias)
-    out: dict[str, Any] = {"address": looked.get("hostname", alias)}
-    if "port" in looked:
-        out["port"] = int(looked["port"])
-    if "user" in looked:
-        out["user"] = looked["user"]
-    if looked.get("identityfile"):
-        out["identity"] = looked["identityfile"][0]
-    if looked.get("proxyjump") and looked["proxyjump"].lower() != "none":
-        out["jump"] = looked["proxyjump"].split(",")[0].strip()
-    if looked.get("userknownhostsfile"):
-        out["known_hosts"] = looked["userknownhostsfile"].split()[0]
+    try:
+        cfg = sshconfig.resolve(alias, config_file=ssh_config_path)
+    except sshconfig.SSHConfigError as e:
+        raise InventoryError(f"{where}: ssh_config {alias!r}: {e}") from None
+    out: dict[str, Any] = {"address": cfg.first("hostname") or alias, "port": int(cfg.first("port") or 22),
+                           "user": cfg.first("user")}
+    identities = cfg.get("identityfile", [])
+    if identities and tuple(identities) != sshconfig.default_identities():
+        out["identity"] = sshconfig.expand(identities[0])
+    if cfg.proxy("proxyjump"):
+        out["jump"] = cfg.proxy("proxyjump")
     return out
 
 
@@ -222,12 +222,14 @@ def _host_from_entry(
     if base is not None:  # overriding the built-in local host
         return replace(base, **values)
 
+    ssh_set = frozenset(values) & SSH_FIELDS
     if values.get("ssh_config"):
-        resolved = _resolve_ssh_alias(values["ssh_config"], ssh_config_path)
+        resolved = _resolve_ssh_alias(where, values["ssh_config"], ssh_config_path)
         values = {**resolved, **values}  # explicit inventory fields win over ~/.ssh/config
     if not values.get("address"):
         raise InventoryError(f"{where}: missing field 'address' (or 'ssh_config: ALIAS')")
-    return Host(name=name, **values)
+    return Host(name=name, ssh_set=ssh_set, ssh_config_file=str(ssh_config_path) if ssh_config_path else None,
+                **values)
 
 
 def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) -> Inventory:

@@ -34,12 +34,12 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Callable
 
 from .catalog import Catalog, CatalogError, TrainingRun, check_name, resolve_checkpoint
 from .inventory import Host, Inventory, InventoryError
-from .transport import CONNECT_TIMEOUT, TransportError, command_line, runner_for
+from .transport import CONNECT_TIMEOUT, TransportError, command_line, endpoint_for, runner_for
 
 ALIVE_INTERVAL = 5  # ssh ServerAliveInterval: a dead link is noticed after INTERVAL*COUNT seconds
 ALIVE_COUNT = 3
@@ -77,49 +77,16 @@ def tool_argv(host: Host, *args: str | int) -> list[str]:
     return [host.python, "-c", BOOTSTRAP, tool_blob(), *(str(a) for a in args)]
 
 
-def _ssh_value(v: str) -> str:
-    return f'"{v}"' if any(c.isspace() for c in v) else v
-
-
-def ssh_argv(host: Host, remote: list[str], inventory: Inventory | None = None, *,
-             alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> list[str]:
-    """An OpenSSH client argv running ``remote`` (quoted by transport.command_line) on ``host``,
-    with the inventory's identity, port, user and known_hosts; host keys are verified."""
-    opts = ["-T", "-x", "-a", "-o", "BatchMode=yes", "-o", "ControlMaster=no", "-o", "ControlPath=none",
-            "-o", f"ConnectTimeout={int(CONNECT_TIMEOUT)}", "-o", f"ServerAliveInterval={alive[0]}",
-            "-o", f"ServerAliveCountMax={alive[1]}", "-o", "TCPKeepAlive=yes", "-o", "Compression=no",
-            "-o", f"Ciphers={CIPHERS}", "-p", str(host.port)]
-    if host.trust_host_key:  # as the inventory says: accept an unknown key, write nothing
-        opts += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"]
-    else:
-        kh = str(Path(host.known_hosts or "~/.ssh/known_hosts").expanduser())
-        opts += ["-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={_ssh_value(kh)}"]
-    if host.identity:
-        opts += ["-i", str(Path(host.identity).expanduser()), "-o", "IdentitiesOnly=yes"]
-    if host.user:
-        opts += ["-l", host.user]
-    if host.jump:
-        jhost = _jump_host(host, inventory)
-        jargv = ssh_argv(jhost, ["true"], inventory, alive=alive)[:-3]  # options only
-        jline = command_line([a.replace("%", "%%") for a in jargv] + ["-W", "%h:%p", "--", jhost.address])
-        opts += ["-o", f"ProxyCommand={jline}"]
-    return ["ssh", *opts, "--", host.address, command_line(remote)]
-
-
-def _jump_host(host: Host, inventory: Inventory | None) -> Host:
-    from dataclasses import replace
-
-    from .transport import _parse_endpoint
-
-    if inventory is not None and host.jump in inventory.hosts:
-        return inventory.get(host.jump)
-    user, addr, port = _parse_endpoint(host.jump, host.user)
-    return replace(host, name=f"{host.name}-jump", address=addr, port=port, user=user, jump=None)
+def data_options(alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> tuple[str, ...]:
+    """OpenSSH options of the data path: a dead link fails in ALIVE[0]*ALIVE[1] s, fast ciphers."""
+    return (f"ConnectTimeout={int(CONNECT_TIMEOUT)}", f"ServerAliveInterval={alive[0]}",
+            f"ServerAliveCountMax={alive[1]}", "TCPKeepAlive=yes", "Compression=no", f"Ciphers={CIPHERS}")
 
 
 def data_argv(host: Host, remote: list[str], inventory: Inventory | None = None,
               alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> list[str]:
-    return list(remote) if host.is_local else ssh_argv(host, remote, inventory, alive=alive)
+    """``remote`` run on ``host`` by an OpenSSH client (the host's endpoint), or locally."""
+    return list(remote) if host.is_local else endpoint_for(host, inventory).argv(remote, data_options(alive))
 
 
 def _tool_error(stderr: str, fallback: str) -> str:
@@ -557,11 +524,8 @@ def _move(plan: SyncPlan, inv: Inventory, token: str, jobs: int, alive, idle: fl
                          offset, *(["--hash"] if f.sha256 is None else []))
         recv = tool_argv(dst, "--idle", f"{idle:g}", "recv", plan.dst_rundir, plan.checkpoint, f.path,
                          f.size, offset, f.mtime_ns, token, *(["--sha256", f.sha256] if f.sha256 else []))
-        if direct:  # the eval host pulls from the training host itself with its own ssh setup
-            pull = ["ssh", "-T", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-                    "-o", f"ServerAliveInterval={alive[0]}", "-o", f"ServerAliveCountMax={alive[1]}",
-                    "-o", f"Ciphers={CIPHERS}", "-p", str(src.port),
-                    *(["-l", src.user] if src.user else []), "--", src.address, command_line(send)]
+        if direct:  # the eval host pulls from the training host itself, with its own key and known_hosts
+            pull = endpoint_for(src, inv).argv(send, data_options(alive), on_host=True)
             line = f"set -o pipefail 2>/dev/null; {command_line(pull)} | {command_line(recv)}"
             return None, data_argv(dst, ["bash", "-c", line], inv, alive)
         return data_argv(src, send, inv, alive), data_argv(dst, recv, inv, alive)
@@ -647,8 +611,8 @@ def _explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc
     for host, err in ((dst, derr), (src, serr)):
         low = err.lower()
         if "host key verification failed" in low:
-            return (f"host {host.name} ({host.address}:{host.port}): host key verification failed "
-                    f"(known_hosts {host.known_hosts or '~/.ssh/known_hosts'})")
+            ep = endpoint_for(host)
+            return f"{ep.where}: host key verification failed (known_hosts {ep.known_hosts_file})"
         if "not responding" in low or "timed out" in low or "connection reset" in low:
             return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while "
                     f"moving {where}: no answer for ~{dead}s; {keep}")
