@@ -179,7 +179,70 @@ from .cli_eval import register as _register_eval  # noqa: E402  (eval, attach, c
 _register_eval(app)
 
 
-# --- sync-ckpt, ckpts (bodies in sync.py; imported lazily) ----------------------------------------
+# --- sync-ckpt, ckpts -----------------------------------------------------------------------------
+
+
+class _SyncBars:
+    """rich progress bars for a sync: one for the checkpoint, one per file."""
+
+    def __init__(self, console):
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                             TimeRemainingColumn(), console=console, transient=False)
+        self.total = None
+        self.files: dict[str, int] = {}
+
+    def start(self, plan) -> None:
+        self.total = self.bars.add_task(f"[bold]{plan.checkpoint}", total=plan.to_move)
+        self.bars.start()
+
+    def file_started(self, f) -> None:
+        self.files[f.path] = self.bars.add_task(f"  {f.path}", total=f.size, completed=f.offset)
+
+    def moved(self, f, n: int) -> None:
+        self.bars.advance(self.files[f.path], n)
+        self.bars.advance(self.total, n)
+
+    def file_restarted(self, f, lost: int) -> None:
+        self.bars.update(self.files[f.path], completed=0)
+        self.bars.update(self.total, total=self.bars.tasks[self.total].total + lost)
+
+    def stop(self) -> None:
+        self.bars.stop()
+
+
+def _print_plan(console, plan) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .render import human_bytes
+
+    t = Table(title=f"{plan.src.name}:{plan.src_dir} → {plan.dst.name}:{plan.dst_final}")
+    for c in ("file", "size", "action", "from"):
+        t.add_column(c, justify="right" if c in ("size", "from") else "left")
+    for f in plan.files:
+        t.add_row(escape(f.path), human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-")
+    console.print(t)
+    if plan.up_to_date:
+        console.print("[green]already on the destination and verified: nothing to move[/]")
+    elif plan.final_exists:
+        console.print(f"[yellow]{escape(plan.dst_final)} exists (not identical or unverified)[/]")
+    else:
+        free = "" if plan.free_bytes is None else f", {human_bytes(plan.free_bytes)} free there"
+        console.print(f"to move: {human_bytes(plan.to_move)} of {human_bytes(plan.total)}{free}")
+
+
+@contextmanager
+def _sync_errors():
+    from .catalog import CatalogError
+    from .sync import SyncError
+
+    try:
+        yield
+    except (SyncError, CatalogError) as e:
+        raise fail(str(e)) from None
 
 
 @app.command("sync-ckpt")
@@ -197,10 +260,24 @@ def sync_ckpt_cmd(
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help="Catalog (default: configs/drafters.yaml)."),
 ):
     """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
-    from .sync import cli_sync
+    from .catalog import load_catalog
+    from .render import human_bytes
+    from .sync import sync_checkpoint
 
-    cli_sync(_inventory(ctx), name, run=run, src=src, dst=dst, dry_run=dry_run, jobs=jobs, direct=direct,
-             lock_wait=lock_wait, catalog=catalog)
+    inv = _inventory(ctx)
+    err, out = _console(stderr=True), _console()
+    with user_errors(), _sync_errors():
+        result = sync_checkpoint(inv, load_catalog(catalog), name, run=run, src_name=src, dst_name=dst, jobs=jobs,
+                                 dry_run=dry_run, direct=direct, lock_wait=lock_wait,
+                                 progress=_SyncBars(err) if err.is_terminal else None,
+                                 on_plan=lambda p: _print_plan(out, p))
+    if dry_run:
+        return
+    p = result.plan
+    moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
+    extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
+    out.print(f"[green]✔[/] {p.run}/{p.checkpoint} on {p.dst.name}:{p.dst_final}: {moved}; "
+              f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
 
 
 @app.command("ckpts")
@@ -212,9 +289,28 @@ def ckpts_cmd(
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help="Catalog (default: configs/drafters.yaml)."),
 ):
     """List a run's checkpoints on the training host: step, size, time, and whether on the eval host."""
-    from .sync import cli_ckpts
+    from datetime import datetime
 
-    cli_ckpts(_inventory(ctx), run, src=src, dst=dst, catalog=catalog)
+    from rich.table import Table
+
+    from .catalog import load_catalog
+    from .render import human_bytes
+    from .sync import list_checkpoints
+
+    inv = _inventory(ctx)
+    out = _console()
+    with user_errors(), _sync_errors():
+        rows, warnings = list_checkpoints(inv, load_catalog(catalog), run, src_name=src, dst_name=dst)
+    t = Table(title="checkpoints on the training host")
+    for c in ("run", "checkpoint", "step", "size", "files", "time", "on eval"):
+        t.add_column(c)
+    colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
+    for r in rows:
+        t.add_row(r.run, r.name, "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
+                  datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M"), f"[{colour[r.on_eval]}]{r.on_eval}[/]")
+    out.print(t)
+    for w in warnings:
+        out.print(f"[yellow]! {w}[/]")
 
 
 def main() -> None:

@@ -109,6 +109,17 @@ class Inventory:
     def with_role(self, role: str) -> list[Host]:
         return [h for h in self.hosts.values() if role in h.roles]
 
+    def pick(self, role: str, name: str | None = None) -> Host:
+        """``name``, else the one host with ``role`` (an SSH host before the built-in ``local``)."""
+        if name:
+            return self.get(name)
+        hosts = [h for h in self.with_role(role) if not h.is_local] or self.with_role(role)
+        if len(hosts) != 1:
+            flag = "--from" if role == "train" else "--to"
+            raise InventoryError(f"{len(hosts)} hosts have role {role} ({', '.join(h.name for h in hosts) or 'none'});"
+                                 f" pick one with {flag} HOST")
+        return hosts[0]
+
     def __iter__(self):
         return iter(self.hosts.values())
 

@@ -1,4 +1,4 @@
-"""Documents written to disk: Markdown plus a self-contained HTML page (inline CSS, plots as
+"""Formatting shared by documents and messages, and documents written to disk: Markdown plus a self-contained HTML page (inline CSS, plots as
 ``data:`` PNGs) from one list of blocks. ``report.md/.html`` of a run and ``compare.md/.html``
 are both :class:`Document` s; terminal tables are the CLI's (orchestrator/cli/console.py).
 
@@ -42,6 +42,15 @@ def fnum(x, digits: int = 4) -> str:
     if isinstance(x, float):
         return "nan" if math.isnan(x) else f"{x:.{digits}f}"
     return str(x)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
