@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .errors import InputError
 from .paths import find_config, shipped
 
 ENV_VAR = "DFLASH_OPS_CATALOG"
@@ -27,7 +28,7 @@ FORMATS = ("zlab", "speculators", "state_dict")
 DEFAULT_PATTERN = "step_{step}"
 
 
-class CatalogError(Exception):
+class CatalogError(InputError):
     """A bad catalog, an unknown label or an unresolvable checkpoint name (message is user-facing)."""
 
 

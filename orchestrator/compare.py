@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .errors import DflashOpsError
 from .paths import shipped
 from .render import fnum
 from .runs import EvalRun, RunError
 
-REFUSED_EXIT = 3
 PUBLISHED_FILE = shipped("published.yaml")
 
 # settings keys that do not change what is measured (other keys must match)
@@ -34,7 +34,13 @@ OTHER_ENV = [("host", ("host",)), ("python", ("versions", "python")), ("drafter 
 
 
 class CompareError(RunError):
-    pass
+    """The comparison cannot be made as asked."""
+
+
+class NotPaired(DflashOpsError):
+    """The runs do not pair (target, suite, mode, settings, prompts or references differ)."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -467,77 +473,28 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     return doc.write(out_dir, "compare")
 
 
-# --------------------------------------------------------------------------- CLI body
+def compare_labels(labels: Sequence[str], runs_root: Path, *, force: bool = False, resamples: int = 10000,
+                   seed: int = 0, published: Optional[str] = None, use_published: bool = True,
+                   out: Optional[Path] = None) -> dict:
+    """Resolve run labels in ``runs_root`` and compare them; unless refused, write compare.md/.html
+    (default folder: ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
+    from .runs import list_runs, resolve
 
-def cli_compare(labels: Sequence[str], *, runs_dir_opt=None, force=False, resamples=10000, seed=0,
-                published=None, no_published=False, out=None, as_json=False) -> None:
-    import typer
-    from rich.markup import escape
-    from rich.panel import Panel
-    from rich.table import Table
+    if len(labels) < 2:
+        raise CompareError("compare needs at least two runs (A is the baseline)")
+    if resamples < 100:
+        raise CompareError("--resamples must be at least 100")
+    all_runs = list_runs(runs_root)
+    runs = [resolve(lb, runs_root, runs=all_runs) for lb in labels]
+    result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
+                          use_published=use_published)
+    if not result["refused"]:
+        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in runs]))
+        result["outputs"] = {"md": str(md_path), "html": str(html_path)}
+    return result
 
-    from .cli import _console, fail
-    from .runs import list_runs, resolve, runs_dir
 
-    root = runs_dir(runs_dir_opt)
-    try:
-        if len(labels) < 2:
-            raise CompareError("compare needs at least two runs (A is the baseline)")
-        if resamples < 100:
-            raise CompareError("--resamples must be at least 100")
-        all_runs = list_runs(root)
-        runs = [resolve(lb, root, runs=all_runs) for lb in labels]
-        result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
-                              use_published=not no_published)
-    except RunError as e:
-        raise fail(str(e)) from None
-
-    err = _console(stderr=True)
-    if result["refused"]:
-        if as_json:
-            print(json.dumps(result, indent=2, default=str))
-        else:
-            err.print(Panel("\n".join(f"• {escape(m['message'])}" for m in result["mismatches"]),
-                            title="runs do not pair", border_style="red"))
-        err.print(f"[bold red]error:[/] [red]refusing to compare: {len(result['mismatches'])} mismatch(es) "
-                  f"(first: {escape(result['mismatches'][0]['message'])}); --force compares the common "
-                  "prompts anyway[/]")
-        raise typer.Exit(REFUSED_EXIT)
-
-    out_dir = Path(out) if out else default_out_dir(root, [r.id for r in runs])
-    md_path, html_path = write_compare(result, out_dir)
-    result["outputs"] = {"md": str(md_path), "html": str(html_path)}
-    if as_json:
-        print(json.dumps(result, indent=2, default=str))
-        return
-
-    con = _console()
-    if result["mismatches"]:
-        con.print(Panel("\n".join(f"• {escape(m['message'])}" for m in result["mismatches"]),
-                        title="FORCED: runs do not pair (--force)", border_style="red"))
-    env_lines = env_warning_lines(result)
-    if env_lines:
-        con.print(Panel("\n".join(f"• {escape(x)}" for x in env_lines),
-                        title="environment differences that can change the numbers", border_style="yellow"))
-    for w in result["warnings"]:
-        con.print(f"[yellow]! {escape(w)}[/]")
-
-    def show(title, head, rows, caption=None):
-        t = Table(title=title, caption=caption)
-        for i, h in enumerate(head):
-            t.add_column(escape(h), justify="left" if i == 0 else "right")
-        for r in rows:
-            t.add_row(*[escape(str(c)) for c in r])
-        con.print(t)
-
-    pub = result.get("published")
-    show("side by side", *side_by_side(result),
-         caption=(f"{pub['name']}: {pub['label']} ({pub['source'].get('title')}, arXiv "
-                  f"{pub['source'].get('arxiv')})" + (f"; {pub['caveat']}" if pub.get("caveat") else ""))
-         if pub else None)
-    show("difference vs baseline", *difference_rows(result), caption=stats_note(result))
-    show("per-position acceptance", *per_position_rows(result))
-    cat = category_rows(result)
-    if cat:
-        show("per category (τ macro)", *cat)
-    con.print(f"compare report: {escape(str(md_path))}\n                {escape(str(html_path))}")
+def refusal(result: dict) -> NotPaired:
+    m = result["mismatches"]
+    return NotPaired(f"refusing to compare: {len(m)} mismatch(es) (first: {m[0]['message']}); --force compares "
+                     "the common prompts anyway")

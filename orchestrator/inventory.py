@@ -8,19 +8,20 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .errors import InputError
 from .paths import find_config, local_home
 
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
 
 
-class InventoryError(Exception):
+class InventoryError(InputError):
     """A bad inventory or an unknown host; the message is meant for the user as-is."""
 
 
@@ -49,6 +50,11 @@ class Host:
     @property
     def endpoint(self) -> str:
         return "local" if self.is_local else f"{self.address}:{self.port}"
+
+    def to_dict(self) -> dict:
+        """The inventory's view of the host (what `hosts --json` prints)."""
+        return {f.name: (list(v) if isinstance(v, tuple) else v) for f in fields(self) if f.repr
+                for v in [getattr(self, f.name)]}
 
 
 # Field name -> (accepted python types, human type name).

@@ -140,40 +140,8 @@ def report_is_stale(run_dir) -> bool:
                for f in ("results.jsonl", "summary.json", "env.json", "run.json"))
 
 
-# --------------------------------------------------------------------------- CLI body
-
-def cli_show(label: str, runs_dir_opt=None, rewrite: bool = False) -> None:
-    from rich.markup import escape
-    from rich.panel import Panel
-    from rich.table import Table
-
-    from .cli import _console, fail
-    from .runs import RunError, resolve, runs_dir
-
-    try:
-        run = resolve(label, runs_dir(runs_dir_opt))
-        if rewrite or report_is_stale(run.path):
-            md_path, html_path = write_report(run)
-        else:
-            md_path, html_path = run.path / REPORT_MD, run.path / REPORT_HTML
-        m = run.metrics
-        warnings = run_warnings(run)
-    except RunError as e:
-        raise fail(str(e)) from None
-    out = _console()
-    table = Table(title=f"run {run.id}", show_header=False)
-    table.add_column("metric", style="bold")
-    table.add_column("value")
-    for k, v in summary_rows(run, m):
-        table.add_row(escape(k), escape(v))
-    out.print(table)
-    if m.get("categories"):
-        ct = Table(title="τ per category")
-        for col in ("category", "prompts", "tau_macro", "tau_pooled"):
-            ct.add_column(col, justify="left" if col == "category" else "right")
-        for c, v in m["categories"].items():
-            ct.add_row(escape(c), str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"]))
-        out.print(ct)
-    if warnings:
-        out.print(Panel("\n".join(f"• {escape(w)}" for w in warnings), title="warnings", border_style="yellow"))
-    out.print(f"report: {escape(str(md_path))}\n        {escape(str(html_path))}")
+def current_report(run: EvalRun, rewrite: bool = False) -> tuple[Path, Path]:
+    """The run's report.md and report.html, (re)written when missing, stale or ``rewrite``."""
+    if rewrite or report_is_stale(run.path):
+        return write_report(run)
+    return run.path / REPORT_MD, run.path / REPORT_HTML

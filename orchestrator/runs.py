@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .errors import InputError
+
 RUNS_ENV = "DFLASH_OPS_RUNS"
 
 
-class RunError(Exception):
+class RunError(InputError):
     """A run cannot be found, resolved or read (one clear line for the user)."""
 
 
@@ -237,46 +239,16 @@ def filter_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status
             and ok(r.status, status) and ok(r.checkpoint, checkpoint)]
 
 
-# --------------------------------------------------------------------------- CLI bodies
-
-def cli_runs(runs_dir_opt=None, drafter=None, suite=None, host=None, status=None, as_json=False) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from .cli import _console
-
-    d = runs_dir(runs_dir_opt)
-    runs = filter_runs(list_runs(d), drafter=drafter, suite=suite, host=host, status=status)
+def run_rows(runs: list[EvalRun]) -> list[dict]:
+    """One row per run for `dflash-ops runs` (τ recomputed from results.jsonl)."""
     rows = []
     for r in runs:
         try:
             m = r.metrics
-            tau = m["tau_macro"]
-            n = m["prompts"]
+            tau, n = m["tau_macro"], m["prompts"]
         except Exception:  # a damaged results.jsonl must not hide the other runs
             tau, n = None, r.meta.get("prompts")
         rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "target": r.target,
                      "suite": r.suite, "prompts": n, "prompts_planned": r.meta.get("prompts"),
                      "tau_macro": tau, "host": r.host, "created_at": r.created_at, "status": r.status})
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return
-    if not runs:
-        _console(stderr=True).print(f"no runs in {escape(str(d))}" + (" matching the filters" if any(
-            (drafter, suite, host, status)) else ""))
-        return
-    table = Table(title=f"runs ({d})")
-    for col in ("id", "drafter", "checkpoint", "target", "suite", "prompts", "τ macro", "host", "date", "status"):
-        table.add_column(col, justify="right" if col in ("prompts", "τ macro") else "left")
-    colors = {"done": "green", "failed": "red", "running": "yellow"}
-    for row in rows:
-        n = "-" if row["prompts"] is None else str(row["prompts"])
-        if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
-            n += f"/{row['prompts_planned']}"
-        st = row["status"]
-        table.add_row(escape(row["id"]), escape(str(row["drafter"] or "-")), escape(row["checkpoint"] or "-"),
-                      escape(str(row["target"] or "-")), escape(str(row["suite"] or "-")), n,
-                      "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
-                      escape(str(row["host"] or "-")), escape(row["created_at"][:16].replace("T", " ")),
-                      f"[{colors.get(st, 'white')}]{escape(st)}[/]")
-    _console().print(table)
+    return rows

@@ -16,10 +16,12 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import InputError
+
 SSH = "ssh"
 
 
-class SSHConfigError(Exception):
+class SSHConfigError(InputError):
     """OpenSSH is missing or rejected the configuration (message is user-facing)."""
 
 

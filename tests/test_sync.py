@@ -357,3 +357,14 @@ def test_default_run_is_the_one_with_the_newest_checkpoint(ssh_lab, tmp_path):
     plans = []
     sync_checkpoint(old.inv, cat, "5", dry_run=True, on_plan=plans.append, progress=None)
     assert plans[0].run == new_run and plans[0].checkpoint == "step_5"
+
+
+def test_ckpts_json(env):
+    env.ckpt(300, {"config.json": b"{}\n"})
+    p = env.cli("ckpts", env.run, "--json")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    data = json.loads(out)
+    assert [(c["run"], c["name"], c["step"], c["on_eval"]) for c in data["checkpoints"]] == [
+        (env.run, "step_300", 300, "no")]
+    assert data["warnings"] == []

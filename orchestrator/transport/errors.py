@@ -1,8 +1,10 @@
 """What can go wrong reaching a host; every message is for the user as-is."""
 from __future__ import annotations
 
+from ..errors import OperationFailed
 
-class TransportError(Exception):
+
+class TransportError(OperationFailed):
     """A host could not be reached or a command could not be run."""
 
 
