@@ -77,7 +77,7 @@ def main() -> int:
             shutil.rmtree(dest_root, ignore_errors=True)
             (ck / ".dflash-manifest.json").unlink(missing_ok=True)
             t = time.monotonic()
-            res = sync_checkpoint(inv, cat, "step_1000", jobs=args.jobs, progress=False)
+            res = sync_checkpoint(inv, cat, "step_1000", jobs=args.jobs)
             dt = time.monotonic() - t
             assert res.bytes_moved == size + (ck / "config.json").stat().st_size, res.bytes_moved
             return dt

@@ -7,8 +7,8 @@
   ``target``.
 * ``targets``: target models (``path`` on the eval host).
 
-File: explicit path, ``$DFLASH_OPS_CATALOG``, ``./configs/drafters.yaml``, else the one shipped
-next to this package. Checkpoint names (``step20k``, ``20000``, ``step_20000``, ``20k``, a folder
+File: explicit path, ``$DFLASH_OPS_CATALOG``, ``./configs/drafters.yaml``,
+``$XDG_CONFIG_HOME/dflash-ops/drafters.yaml``, else the example shipped in the package. Checkpoint names (``step20k``, ``20000``, ``step_20000``, ``20k``, a folder
 name) are resolved by :func:`resolve_checkpoint`; names that could escape a folder are refused.
 """
 from __future__ import annotations
@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .errors import InputError
+from .paths import find_config, shipped
+
 ENV_VAR = "DFLASH_OPS_CATALOG"
 FORMATS = ("zlab", "speculators", "state_dict")
 DEFAULT_PATTERN = "step_{step}"
 
 
-class CatalogError(Exception):
+class CatalogError(InputError):
     """A bad catalog, an unknown label or an unresolvable checkpoint name (message is user-facing)."""
 
 
@@ -75,7 +78,8 @@ def parse_step(name: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class Run:
+class TrainingRun:
+    """A training run on the training host: its checkpoint folders (not an eval run: runs.EvalRun)."""
     name: str
     dir: str
     pattern: str = DEFAULT_PATTERN
@@ -131,12 +135,12 @@ class Drafter:
 
 @dataclass
 class Catalog:
-    runs: dict[str, Run] = field(default_factory=dict)
+    runs: dict[str, TrainingRun] = field(default_factory=dict)
     drafters: dict[str, Drafter] = field(default_factory=dict)
     targets: dict[str, Target] = field(default_factory=dict)
     path: Path | None = None
 
-    def run(self, name: str) -> Run:
+    def run(self, name: str) -> TrainingRun:
         if name not in self.runs:
             raise _unknown("training run", name, self.runs)
         return self.runs[name]
@@ -163,7 +167,7 @@ def split_label(label: str) -> tuple[str, str | None]:
     return base, (ckpt if sep else None)
 
 
-def resolve_checkpoint(name: str, run: Run, folders: list[str]) -> str:
+def resolve_checkpoint(name: str, run: TrainingRun, folders: list[str]) -> str:
     """The checkpoint folder (one of ``folders``, the run's folders on the training host) that
     ``name`` means: the folder name itself, or a step in any spelling. Unknown: lists the nearest."""
     check_name(name)
@@ -197,14 +201,8 @@ def _raise(e: Exception):
 
 
 def default_catalog_path() -> Path | None:
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    here = Path("configs/drafters.yaml")
-    if here.exists():
-        return here
-    shipped = Path(__file__).resolve().parent.parent / "configs" / "drafters.yaml"
-    return shipped if shipped.exists() else None
+    found = find_config(None, ENV_VAR, "configs/drafters.yaml", "drafters.yaml")
+    return found or (shipped("drafters.yaml") if shipped("drafters.yaml").exists() else None)
 
 
 def _mapping(path: Path, where: str, value: Any) -> dict:
@@ -245,7 +243,7 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
         if len(re.findall(r"\{step(?::0?\d+d)?\}", pattern)) != 1 or "/" in pattern or \
                 pattern.replace("{step}", "").count("{"):
             raise CatalogError(f"{path}: {where}: pattern {pattern!r} needs exactly one {{step}} and no '/'")
-        cat.runs[name] = Run(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")))
+        cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")))
     for label, entry in _mapping(path, "targets", data.get("targets")).items():
         e = _fields(path, f"target '{label}'", entry, {"path": str})
         if not e.get("path"):

@@ -9,17 +9,18 @@ test, and win/tie/loss per prompt. numpy and matplotlib load only when a compari
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .runs import Run, RunError
+from .errors import DflashOpsError
+from .paths import shipped
+from .render import fnum
+from .runs import EvalRun, RunError
 
-REFUSED_EXIT = 3
-PUBLISHED_FILE = Path(__file__).resolve().parent.parent / "configs" / "published.yaml"
+PUBLISHED_FILE = shipped("published.yaml")
 
 # settings keys that do not change what is measured (other keys must match)
 SETTINGS_IGNORED = {"mode", "block_size", "sglang_url", "ddtree_budgets"}
@@ -33,7 +34,13 @@ OTHER_ENV = [("host", ("host",)), ("python", ("versions", "python")), ("drafter 
 
 
 class CompareError(RunError):
-    pass
+    """The comparison cannot be made as asked."""
+
+
+class NotPaired(DflashOpsError):
+    """The runs do not pair (target, suite, mode, settings, prompts or references differ)."""
+
+    exit_code = 3
 
 
 @dataclass
@@ -81,7 +88,7 @@ def _prompt(row: dict):
     return tuple(row.get("prompt_ids") or [])
 
 
-def check_pair(a: Run, b: Run) -> tuple[list[Mismatch], list[str]]:
+def check_pair(a: EvalRun, b: EvalRun) -> tuple[list[Mismatch], list[str]]:
     """Mismatches that make the pairing invalid, and warnings that do not."""
     mm: list[Mismatch] = []
     warn: list[str] = []
@@ -137,7 +144,7 @@ def check_pair(a: Run, b: Run) -> tuple[list[Mismatch], list[str]]:
     return mm, warn
 
 
-def env_differences(runs: Sequence[Run], fields) -> list[dict]:
+def env_differences(runs: Sequence[EvalRun], fields) -> list[dict]:
     out = []
     for name, path in fields:
         values = {r.id: _get(r.env, path) for r in runs}
@@ -195,12 +202,13 @@ def _paired_arrays(rows: dict, ids: Sequence[str], key=None):
     return toks, cycs
 
 
-def compare_runs(runs: Sequence[Run], *, force: bool = False, resamples: int = 10000, seed: int = 0,
+def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int = 10000, seed: int = 0,
                  confidence: float = 0.95, published: Optional[str] = None, use_published: bool = True,
                  published_file=None) -> dict:
     """The comparison as a JSON-able dict. Refused comparisons come back with ``refused: True``
     (and no statistics) unless ``force``."""
-    from .stats import compute_metrics, paired_compare
+    from .run_metrics import compute_metrics
+    from .stats import paired_compare
 
     if len(runs) < 2:
         raise CompareError("compare needs at least two runs")
@@ -301,12 +309,6 @@ def compare_runs(runs: Sequence[Run], *, force: bool = False, resamples: int = 1
 
 # --------------------------------------------------------------------------- rendering
 
-def _f(x, d=4):
-    from .report import fnum
-
-    return fnum(x, d)
-
-
 def _ci(iv: dict, d: int = 3) -> str:
     return f"{iv['diff']:+.{d}f} [{iv['ci_low']:+.{d}f}, {iv['ci_high']:+.{d}f}]"
 
@@ -333,20 +335,20 @@ def side_by_side(result: dict) -> tuple[list[str], list[list[str]]]:
         return r
 
     rows = [row("prompts (paired)", lambda m: str(m["prompts"])),
-            row("tau_macro", lambda m: _f(m["tau_macro"]), _f(pub["tau"], 2) + " (aggregation not stated)" if pub else "—"),
-            row("tau_pooled", lambda m: _f(m["tau_pooled"])),
+            row("tau_macro", lambda m: fnum(m["tau_macro"]), fnum(pub["tau"], 2) + " (aggregation not stated)" if pub else "—"),
+            row("tau_pooled", lambda m: fnum(m["tau_pooled"])),
             row("cycles", lambda m: str(m["cycles"])), row("tokens", lambda m: str(m["tokens"]))]
     budgets = sorted({b for i in ids for b in (M[i].get("ddtree") or {})}, key=int)
     for b in budgets:
         rows.append(row(f"DDTree-{b} tau_macro",
-                        lambda m, b=b: _f(((m.get("ddtree") or {}).get(b) or {}).get("tau_macro"))))
+                        lambda m, b=b: fnum(((m.get("ddtree") or {}).get(b) or {}).get("tau_macro"))))
     if pub:
-        rows.append(row("DDTree tau (published, budget not stated)", lambda m: "—", _f(pub["ddtree_tau"], 2)))
+        rows.append(row("DDTree tau (published, budget not stated)", lambda m: "—", fnum(pub["ddtree_tau"], 2)))
         if pub.get("speedup") is not None:
-            rows.append(row("speedup (published)", lambda m: _f((m.get("online") or {}).get("speedup"), 2),
+            rows.append(row("speedup (published)", lambda m: fnum((m.get("online") or {}).get("speedup"), 2),
                             f"{pub['speedup']:.2f}×"))
     if any(M[i].get("online") for i in ids):
-        rows.append(row("online tokens/s", lambda m: _f((m.get("online") or {}).get("tokens_per_s"), 1)))
+        rows.append(row("online tokens/s", lambda m: fnum((m.get("online") or {}).get("tokens_per_s"), 1)))
     return head, rows
 
 
@@ -380,7 +382,7 @@ def per_position_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     for k in range(1, B):
         vals = [(M[i]["per_position_acceptance"] + [None] * B)[k - 1] for i in ids]
         diffs = [(f"{v - vals[0]:+.4f}" if v is not None and vals[0] is not None else "—") for v in vals[1:]]
-        rows.append([str(k)] + [_f(v) for v in vals] + diffs)
+        rows.append([str(k)] + [fnum(v) for v in vals] + diffs)
     return head, rows
 
 
@@ -398,7 +400,7 @@ def category_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
     for cat in sorted(comps[0]["categories"]):
         d0 = comps[0]["categories"][cat]
         rows.append([cat, str(d0["n"])]
-                    + [_f(((M[i].get("categories") or {}).get(cat) or {}).get("tau_macro")) for i in ids]
+                    + [fnum(((M[i].get("categories") or {}).get(cat) or {}).get("tau_macro")) for i in ids]
                     + [_ci(c["categories"][cat]["macro"]) for c in comps]
                     + [_p(c["categories"][cat]["macro"]["p_value"]) for c in comps]
                     + [f"{c['categories'][cat]['wins']}/{c['categories'][cat]['ties']}/{c['categories'][cat]['losses']}"
@@ -422,7 +424,7 @@ def stats_note(result: dict) -> str:
 
 
 def compare_plots(result: dict) -> list[tuple[str, str, Optional[bytes]]]:
-    from .report import plot_categories, plot_ddtree, plot_histogram, plot_per_position
+    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position
 
     nm = _names(result)
     series = [(nm[r["id"]], result["metrics"][r["id"]]) for r in result["runs"]]
@@ -440,142 +442,59 @@ def default_out_dir(runs_root: Path, ids: Sequence[str]) -> Path:
 
 
 def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
-    from .report import _html_table, _md_table, html_page, img_tag, warn_box_html
+    from .render import Document
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     ids = [r["id"] for r in result["runs"]]
-    title = "dflash-ops compare: " + " vs ".join(ids)
-    env_lines = env_warning_lines(result)
-    tables = [("Side by side", *side_by_side(result)), ("Difference vs baseline", *difference_rows(result)),
-              ("Per-position acceptance", *per_position_rows(result))]
+    doc = Document("dflash-ops compare: " + " vs ".join(ids))
+    doc.warnings("Forced comparison (--force) despite mismatches:", [m["message"] for m in result["mismatches"]])
+    doc.warnings("Environment differences that can change the numbers:", env_warning_lines(result))
+    doc.warnings("Warnings:", result["warnings"])
+    doc.para(stats_note(result), cls="note")
+    doc.table(*side_by_side(result), heading="Side by side")
+    doc.table(*difference_rows(result), heading="Difference vs baseline")
+    doc.table(*per_position_rows(result), heading="Per-position acceptance")
     cat = category_rows(result)
     if cat:
-        tables.append(("Per category (τ macro)", *cat))
-    other = [f"{d['field']}: " + ", ".join(f"{k}={v}" for k, v in d["values"].items())
-             for d in result["other_differences"]]
+        doc.table(*cat, heading="Per category (τ macro)")
     pub = result.get("published")
-    pub_note = None
     if pub:
         src = pub["source"]
-        pub_note = (f"Published column: {pub['name']} — {pub['label']}. Source: {src.get('title')} "
-                    f"({src.get('authors')}, arXiv {src.get('arxiv')}), {src.get('measures')}; setup "
-                    f"{pub['setup'].get('target')}, T={pub['setup'].get('temperature')}, "
-                    f"B={pub['setup'].get('block_size')}." + (f" Caveat: {pub['caveat']}." if pub.get("caveat") else ""))
-    plots = compare_plots(result)
-    mm = [m["message"] for m in result["mismatches"]]
-
-    md = [f"# {title}", ""]
-    if mm:
-        md += ["> **Forced comparison (--force) despite mismatches:**", ">"] + [f"> - {x}" for x in mm] + [""]
-    if env_lines:
-        md += ["> **Environment differences that can change the numbers:**", ">"] + [f"> - {x}" for x in env_lines] + [""]
-    if result["warnings"]:
-        md += ["> **Warnings:**", ">"] + [f"> - {x}" for x in result["warnings"]] + [""]
-    md += [stats_note(result), ""]
-    for heading, head, rows in tables:
-        md += [f"## {heading}", "", _md_table(head, rows), ""]
-    if pub_note:
-        md += [f"_{pub_note}_", ""]
+        doc.para(f"Published column: {pub['name']} — {pub['label']}. Source: {src.get('title')} "
+                 f"({src.get('authors')}, arXiv {src.get('arxiv')}), {src.get('measures')}; setup "
+                 f"{pub['setup'].get('target')}, T={pub['setup'].get('temperature')}, "
+                 f"B={pub['setup'].get('block_size')}." + (f" Caveat: {pub['caveat']}." if pub.get("caveat") else ""),
+                 cls="published")
+    other = [f"{d['field']}: " + ", ".join(f"{k}={v}" for k, v in d["values"].items())
+             for d in result["other_differences"]]
     if other:
-        md += ["Other differences (do not change the numbers): " + "; ".join(other), ""]
-    plot_dir = out_dir / "plots"
-    for key, heading, png in plots:
-        if png:
-            plot_dir.mkdir(exist_ok=True)
-            (plot_dir / f"{key}.png").write_bytes(png)
-            md += [f"## {heading}", "", f"![{heading}](plots/{key}.png)", ""]
-    md_path = out_dir / "compare.md"
-    md_path.write_text("\n".join(md), encoding="utf-8")
-
-    e = html.escape
-    body = [f"<h1>{e(title)}</h1>", warn_box_html("Forced comparison (--force) despite mismatches", mm),
-            warn_box_html("Environment differences that can change the numbers", env_lines),
-            warn_box_html("Warnings", result["warnings"]), f'<p class="note">{e(stats_note(result))}</p>']
-    for heading, head, rows in tables:
-        body += [f"<h2>{e(heading)}</h2>", _html_table(head, rows)]
-    if pub_note:
-        body.append(f'<p class="published">{e(pub_note)}</p>')
-    if other:
-        body.append(f'<p class="note">Other differences (do not change the numbers): {e("; ".join(other))}</p>')
-    for key, heading, png in plots:
-        if png:
-            body += [f"<h2>{e(heading)}</h2>", img_tag(png, heading)]
-    html_path = out_dir / "compare.html"
-    html_path.write_text(html_page(title, "\n".join(body)), encoding="utf-8")
-    return md_path, html_path
+        doc.para("Other differences (do not change the numbers): " + "; ".join(other), cls="note")
+    for key, heading, png in compare_plots(result):
+        doc.plot(key, heading, png)
+    return doc.write(out_dir, "compare")
 
 
-# --------------------------------------------------------------------------- CLI body
+def compare_labels(labels: Sequence[str], runs_root: Path, *, force: bool = False, resamples: int = 10000,
+                   seed: int = 0, published: Optional[str] = None, use_published: bool = True,
+                   out: Optional[Path] = None) -> dict:
+    """Resolve run labels in ``runs_root`` and compare them; unless refused, write compare.md/.html
+    (default folder: ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
+    from .runs import list_runs, resolve
 
-def cli_compare(labels: Sequence[str], *, runs_dir_opt=None, force=False, resamples=10000, seed=0,
-                published=None, no_published=False, out=None, as_json=False) -> None:
-    import typer
-    from rich.markup import escape
-    from rich.panel import Panel
-    from rich.table import Table
+    if len(labels) < 2:
+        raise CompareError("compare needs at least two runs (A is the baseline)")
+    if resamples < 100:
+        raise CompareError("--resamples must be at least 100")
+    all_runs = list_runs(runs_root)
+    runs = [resolve(lb, runs_root, runs=all_runs) for lb in labels]
+    result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
+                          use_published=use_published)
+    if not result["refused"]:
+        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in runs]))
+        result["outputs"] = {"md": str(md_path), "html": str(html_path)}
+    return result
 
-    from .cli import _console, fail
-    from .runs import list_runs, resolve, runs_dir
 
-    root = runs_dir(runs_dir_opt)
-    try:
-        if len(labels) < 2:
-            raise CompareError("compare needs at least two runs (A is the baseline)")
-        if resamples < 100:
-            raise CompareError("--resamples must be at least 100")
-        all_runs = list_runs(root)
-        runs = [resolve(lb, root, runs=all_runs) for lb in labels]
-        result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
-                              use_published=not no_published)
-    except RunError as e:
-        raise fail(str(e)) from None
-
-    err = _console(stderr=True)
-    if result["refused"]:
-        if as_json:
-            print(json.dumps(result, indent=2, default=str))
-        else:
-            err.print(Panel("\n".join(f"• {escape(m['message'])}" for m in result["mismatches"]),
-                            title="runs do not pair", border_style="red"))
-        err.print(f"[bold red]error:[/] [red]refusing to compare: {len(result['mismatches'])} mismatch(es) "
-                  f"(first: {escape(result['mismatches'][0]['message'])}); --force compares the common "
-                  "prompts anyway[/]")
-        raise typer.Exit(REFUSED_EXIT)
-
-    out_dir = Path(out) if out else default_out_dir(root, [r.id for r in runs])
-    md_path, html_path = write_compare(result, out_dir)
-    result["outputs"] = {"md": str(md_path), "html": str(html_path)}
-    if as_json:
-        print(json.dumps(result, indent=2, default=str))
-        return
-
-    con = _console()
-    if result["mismatches"]:
-        con.print(Panel("\n".join(f"• {escape(m['message'])}" for m in result["mismatches"]),
-                        title="FORCED: runs do not pair (--force)", border_style="red"))
-    env_lines = env_warning_lines(result)
-    if env_lines:
-        con.print(Panel("\n".join(f"• {escape(x)}" for x in env_lines),
-                        title="environment differences that can change the numbers", border_style="yellow"))
-    for w in result["warnings"]:
-        con.print(f"[yellow]! {escape(w)}[/]")
-
-    def show(title, head, rows, caption=None):
-        t = Table(title=title, caption=caption)
-        for i, h in enumerate(head):
-            t.add_column(escape(h), justify="left" if i == 0 else "right")
-        for r in rows:
-            t.add_row(*[escape(str(c)) for c in r])
-        con.print(t)
-
-    pub = result.get("published")
-    show("side by side", *side_by_side(result),
-         caption=(f"{pub['name']}: {pub['label']} ({pub['source'].get('title')}, arXiv "
-                  f"{pub['source'].get('arxiv')})" + (f"; {pub['caveat']}" if pub.get("caveat") else ""))
-         if pub else None)
-    show("difference vs baseline", *difference_rows(result), caption=stats_note(result))
-    show("per-position acceptance", *per_position_rows(result))
-    cat = category_rows(result)
-    if cat:
-        show("per category (τ macro)", *cat)
-    con.print(f"compare report: {escape(str(md_path))}\n                {escape(str(html_path))}")
+def refusal(result: dict) -> NotPaired:
+    m = result["mismatches"]
+    return NotPaired(f"refusing to compare: {len(m)} mismatch(es) (first: {m[0]['message']}); --force compares "
+                     "the common prompts anyway")

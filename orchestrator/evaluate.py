@@ -1,99 +1,38 @@
-"""`dflash-ops eval`: plan → pre-flight → ship → start detached → follow → fetch → merge → report.
+"""`dflash-ops eval`: pre-flight → ship → start detached → follow → fetch → merge → report.
 
 One run may shard its prompts over several eval hosts (``--host a --host b``): each host runs the
 worker with ``--shard k/n`` in ``<workdir>/runs/<run id>/``; the results are merged locally into
-``runs/<run id>/`` in suite order. Ctrl-C while following leaves the workers running
-(``dflash-ops attach RUN`` picks them up again).
+``runs/<run id>/`` in suite order. The run's state lives in its :class:`RunRecord` (runrecord.py);
+this module moves it only through the record's transitions. Following never stops a worker:
+Ctrl-C or a lost connection leaves it running (``dflash-ops attach RUN`` picks it up again).
 """
 from __future__ import annotations
 
 import json
-import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
+from .errors import OperationFailed
 from .inventory import Host, Inventory
 from .jobs import HostJob
+from .runrecord import EvalRequest, RunRecord, Shard
 from .ship import ship
-from .transport import TransportError, runner_for
+from .transport import runner_for
 
 EMBEDDED = "embedded"
+INSPECT = ("remote.drafter", "inspect")   # the worker's drafter/target compatibility check
 
 
-class EvalError(Exception):
+class EvalError(OperationFailed):
     """A clear, user-facing reason the eval cannot run (or failed)."""
 
 
-@dataclass
-class EvalRequest:
-    hosts: list[str]
-    drafter: str | None = None
-    target: str | None = None
-    suite: str = "default"
-    prompts: int | None = 2
-    mode: str = "offline"
-    max_new_tokens: int = 256
-    max_blocks: int | None = None
-    device: str | None = None
-    dtype: str | None = None
-    sglang: str = "auto"            # auto (the host's, offline mode) | off | URL
-    thinking: str = "default"
-    ddtree_budgets: str = "8,16,32,64"
-    all_anchors: bool = False
-    min_free_gb: float = 1.0
-    verify_weights: bool = False    # sha256 of the weights vs the sync manifest (slow on 17 GB)
+class RunUnfinished(EvalError):
+    """Some shard was not followed to its end (contact lost); its worker keeps running."""
 
-
-@dataclass
-class Shard:
-    host: str
-    index: int
-    count: int
-    run_dir: str = ""
-    code_dir: str = ""
-    python: str = ""
-    drafter_path: str = ""
-    target_path: str = ""
-    fetched: bool = False
-    state: str = "pending"
-    exit_code: int | None = None
-
-
-@dataclass
-class RunRecord:
-    """``runs/<id>/run.json``: everything needed to follow, resume, cancel and report a run."""
-    id: str
-    drafter: str
-    checkpoint: str | None
-    target: str
-    suite: str
-    host: str
-    mode: str
-    prompts: int | None
-    created_at: str
-    status: str
-    request: dict
-    shards: list[Shard] = field(default_factory=list)
-
-    def save(self, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        tmp.replace(run_dir / "run.json")
-
-    @classmethod
-    def load(cls, run_dir: Path) -> "RunRecord":
-        raw = json.loads((run_dir / "run.json").read_text())
-        raw["shards"] = [Shard(**s) for s in raw.get("shards", [])]
-        return cls(**raw)
-
-
-def run_id(drafter: str, checkpoint: str | None, host: str, when: datetime | None = None) -> str:
-    when = when or datetime.now()
-    parts = [when.strftime("%Y%m%d-%H%M%S"), drafter, checkpoint or "", host]
-    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", p).strip("_") for p in parts if p)
+    exit_code = 4
 
 
 def split_drafter(spec: str | None) -> tuple[str | None, str | None]:
@@ -104,10 +43,16 @@ def split_drafter(spec: str | None) -> tuple[str | None, str | None]:
     return spec, None
 
 
-# ----------------------------------------------------------------------------- per-host preparation
+def parallel(fn, items) -> list:
+    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
+        return [f.result() for f in [pool.submit(fn, i) for i in items]]
 
-def _python_json(job_runner, python: str, code_dir: str, module: str, *args: str, timeout: float = 600) -> tuple[dict | None, str]:
-    res = job_runner.run([python, "-m", module, *args], timeout=timeout, env={"PYTHONPATH": code_dir}, cwd=code_dir)
+
+# ----------------------------------------------------------------------------- pre-flight
+
+def _python_json(runner, python: str, code_dir: str, module: str, *args: str,
+                 timeout: float = 600) -> tuple[dict | None, str]:
+    res = runner.run([python, "-m", module, *args], timeout=timeout, env={"PYTHONPATH": code_dir}, cwd=code_dir)
     try:
         return json.loads(res.stdout), res.stderr
     except json.JSONDecodeError:
@@ -133,28 +78,6 @@ def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest) -> None
         raise EvalError(f"host {host.name}: no CUDA GPU visible to torch (pass --device cpu to run on CPU)")
 
 
-def prepare_shard(host: Host, inventory: Inventory, req: EvalRequest, shard: Shard, rid: str, catalog_resolve) -> HostJob:
-    """Pre-flight on one host, before any GPU time: environment, ship the worker, locate and check
-    the drafter and target there."""
-    if not host.workdir:
-        raise EvalError(f"host {host.name}: no `workdir` in the inventory")
-    check_host_ready(host, inventory, req)
-    runner = runner_for(host, inventory)
-    code_dir = ship(runner, host.python, host.workdir)
-    drafter_path, target_path = catalog_resolve(host, runner, code_dir)
-    flags = ["--verify-hashes"] if req.verify_weights else []
-    report, err = _python_json(runner, host.python, code_dir, "remote.drafter", "inspect", drafter_path,
-                               "--target", target_path, "--json", *flags, timeout=1800)
-    if report is None:
-        raise EvalError(f"host {host.name}: drafter inspection failed: {err[-800:]}")
-    if not report["ok"]:
-        raise EvalError(f"host {host.name}: " + "\n  ".join(report["problems"]))
-    shard.run_dir = f"{host.workdir.rstrip('/')}/runs/{rid}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
-    shard.code_dir, shard.python = code_dir, host.python
-    shard.drafter_path, shard.target_path = drafter_path, target_path
-    return HostJob(runner, host.python, code_dir, shard.run_dir)
-
-
 def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
     """Build (first use) or find the embedded demo target + drafter in the host's workdir."""
     out = f"{host.workdir.rstrip('/')}/embedded"
@@ -172,49 +95,76 @@ def list_dir(runner, python: str, path: str) -> list[str] | None:
     return json.loads(res.stdout) if res.ok else None
 
 
-def catalog_paths(host: Host, runner, label: str, ckpt: str | None, target: str | None) -> tuple[str, str]:
-    """Drafter and target folders on ``host`` for ``label[:ckpt]`` (configs/drafters.yaml) or paths.
-    A run drafter's checkpoints live in ``<host checkpoints>/<run>/``; ``ckpt`` may be any spelling
-    of a step (``step20k``, ``20000``) or a folder name; without one the newest is used."""
-    from .catalog import CatalogError, load_catalog, resolve_checkpoint
+def _run_checkpoint(host: Host, runner, label: str, ckpt: str | None, run) -> str:
+    """A training run's checkpoint folder on the eval host (``<checkpoints>/<run>/<folder>``):
+    ``ckpt`` in any spelling of a step, or a folder name; without one the newest."""
+    from .catalog import resolve_checkpoint
 
-    try:
-        cat = load_catalog()
-        entry = None
-        if "/" in label:
-            drafter_path = label
-        else:
-            entry = cat.drafter(label)
-            if entry.path:
-                drafter_path = entry.path
-            else:
-                run = cat.run(entry.run)
-                root = f"{(host.checkpoints or '').rstrip('/')}/{entry.run}"
-                if not host.checkpoints:
-                    raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
-                folders = [f for f in (list_dir(runner, host.python, root) or []) if not f.startswith(".")]
-                if not folders:
-                    raise EvalError(f"host {host.name}: no checkpoints of run {entry.run} in {root} "
-                                    f"(copy one there with: dflash-ops sync-ckpt {ckpt or 'STEP'} --run {entry.run})")
-                if ckpt is None:
-                    stepped = sorted((f for f in folders if run.step_of(f) is not None), key=run.step_of)
-                    if not stepped:
-                        raise EvalError(f"drafter {label}: name a checkpoint ({label}:NAME); {root} holds "
-                                        f"{', '.join(folders[:10])}")
-                    ckpt_folder = stepped[-1]
-                else:
-                    ckpt_folder = resolve_checkpoint(ckpt, run, folders)
-                drafter_path = f"{root}/{ckpt_folder}"
-        if target and "/" in target:
-            target_path = target
-        elif target or (entry and entry.target):
-            target_path = cat.target(target or entry.target).path
-        else:
-            raise EvalError(f"no target for drafter {label}: pass --target LABEL|PATH or set `target:` "
-                            f"for it in configs/drafters.yaml")
-    except CatalogError as e:
-        raise EvalError(str(e)) from None
-    return drafter_path, target_path
+    if not host.checkpoints:
+        raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
+    root = f"{host.checkpoints.rstrip('/')}/{run.name}"
+    folders = [f for f in (list_dir(runner, host.python, root) or []) if not f.startswith(".")]
+    if not folders:
+        raise EvalError(f"host {host.name}: no checkpoints of run {run.name} in {root} "
+                        f"(copy one there with: dflash-ops sync-ckpt {ckpt or 'STEP'} --run {run.name})")
+    if ckpt is not None:
+        return f"{root}/{resolve_checkpoint(ckpt, run, folders)}"
+    stepped = sorted((f for f in folders if run.step_of(f) is not None), key=run.step_of)
+    if not stepped:
+        raise EvalError(f"drafter {label}: name a checkpoint ({label}:NAME); {root} holds {', '.join(folders[:10])}")
+    return f"{root}/{stepped[-1]}"
+
+
+def catalog_paths(host: Host, runner, label: str, ckpt: str | None, target: str | None) -> tuple[str, str]:
+    """Drafter and target folders on ``host`` for ``label[:ckpt]`` (the catalog) or paths."""
+    from .catalog import load_catalog
+
+    cat = load_catalog()
+    entry = None if "/" in label else cat.drafter(label)
+    if entry is None:
+        drafter_path = label
+    elif entry.path:
+        drafter_path = entry.path
+    else:
+        drafter_path = _run_checkpoint(host, runner, label, ckpt, cat.run(entry.run))
+    if target and "/" in target:
+        return drafter_path, target
+    if target or (entry and entry.target):
+        return drafter_path, cat.target(target or entry.target).path
+    raise EvalError(f"no target for drafter {label}: pass --target LABEL|PATH or set `target:` "
+                    f"for it in configs/drafters.yaml")
+
+
+def resolve_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
+    """(drafter folder, target folder) on ``host`` for the request."""
+    label, ckpt = split_drafter(req.drafter)
+    if label == EMBEDDED or req.target == EMBEDDED:
+        drafter, target = embedded_models(host, runner, code_dir)
+        return (drafter if label == EMBEDDED else label), (target if req.target in (None, EMBEDDED) else req.target)
+    return catalog_paths(host, runner, label, ckpt, req.target)
+
+
+def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventory) -> HostJob:
+    """Pre-flight on one host, before any GPU time: environment, ship the worker, locate and check
+    the drafter and target there; the shard learns where its worker runs."""
+    req, shard = record.eval_request, record.shards[index]
+    if not host.workdir:
+        raise EvalError(f"host {host.name}: no `workdir` in the inventory")
+    check_host_ready(host, inventory, req)
+    runner = runner_for(host, inventory)
+    code_dir = ship(runner, host.python, host.workdir)
+    drafter_path, target_path = resolve_models(host, runner, code_dir, req)
+    flags = ["--verify-hashes"] if req.verify_weights else []
+    report, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
+                               "--json", *flags, timeout=1800)
+    if report is None:
+        raise EvalError(f"host {host.name}: drafter inspection failed: {err[-800:]}")
+    if not report["ok"]:
+        raise EvalError(f"host {host.name}: " + "\n  ".join(report["problems"]))
+    run_dir = f"{host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
+    record.prepared(index, run_dir=run_dir, code_dir=code_dir, python=host.python, drafter_path=drafter_path,
+                    target_path=target_path)
+    return HostJob(runner, host.python, code_dir, run_dir)
 
 
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:
@@ -242,7 +192,61 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
     return args
 
 
-# ----------------------------------------------------------------------------- merging
+def start(record: RunRecord, inventory: Inventory, resume: bool = False,
+          on_preflight: Callable[[str], None] | None = None) -> dict[int, HostJob]:
+    """Pre-flight every shard's host (in parallel), then start every worker detached."""
+    hosts = [inventory.get(s.host) for s in record.shards]
+
+    def prepare(i: int) -> HostJob:
+        if on_preflight:
+            on_preflight(record.shards[i].host)
+        return prepare_shard(record, i, hosts[i], inventory)
+
+    jobs = dict(enumerate(parallel(prepare, list(range(len(record.shards))))))
+    req = record.eval_request
+    for i, job in jobs.items():
+        job.start(worker_args(req, record.shards[i], hosts[i], resume=resume))
+    label, _ = split_drafter(req.drafter)
+    resolved = None if req.target else (EMBEDDED if label == EMBEDDED else record.shards[0].target_path)
+    record.started(resolved_target=resolved)
+    return jobs
+
+
+def jobs_of(record: RunRecord, inventory: Inventory) -> dict[int, HostJob]:
+    """The started workers of a run, to follow or cancel them."""
+    return {s.index: HostJob(runner_for(inventory.get(s.host), inventory), s.python, s.code_dir, s.run_dir)
+            for s in record.shards}
+
+
+# ----------------------------------------------------------------------------- following
+
+def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int, dict], None]) -> dict[int, str]:
+    """Follow every unfetched shard at once until its worker ends, then fetch its files.
+    ``on_event(shard index, event)`` sees every worker event. Returns {shard index: why contact
+    was lost}. KeyboardInterrupt propagates (the workers keep running)."""
+    lost: dict[int, str] = {}
+
+    def follow_one(i: int) -> None:
+        shard, job = record.shards[i], jobs[i]
+        try:
+            for ev in job.follow():
+                on_event(i, ev)
+                if ev.get("event") == "exit":
+                    record.shard_exited(i, ev)
+                    job.fetch(shard.local_dir(record.folder))
+                    record.shard_fetched(i)
+        except Exception as e:  # noqa: BLE001 — reported to the caller; the worker itself keeps running
+            lost[i] = f"lost contact with {shard.host}: {e}"
+
+    threads = [threading.Thread(target=follow_one, args=(i,), daemon=True)
+               for i, s in enumerate(record.shards) if not s.fetched]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.2)
+    return lost
+
 
 def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     """Merge shard folders (``run_dir/shard-k``, or the run folder itself for one shard) into
@@ -253,7 +257,7 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
         return json.loads((run_dir / "summary.json").read_text())
     rows_by_id, order, envs = {}, {}, []
     for s in shards:
-        d = run_dir / f"shard-{s.index}"
+        d = s.local_dir(run_dir)
         env = json.loads((d / "env.json").read_text())
         envs.append(env)
         for j, rid in enumerate(env["suite"]["ids"]):
@@ -277,21 +281,38 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     return summary
 
 
-def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
+    """After following: a finished run is merged and reported: (summary, report paths). A run
+    with an unfetched shard raises :class:`RunUnfinished`, one with a failed worker
+    :class:`EvalError` (the caller shows the failed shards' logs first, see :func:`failed_logs`)."""
+    outcome = record.settle()
+    if outcome == "unfinished":
+        raise RunUnfinished(f"not all shards finished; the workers keep running. Re-attach with: "
+                            f"dflash-ops attach {record.id}")
+    if outcome == "failed":
+        hosts = ", ".join(f"{s.host} (state {s.state}, exit code {s.exit_code})"
+                          for s in record.shards if s.state != "done")
+        raise EvalError(f"the worker failed on {hosts}; finished prompts are kept: "
+                        f"dflash-ops eval --resume {record.id}")
+    summary = merge_shards(record.folder, record.shards)
+    from .report import write_report
+
+    return summary, write_report(record.folder)
 
 
-def local_shard_dir(run_dir: Path, shard: Shard) -> Path:
-    return run_dir if shard.count == 1 else run_dir / f"shard-{shard.index}"
+def failed_logs(record: RunRecord, jobs: dict[int, HostJob], lines: int = 25) -> dict[str, str]:
+    """{host: the last lines of its worker log} for the shards that did not end ``done``."""
+    out = {}
+    for s in record.shards:
+        if s.fetched and s.state != "done":
+            log = s.local_dir(record.folder) / "worker.log"
+            tail = "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else jobs[s.index].log_tail(lines)
+            out[s.host] = tail
+    return out
 
 
-def finish_shard(job: HostJob, run_dir: Path, shard: Shard, exit_event: dict) -> None:
-    shard.state = exit_event.get("state", "unknown")
-    shard.exit_code = exit_event.get("exit_code")
-    job.fetch(local_shard_dir(run_dir, shard))
-    shard.fetched = True
-
-
-def parallel(fn, items) -> list:
-    with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
-        return [f.result() for f in [pool.submit(fn, i) for i in items]]
+def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
+    """Stop a run's workers (finished prompts stay on the hosts); {host: the worker's state}."""
+    states = {i: job.cancel() for i, job in jobs_of(record, inventory).items()}
+    record.cancelled({i: st.get("state", "unknown") for i, st in states.items()})
+    return {record.shards[i].host: st for i, st in states.items()}

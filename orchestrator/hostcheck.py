@@ -7,8 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import resources
 
+from .errors import OperationFailed
 from .inventory import Host, Inventory
 from .transport import CommandTimeout, TransportError, runner_for
+
+
+class HostCheckFailed(OperationFailed):
+    """Some host failed its check (unreachable, python or torch missing)."""
 
 
 def probe_source() -> str:

@@ -1,25 +1,27 @@
 """The host inventory: which machines exist, what they are for, and how to reach them.
 
-Resolution order for the inventory file: explicit path, ``$DFLASH_OPS_INVENTORY``,
-``./inventory.yaml``, else only the built-in ``local`` host.
+The file is found as: explicit path, ``$DFLASH_OPS_INVENTORY``, ``./inventory.yaml``,
+``$XDG_CONFIG_HOME/dflash-ops/inventory.yaml``, else only the built-in ``local`` host.
 """
 from __future__ import annotations
 
 import difflib
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .errors import InputError
+from .paths import find_config, local_home
+
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
-HOME_ENV_VAR = "DFLASH_OPS_HOME"
 
 
-class InventoryError(Exception):
+class InventoryError(InputError):
     """A bad inventory or an unknown host; the message is meant for the user as-is."""
 
 
@@ -41,10 +43,18 @@ class Host:
     sglang: str | None = None
     gpus: int | None = None
     is_local: bool = False
+    # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
+    ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    ssh_config_file: str | None = field(default=None, compare=False, repr=False)  # `-F` (tests)
 
     @property
     def endpoint(self) -> str:
         return "local" if self.is_local else f"{self.address}:{self.port}"
+
+    def to_dict(self) -> dict:
+        """The inventory's view of the host (what `hosts --json` prints)."""
+        return {f.name: (list(v) if isinstance(v, tuple) else v) for f in fields(self) if f.repr
+                for v in [getattr(self, f.name)]}
 
 
 # Field name -> (accepted python types, human type name).
@@ -65,10 +75,6 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "gpus": ((int,), "an integer"),
 }
 _LOCAL_ONLY_IGNORED = {"is_local"}
-
-
-def local_home() -> str:
-    return os.environ.get(HOME_ENV_VAR) or str(Path("~/.cache/dflash-ops/local").expanduser())
 
 
 def builtin_local() -> Host:
@@ -108,6 +114,17 @@ class Inventory:
 
     def with_role(self, role: str) -> list[Host]:
         return [h for h in self.hosts.values() if role in h.roles]
+
+    def pick(self, role: str, name: str | None = None) -> Host:
+        """``name``, else the one host with ``role`` (an SSH host before the built-in ``local``)."""
+        if name:
+            return self.get(name)
+        hosts = [h for h in self.with_role(role) if not h.is_local] or self.with_role(role)
+        if len(hosts) != 1:
+            flag = "--from" if role == "train" else "--to"
+            raise InventoryError(f"{len(hosts)} hosts have role {role} ({', '.join(h.name for h in hosts) or 'none'});"
+                                 f" pick one with {flag} HOST")
+        return hosts[0]
 
     def __iter__(self):
         return iter(self.hosts.values())
@@ -159,27 +176,24 @@ def _read_yaml(path: Path) -> Any:
 # --- ssh_config ----------------------------------------------------------------------------
 
 
-def default_ssh_config_path() -> Path:
-    return Path("~/.ssh/config").expanduser()
+SSH_FIELDS = frozenset({"address", "port", "user", "identity", "known_hosts", "jump"})
 
 
-def _resolve_ssh_alias(alias: str, ssh_config_path: Path | None) -> dict[str, Any]:
-    import paramiko  # local import: keep CLI start-up light
+def _resolve_ssh_alias(where: str, alias: str, ssh_config_path: Path | None) -> dict[str, Any]:
+    """A ``Host`` alias as OpenSSH resolves it (``ssh -G``: Include, Match and defaults honoured)."""
+    from . import sshconfig
 
-    path = ssh_config_path or default_ssh_config_path()
-    cfg = paramiko.SSHConfig.from_path(str(path)) if path.exists() else paramiko.SSHConfig()
-    looked = cfg.lookup(alias)
-    out: dict[str, Any] = {"address": looked.get("hostname", alias)}
-    if "port" in looked:
-        out["port"] = int(looked["port"])
-    if "user" in looked:
-        out["user"] = looked["user"]
-    if looked.get("identityfile"):
-        out["identity"] = looked["identityfile"][0]
-    if looked.get("proxyjump") and looked["proxyjump"].lower() != "none":
-        out["jump"] = looked["proxyjump"].split(",")[0].strip()
-    if looked.get("userknownhostsfile"):
-        out["known_hosts"] = looked["userknownhostsfile"].split()[0]
+    try:
+        cfg = sshconfig.resolve(alias, config_file=ssh_config_path)
+    except sshconfig.SSHConfigError as e:
+        raise InventoryError(f"{where}: ssh_config {alias!r}: {e}") from None
+    out: dict[str, Any] = {"address": cfg.first("hostname") or alias, "port": int(cfg.first("port") or 22),
+                           "user": cfg.first("user")}
+    identities = cfg.get("identityfile", [])
+    if identities and tuple(identities) != sshconfig.default_identities():
+        out["identity"] = sshconfig.expand(identities[0])
+    if cfg.proxy("proxyjump"):
+        out["jump"] = cfg.proxy("proxyjump")
     return out
 
 
@@ -225,12 +239,14 @@ def _host_from_entry(
     if base is not None:  # overriding the built-in local host
         return replace(base, **values)
 
+    ssh_set = frozenset(values) & SSH_FIELDS
     if values.get("ssh_config"):
-        resolved = _resolve_ssh_alias(values["ssh_config"], ssh_config_path)
+        resolved = _resolve_ssh_alias(where, values["ssh_config"], ssh_config_path)
         values = {**resolved, **values}  # explicit inventory fields win over ~/.ssh/config
     if not values.get("address"):
         raise InventoryError(f"{where}: missing field 'address' (or 'ssh_config: ALIAS')")
-    return Host(name=name, **values)
+    return Host(name=name, ssh_set=ssh_set, ssh_config_file=str(ssh_config_path) if ssh_config_path else None,
+                **values)
 
 
 def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) -> Inventory:
@@ -254,13 +270,7 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
 
 
 def resolve_inventory_path(path: str | os.PathLike | None = None) -> Path | None:
-    if path:
-        return Path(path).expanduser()
-    env = os.environ.get(ENV_VAR)
-    if env:
-        return Path(env).expanduser()
-    cwd = Path("inventory.yaml")
-    return cwd if cwd.exists() else None
+    return find_config(path, ENV_VAR, "inventory.yaml", "inventory.yaml")
 
 
 def load_inventory(

@@ -1,4 +1,4 @@
-"""Run folders under the runs directory, and resolving labels (`zlab`, `v5:step20k`, a run id) to runs.
+"""Eval run folders under the runs directory, and resolving labels (`zlab`, `v5:step20k`, a run id) to them.
 
 A run folder (docs/run-format.md) holds the worker's ``results.jsonl``, ``summary.json``,
 ``env.json`` and the orchestrator's ``run.json``. Stdlib only: `dflash-ops runs` must start fast.
@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .errors import InputError
+
 RUNS_ENV = "DFLASH_OPS_RUNS"
 
 
-class RunError(Exception):
+class RunError(InputError):
     """A run cannot be found, resolved or read (one clear line for the user)."""
 
 
@@ -55,8 +57,9 @@ def read_results(path: Path) -> list[dict]:
 
 
 @dataclass
-class Run:
-    """One run folder. ``meta`` is run.json (or what could be inferred from env.json)."""
+class EvalRun:
+    """One eval run's folder as reports read it (a training run is catalog.TrainingRun).
+    ``meta`` is run.json (or what could be inferred from env.json)."""
 
     path: Path
     meta: dict
@@ -133,9 +136,9 @@ class Run:
 
     @property
     def metrics(self) -> dict:
-        """Recomputed from results.jsonl (numpy is imported here, not at module load)."""
+        """Recomputed from results.jsonl (remote.metrics, like the worker's summary.json)."""
         if self._metrics is None:
-            from .stats import compute_metrics
+            from .run_metrics import compute_metrics
 
             self._metrics = compute_metrics(self.results, self.block_size, self.mode)
         return self._metrics
@@ -144,7 +147,7 @@ class Run:
         return (self.created_at, self.id)
 
 
-def load_run(path) -> Run:
+def load_run(path) -> EvalRun:
     path = Path(path)
     if not path.is_dir():
         raise RunError(f"{path}: no such run folder")
@@ -159,10 +162,10 @@ def load_run(path) -> Run:
                 "suite": (env.get("suite") or {}).get("name"), "host": env.get("host"),
                 "mode": (env.get("settings") or {}).get("mode"), "created_at": env.get("started_at"),
                 "status": None, "inferred": True}
-    return Run(path=path, meta=meta, env=env)
+    return EvalRun(path=path, meta=meta, env=env)
 
 
-def list_runs(directory: Optional[Path] = None) -> list[Run]:
+def list_runs(directory: Optional[Path] = None) -> list[EvalRun]:
     """All runs in the runs dir, oldest first. Folders that are not runs (compare-*) are skipped."""
     d = Path(directory) if directory is not None else runs_dir()
     if not d.is_dir():
@@ -177,16 +180,16 @@ def list_runs(directory: Optional[Path] = None) -> list[Run]:
             out.append(load_run(p))
         except RunError:
             continue
-    return sorted(out, key=Run.sort_key)
+    return sorted(out, key=EvalRun.sort_key)
 
 
-def _newest(runs: list[Run]) -> Run:
+def _newest(runs: list[EvalRun]) -> EvalRun:
     """Newest finished run; a running/failed one only when none finished."""
     done = [r for r in runs if r.status == "done"]
-    return max(done or runs, key=Run.sort_key)
+    return max(done or runs, key=EvalRun.sort_key)
 
 
-def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[Run]] = None) -> Run:
+def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[EvalRun]] = None) -> EvalRun:
     """A run id exactly; a unique run-id prefix; `DRAFTER:CHECKPOINT` = newest run of that pair;
     `DRAFTER` = newest run of that drafter; `CHECKPOINT` alone if only one drafter has it;
     or a path to a run folder."""
@@ -228,7 +231,7 @@ def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[Ru
     raise RunError(f"no run matches {label!r} {where}{hint} (`dflash-ops runs` lists them)")
 
 
-def filter_runs(runs: list[Run], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[Run]:
+def filter_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[EvalRun]:
     def ok(value, want):
         return want is None or (value is not None and str(value) == want)
 
@@ -236,46 +239,16 @@ def filter_runs(runs: list[Run], drafter=None, suite=None, host=None, status=Non
             and ok(r.status, status) and ok(r.checkpoint, checkpoint)]
 
 
-# --------------------------------------------------------------------------- CLI bodies
-
-def cli_runs(runs_dir_opt=None, drafter=None, suite=None, host=None, status=None, as_json=False) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from .cli import _console
-
-    d = runs_dir(runs_dir_opt)
-    runs = filter_runs(list_runs(d), drafter=drafter, suite=suite, host=host, status=status)
+def run_rows(runs: list[EvalRun]) -> list[dict]:
+    """One row per run for `dflash-ops runs` (τ recomputed from results.jsonl)."""
     rows = []
     for r in runs:
         try:
             m = r.metrics
-            tau = m["tau_macro"]
-            n = m["prompts"]
+            tau, n = m["tau_macro"], m["prompts"]
         except Exception:  # a damaged results.jsonl must not hide the other runs
             tau, n = None, r.meta.get("prompts")
         rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "target": r.target,
                      "suite": r.suite, "prompts": n, "prompts_planned": r.meta.get("prompts"),
                      "tau_macro": tau, "host": r.host, "created_at": r.created_at, "status": r.status})
-    if as_json:
-        print(json.dumps(rows, indent=2))
-        return
-    if not runs:
-        _console(stderr=True).print(f"no runs in {escape(str(d))}" + (" matching the filters" if any(
-            (drafter, suite, host, status)) else ""))
-        return
-    table = Table(title=f"runs ({d})")
-    for col in ("id", "drafter", "checkpoint", "target", "suite", "prompts", "τ macro", "host", "date", "status"):
-        table.add_column(col, justify="right" if col in ("prompts", "τ macro") else "left")
-    colors = {"done": "green", "failed": "red", "running": "yellow"}
-    for row in rows:
-        n = "-" if row["prompts"] is None else str(row["prompts"])
-        if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
-            n += f"/{row['prompts_planned']}"
-        st = row["status"]
-        table.add_row(escape(row["id"]), escape(str(row["drafter"] or "-")), escape(row["checkpoint"] or "-"),
-                      escape(str(row["target"] or "-")), escape(str(row["suite"] or "-")), n,
-                      "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
-                      escape(str(row["host"] or "-")), escape(row["created_at"][:16].replace("T", " ")),
-                      f"[{colors.get(st, 'white')}]{escape(st)}[/]")
-    _console().print(table)
+    return rows

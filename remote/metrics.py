@@ -1,4 +1,13 @@
-"""Acceptance metrics (τ includes the bonus token; see docs/run-format.md)."""
+"""Acceptance metrics: the one implementation, used by the worker (summary.json) and by every
+report, listing and comparison of the orchestrator. Stdlib only.
+
+Definitions (docs/run-format.md, REFERENCE §2): an acceptance length is the number of tokens one
+draft–verify cycle commits, **bonus token included** (1..B). ``tau_macro`` = mean over prompts of
+each prompt's tokens / cycles (z-lab); ``tau_pooled`` = Σ tokens / Σ cycles (Spec-Bench, SGLang,
+vLLM); ``per_position_acceptance[k-1]`` = share of cycles whose length is ≥ k+1, k = 1..B-1, so
+``tau_pooled = 1 + Σ per_position_acceptance``. A length outside 1..B (a damaged results file)
+falls in no histogram bin and is counted by :func:`out_of_range`.
+"""
 from __future__ import annotations
 
 
@@ -8,20 +17,28 @@ def row_stats(acceptance_lengths: list[int]) -> dict:
 
 
 def tau_summary(per_prompt: list[list[int]]) -> dict:
-    """``tau_macro`` (mean of per-prompt means, z-lab) and ``tau_pooled`` (Σ tokens / Σ cycles)."""
+    """``tau_macro`` (mean of per-prompt means, z-lab) and ``tau_pooled`` (Σ tokens / Σ cycles)
+    over the prompts that have at least one cycle (``prompts`` counts them)."""
     rows = [row_stats(a) for a in per_prompt if a]
     cycles = sum(r["cycles"] for r in rows)
     tokens = sum(r["tokens"] for r in rows)
     return {"tau_macro": sum(r["tau"] for r in rows) / len(rows) if rows else None,
-            "tau_pooled": tokens / cycles if cycles else None, "cycles": cycles, "tokens": tokens}
+            "tau_pooled": tokens / cycles if cycles else None, "cycles": cycles, "tokens": tokens,
+            "prompts": len(rows)}
 
 
 def histogram(per_prompt: list[list[int]], block_size: int) -> dict[str, int]:
     hist = {str(k): 0 for k in range(1, block_size + 1)}
     for lengths in per_prompt:
         for n in lengths:
-            hist[str(n)] += 1
+            if 1 <= n <= block_size:
+                hist[str(int(n))] += 1
     return hist
+
+
+def out_of_range(per_prompt: list[list[int]], block_size: int) -> int:
+    """How many acceptance lengths fall outside 1..B (none in a healthy run)."""
+    return sum(not 1 <= n <= block_size for lengths in per_prompt for n in lengths)
 
 
 def per_position_acceptance(per_prompt: list[list[int]], block_size: int) -> list[float]:
@@ -32,38 +49,66 @@ def per_position_acceptance(per_prompt: list[list[int]], block_size: int) -> lis
     return [sum(n >= k + 1 for n in lengths) / len(lengths) for k in range(1, block_size)]
 
 
-def summarize(rows: list[dict], block_size: int, mode: str) -> dict:
-    per_prompt = [r["acceptance_lengths"] for r in rows]
-    summary = {"mode": mode, "block_size": block_size, "prompts": len(rows), **tau_summary(per_prompt),
+def category_summary(rows: list[dict]) -> dict[str, dict]:
+    """:func:`tau_summary` per prompt category (rows without a category are left out)."""
+    groups: dict[str, list] = {}
+    for r in rows:
+        if r.get("category") is not None:
+            groups.setdefault(str(r["category"]), []).append(r.get("acceptance_lengths") or [])
+    return {c: tau_summary(v) for c, v in sorted(groups.items())}
+
+
+def all_anchors_accuracy(rows: list[dict], block_size: int) -> tuple[list[float], list[float]]:
+    """Teacher-forced per-position accuracy with every completion position an anchor (rows'
+    ``all_anchors`` hit counts, slots 1..B-1), and its cumulative product."""
+    correct = [0] * (block_size - 1)
+    count = [0] * (block_size - 1)
+    for r in rows:
+        aa = r.get("all_anchors") or {}
+        for k, (c, n) in enumerate(zip(list(aa.get("correct") or [])[:block_size - 1],
+                                       list(aa.get("count") or [])[:block_size - 1])):
+            correct[k] += c
+            count[k] += n
+    acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
+    cum, running = [], 1.0
+    for a in acc:
+        running *= a
+        cum.append(running)
+    return acc, cum
+
+
+def online_summary(rows: list[dict]) -> dict:
+    """Speed of an online run: output tokens (every turn's completion) per second of speculative
+    decoding and of plain target greedy decoding, and whether every row was lossless."""
+    wall = sum(r["wall_s"] for r in rows)
+    target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
+    tokens = sum(len(t.get("output_ids") or []) for r in rows for t in (r.get("turns") or [r]))
+    online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
+    if target_wall:
+        online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
+                      speedup=target_wall / wall if wall else None)
+    if any("lossless" in r for r in rows):
+        online["lossless"] = all(r.get("lossless") is True for r in rows)
+    return online
+
+
+def summarize(rows: list[dict], block_size: int, mode: str | None) -> dict:
+    per_prompt = [r.get("acceptance_lengths") or [] for r in rows]
+    t = tau_summary(per_prompt)
+    summary = {"mode": mode, "block_size": block_size, "prompts": len(rows), "tau_macro": t["tau_macro"],
+               "tau_pooled": t["tau_pooled"], "cycles": t["cycles"], "tokens": t["tokens"],
                "acceptance_histogram": histogram(per_prompt, block_size),
                "per_position_acceptance": per_position_acceptance(per_prompt, block_size)}
-    budgets = sorted({b for r in rows for b in (r.get("ddtree") or {})}, key=int)
+    budgets = sorted({str(b) for r in rows for b in (r.get("ddtree") or {})}, key=int)
     if budgets:
         summary["ddtree"] = {}
         for b in budgets:
-            t = tau_summary([r["ddtree"][b]["acceptance_lengths"] for r in rows if b in r.get("ddtree", {})])
-            summary["ddtree"][b] = {"tau_macro": t["tau_macro"], "tau_pooled": t["tau_pooled"]}
+            d = tau_summary([r["ddtree"][b].get("acceptance_lengths") or [] for r in rows
+                             if b in (r.get("ddtree") or {})])
+            summary["ddtree"][b] = {"tau_macro": d["tau_macro"], "tau_pooled": d["tau_pooled"],
+                                    "prompts": d["prompts"]}
     if any("all_anchors" in r for r in rows):
-        correct = [0] * (block_size - 1)
-        count = [0] * (block_size - 1)
-        for r in rows:
-            for k, (c, n) in enumerate(zip(r["all_anchors"]["correct"], r["all_anchors"]["count"])):
-                correct[k] += c
-                count[k] += n
-        acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
-        cum, run = [], 1.0
-        for a in acc:
-            run *= a
-            cum.append(run)
-        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = acc, cum
-    if rows and all("wall_s" in r for r in rows):
-        wall = sum(r["wall_s"] for r in rows)
-        target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
-        tokens = sum(len(t["output_ids"]) for r in rows for t in (r.get("turns") or [r]))
-        online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
-        if target_wall:
-            online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
-                          speedup=target_wall / wall if wall else None)
-        online["lossless"] = all(r.get("lossless", True) for r in rows)
-        summary["online"] = online
+        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows, block_size)
+    if rows and all(r.get("wall_s") is not None for r in rows):
+        summary["online"] = online_summary(rows)
     return summary

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 SUITES_DIR = Path(__file__).parent / "suites"
-DEFAULT_CACHE = Path("~/.cache/dflash-ops/suites")
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "dflash-ops" / "suites"
 
 # z-lab dflash benchmark.py's sources and prompt wording, so tau is comparable with published numbers.
 _BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -23,6 +23,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_user_config(tmp_path_factory):
+    """The tester's own ~/.config/dflash-ops/ must not leak into the tests (or their subprocesses)."""
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-config"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CONFIG_HOME", None)
+    else:
+        os.environ["XDG_CONFIG_HOME"] = old
+
+
 @pytest.fixture(scope="session")
 def ssh_lab(tmp_path_factory):
     """Real OpenSSH hosts `train` and `eval` (network namespaces, or loopback fallback)."""

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.catalog import (CatalogError, Run, check_name, load_catalog, parse_catalog, parse_step,
+from orchestrator.catalog import (CatalogError, TrainingRun, check_name, load_catalog, parse_catalog, parse_step,
                                   resolve_checkpoint, split_label)
 from orchestrator.sync import newest_run
 
 FOLDERS = ["step_1000", "step_19000", "step_20000", "step_21000", "final-export"]
-RUN = Run(name="v5", dir="v5", pattern="step_{step}")
+RUN = TrainingRun(name="v5", dir="v5", pattern="step_{step}")
 
 
 @pytest.mark.parametrize("name,step", [("step20k", 20000), ("20000", 20000), ("step_20000", 20000),
@@ -27,7 +27,7 @@ def test_step_spellings_resolve_to_the_folder(name):
 
 def test_folder_name_and_zero_padded_pattern():
     assert resolve_checkpoint("final-export", RUN, FOLDERS) == "final-export"
-    padded = Run(name="v6", dir="v6", pattern="ckpt-{step:08d}")
+    padded = TrainingRun(name="v6", dir="v6", pattern="ckpt-{step:08d}")
     assert padded.folder_for(20000) == "ckpt-00020000"
     assert resolve_checkpoint("20k", padded, ["ckpt-00010000", "ckpt-00020000"]) == "ckpt-00020000"
 
@@ -102,9 +102,27 @@ def test_yaml_errors_and_missing_file(tmp_path):
 
 def test_run_source_dir_and_newest_run():
     assert RUN.source_dir("/ckpts") == "/ckpts/v5"
-    assert Run(name="a", dir="/abs/a").source_dir(None) == "/abs/a"
+    assert TrainingRun(name="a", dir="/abs/a").source_dir(None) == "/abs/a"
     with pytest.raises(CatalogError, match="no `checkpoints` root"):
         RUN.source_dir(None)
     listing = {"old": {"checkpoints": [{"mtime": 5.0}, {"mtime": 7.0}]},
                "new": {"checkpoints": [{"mtime": 9.0}]}, "empty": {"checkpoints": []}}
     assert newest_run(listing) == "new"
+
+
+def test_catalog_discovery_order(tmp_path, monkeypatch):
+    from orchestrator.paths import shipped
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_OPS_CATALOG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert load_catalog().path == shipped("drafters.yaml")     # the example shipped in the package
+    user = tmp_path / "config" / "dflash-ops" / "drafters.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text("runs: {user_run: {}}\n")
+    assert list(load_catalog().runs) == ["user_run"]
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "drafters.yaml").write_text("runs: {cwd_run: {}}\n")
+    assert list(load_catalog().runs) == ["cwd_run"]
+    monkeypatch.setenv("DFLASH_OPS_CATALOG", str(user))
+    assert list(load_catalog().runs) == ["user_run"]

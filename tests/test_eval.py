@@ -234,3 +234,18 @@ def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
     assert report["agree"] and report["draft_disagreements"] == 0 and report["anchors"] > 0
     assert report["accuracy"]["training"] == report["accuracy"]["eval"]
     assert "agree draft for draft" in par.stdout
+
+
+def test_detach_json_then_attach(setup, tmp_path):
+    runs = tmp_path / "runs"
+    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", 1, "--max-new-tokens", 24,
+               "--device", "cpu", "--ddtree", "", "--detach", "--json", runs=runs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    started = json.loads(proc.stdout)
+    assert started["status"] == "running" and started["hosts"] == ["eval"]
+    assert started["attach"] == f"dflash-ops attach {started['id']}"
+    assert json.loads((runs / started["id"] / "run.json").read_text())["status"] == "running"
+    attach = cli(setup, "attach", started["id"], runs=runs)
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+    assert json.loads((runs / started["id"] / "run.json").read_text())["status"] == "done"
+    assert len(results(runs / started["id"])) == 1

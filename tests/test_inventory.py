@@ -195,3 +195,24 @@ def test_ssh_config_alias_connects(ssh_lab, tmp_path):
     host = load_inventory(p, ssh_config_path=cfg).get("trainbox")
     with runner_for(host) as r:
         assert r.run(["echo", "via-alias"]).stdout == "via-alias\n"
+
+
+def test_user_config_dir_and_xdg_cache(tmp_path, monkeypatch):
+    """After the flag, the env var and ./inventory.yaml comes $XDG_CONFIG_HOME/dflash-ops/; the
+    built-in local host lives in $XDG_CACHE_HOME/dflash-ops/local unless $DFLASH_OPS_HOME says."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DFLASH_OPS_INVENTORY", raising=False)
+    monkeypatch.delenv("DFLASH_OPS_HOME", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert load_inventory().path is None
+    user = tmp_path / "config" / "dflash-ops" / "inventory.yaml"
+    user.parent.mkdir(parents=True)
+    user.write_text("hosts: {userhost: {address: u}}\n")
+    inv = load_inventory()
+    assert inv.path == user and "userhost" in inv.names()
+    assert inv.get("local").workdir == str(tmp_path / "cache" / "dflash-ops" / "local")
+    write(tmp_path, "hosts: {cwdhost: {address: a}}\n")
+    assert "cwdhost" in load_inventory().names()            # the current directory comes first
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the spec: relative paths are ignored
+    assert load_inventory().get("local").workdir == str(Path("~/.cache/dflash-ops/local").expanduser())

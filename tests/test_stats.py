@@ -1,38 +1,12 @@
-"""orchestrator/stats.py: metrics recomputed from rows, paired bootstrap and permutation test."""
+"""orchestrator/stats.py: paired bootstrap and permutation test, cross-checked against scipy."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from orchestrator.stats import (compute_metrics, paired_bootstrap, paired_compare, paired_permutation_test,
-                                summary_disagreements, win_tie_loss)
+from orchestrator.stats import paired_bootstrap, paired_compare, paired_permutation_test, win_tie_loss
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def test_metrics_by_hand():
-    rows = [{"id": "a", "category": "math", "acceptance_lengths": [3, 1, 4]},          # 8 / 3
-            {"id": "b", "category": "code", "acceptance_lengths": [2, 2]},             # 4 / 2
-            {"id": "c", "category": "math", "acceptance_lengths": [16, 1, 1, 1, 1]}]   # 20 / 5
-    m = compute_metrics(rows, 16, "offline")
-    assert (m["prompts"], m["cycles"], m["tokens"]) == (3, 10, 32)
-    assert m["tau_macro"] == pytest.approx((8 / 3 + 2 + 4) / 3)
-    assert m["tau_pooled"] == pytest.approx(3.2)
-    assert m["tau_pooled"] == pytest.approx(1 + sum(m["per_position_acceptance"]))
-    assert m["per_position_acceptance"][0] == pytest.approx(5 / 10)   # lengths >= 2
-    assert m["per_position_acceptance"][14] == pytest.approx(1 / 10)  # length 16
-    assert m["acceptance_histogram"]["1"] == 5 and m["acceptance_histogram"]["16"] == 1
-    assert m["categories"]["math"]["tau_pooled"] == pytest.approx(28 / 8)
-    assert m["categories"]["code"]["prompts"] == 1
-
-
-def test_summary_disagreement_is_named():
-    rows = [{"id": "a", "acceptance_lengths": [3, 1, 4], "tau": 2.0}]
-    m = compute_metrics(rows, 16, "offline")
-    w = summary_disagreements(m, {"tau_macro": 9.0, "tau_pooled": m["tau_pooled"], "prompts": 1})
-    assert any("tau_macro = 9.0" in x for x in w)
-    assert any("store tau" in x for x in w)          # the row's stored tau disagrees with its lengths
-    assert not any("tau_pooled" in x for x in w)
 
 
 def _fake_run(rng, n):
@@ -118,3 +92,70 @@ def test_permutation_test_exact_for_few_prompts():
 
 def test_win_tie_loss():
     assert win_tie_loss([1.0, 2.0, 3.0, 4.0], [1.5, 2.0, 2.0, 4.0]) == (1, 2, 1)
+
+
+# --------------------------------------------------------------------------- against scipy
+
+def _paired_sample(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    ta, ca = _fake_run(rng, n)
+    tb = ta
+    cb = np.maximum(1.0, np.round(ca * rng.uniform(0.75, 1.1, size=n)))
+    return ta, ca, tb, cb
+
+
+def test_bootstrap_matches_scipy_paired_bootstrap():
+    """Same statistic, same percentile method, independent resampling: the CI ends agree within
+    Monte Carlo error (a few % of the CI width at 20000 resamples)."""
+    from scipy import stats as sps
+
+    ta, ca, tb, cb = _paired_sample(21, 40)
+    macro, pooled = paired_bootstrap(ta, ca, tb, cb, resamples=20000, seed=4)
+
+    def macro_stat(a_t, a_c, b_t, b_c, axis=-1):
+        return np.mean(b_t / b_c - a_t / a_c, axis=axis)
+
+    def pooled_stat(a_t, a_c, b_t, b_c, axis=-1):
+        return b_t.sum(axis=axis) / b_c.sum(axis=axis) - a_t.sum(axis=axis) / a_c.sum(axis=axis)
+
+    for ours, stat in ((macro, macro_stat), (pooled, pooled_stat)):
+        ref = sps.bootstrap((ta, ca, tb, cb), stat, paired=True, vectorized=True, n_resamples=20000,
+                            confidence_level=0.95, method="percentile", random_state=np.random.default_rng(9))
+        width = ref.confidence_interval.high - ref.confidence_interval.low
+        assert ours.diff == pytest.approx(float(stat(ta, ca, tb, cb)))
+        assert abs(ours.ci_low - ref.confidence_interval.low) < 0.05 * width
+        assert abs(ours.ci_high - ref.confidence_interval.high) < 0.05 * width
+
+
+def test_permutation_test_matches_scipy():
+    """Exact enumeration (2^10 swaps) gives scipy's exact p-values to the last digit; a sampled
+    test (40 prompts) agrees within Monte Carlo error."""
+    from scipy import stats as sps
+
+    def macro_stat(a_t, a_c, b_t, b_c, axis=-1):
+        return np.mean(b_t / b_c - a_t / a_c, axis=axis)
+
+    def pooled_stat(a_t, a_c, b_t, b_c, axis=-1):
+        return b_t.sum(axis=axis) / b_c.sum(axis=axis) - a_t.sum(axis=axis) / a_c.sum(axis=axis)
+
+    def scipy_p(ta, ca, tb, cb, stat, n_resamples, seed=0):
+        # a "samples" permutation swaps the runs within a prompt: (ta, ca) <-> (tb, cb) together
+        a, b = np.stack([ta, ca]), np.stack([tb, cb])
+        res = sps.permutation_test((a, b), lambda x, y, axis: stat(x[..., 0, :], x[..., 1, :], y[..., 0, :], y[..., 1, :]),
+                                   permutation_type="samples", vectorized=True, n_resamples=n_resamples,
+                                   alternative="two-sided", random_state=np.random.default_rng(seed), axis=-1)
+        return res.pvalue
+
+    ta, ca, tb, cb = _paired_sample(31, 10)
+    p_m, p_p, exact = paired_permutation_test(ta, ca, tb, cb, resamples=5000)
+    assert exact
+    assert p_m == pytest.approx(scipy_p(ta, ca, tb, cb, macro_stat, 5000), abs=1e-12)
+    assert p_p == pytest.approx(scipy_p(ta, ca, tb, cb, pooled_stat, 5000), abs=1e-12)
+
+    ta, ca, tb, cb = _paired_sample(32, 40)
+    cb = np.maximum(1.0, ca + np.random.default_rng(3).integers(-2, 3, size=40))   # a small effect
+    p_m, p_p, exact = paired_permutation_test(ta, ca, tb, cb, resamples=20000, seed=1)
+    assert not exact
+    for ours, stat in ((p_m, macro_stat), (p_p, pooled_stat)):
+        ref = scipy_p(ta, ca, tb, cb, stat, 20000, seed=2)
+        assert abs(ours - ref) < 4 * np.sqrt(max(ref * (1 - ref), 1e-4) / 20000) + 1e-3, (ours, ref)

@@ -25,7 +25,7 @@ from orchestrator.sync import SyncError, list_checkpoints, sync_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
-FAST = dict(alive=(2, 3), idle=6.0, stall=20.0, progress=False)  # quick dead-link detection for tests
+FAST = dict(alive=(2, 3), idle=6.0, stall=20.0, progress=None)  # quick dead-link detection for tests
 _BLOCK = os.urandom(MiB)
 
 
@@ -124,7 +124,7 @@ class _Counting:
 
 
 def record_popen(monkeypatch) -> tuple[list, list]:
-    import orchestrator.sync as sync_mod
+    import orchestrator.sync.relay as sync_mod
 
     procs, read = [], [0]
     real = subprocess.Popen
@@ -355,5 +355,16 @@ def test_default_run_is_the_one_with_the_newest_checkpoint(ssh_lab, tmp_path):
     os.utime(old.src_run / "step_1" / "config.json", (time.time() - 3600,) * 2)
     cat = parse_catalog({"runs": {old.run: {}, new_run: {}}}, tmp_path / "c.yaml")
     plans = []
-    sync_checkpoint(old.inv, cat, "5", dry_run=True, on_plan=plans.append, progress=False)
+    sync_checkpoint(old.inv, cat, "5", dry_run=True, on_plan=plans.append, progress=None)
     assert plans[0].run == new_run and plans[0].checkpoint == "step_5"
+
+
+def test_ckpts_json(env):
+    env.ckpt(300, {"config.json": b"{}\n"})
+    p = env.cli("ckpts", env.run, "--json")
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    data = json.loads(out)
+    assert [(c["run"], c["name"], c["step"], c["on_eval"]) for c in data["checkpoints"]] == [
+        (env.run, "step_300", 300, "no")]
+    assert data["warnings"] == []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -142,9 +143,9 @@ def test_command_line_is_the_one_quoting_place():
 
 
 def test_runner_for_local(lab_hosts):
-    from orchestrator.transport import _parse_endpoint
-    assert _parse_endpoint("ops@[::1]:2200", None) == ("ops", "::1", 2200)
-    assert _parse_endpoint("bastion", "root") == ("root", "bastion", 22)
+    from orchestrator.transport import parse_jump_spec
+    assert parse_jump_spec("ops@[::1]:2200", None) == ("ops", "::1", 2200)
+    assert parse_jump_spec("bastion", "root") == ("root", "bastion", 22)
     assert isinstance(runner_for(lab_hosts.get("local")), LocalRunner)
     assert isinstance(runner_for(lab_hosts.get("eval")), SSHRunner)
 
@@ -227,3 +228,70 @@ def test_jump_host(ssh_lab, lab_hosts):
         ev = replace(lab_hosts.get("eval"), jump="train")
         with pytest.raises(TransportError, match="jump host train could not open a connection"):
             runner_for(ev, lab_hosts).connect()
+
+
+# --- one endpoint, two paths: the Fabric control connection and the OpenSSH data path ----------
+
+
+def _data_path(host, inventory=None):
+    from orchestrator.transport import endpoint_for
+
+    argv = endpoint_for(host, inventory).argv(["echo", "data-ok"], ("ConnectTimeout=10",))
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def _control_path(host, inventory=None):
+    try:
+        with runner_for(host, inventory) as r:
+            return r.run(["echo", "control-ok"]).stdout.strip()
+    except HostKeyError as e:
+        return f"HostKeyError: {e}"
+
+
+@pytest.mark.parametrize("case", ["unknown", "unknown-trusted", "changed-trusted", "known"])
+def test_both_paths_check_host_keys_the_same_way(ssh_lab, lab_hosts, tmp_path, case):
+    kh = tmp_path / "known_hosts"
+    ev = ssh_lab.eval
+    kh.write_text({"unknown": "", "unknown-trusted": "",
+                   "changed-trusted": f"{ev.known_hosts_name} {ssh_lab.train.host_key_pub}\n",
+                   "known": f"{ev.known_hosts_name} {ev.host_key_pub}\n"}[case])
+    before = kh.read_text()
+    host = replace(lab_hosts.get("eval"), known_hosts=str(kh), trust_host_key=case.endswith("trusted"))
+    data, control = _data_path(host), _control_path(host)
+    if case in ("unknown-trusted", "known"):
+        assert (data.returncode, data.stdout.strip(), control) == (0, "data-ok", "control-ok"), data.stderr
+    else:
+        assert data.returncode == 255 and "Host key verification failed" in data.stderr
+        assert control.startswith("HostKeyError") and ("MISMATCH" in control) == (case == "changed-trusted")
+    assert kh.read_text() == before          # nothing is ever written to known_hosts
+
+
+def test_jump_chain_serves_both_paths(ssh_lab, lab_hosts):
+    via = replace(lab_hosts.get("train"), name="train-via-jump", jump="train")
+    inv = type(lab_hosts)(hosts={**lab_hosts.hosts, via.name: via}, path=lab_hosts.path)
+    from orchestrator.transport import endpoint_for
+
+    ep = endpoint_for(via, inv)
+    assert ep.jump is not None and ep.jump.name == "train" and ep.jump.known_hosts == ep.known_hosts
+    assert _control_path(via, inv) == "control-ok"
+    res = _data_path(via, inv)
+    assert res.returncode == 0 and res.stdout.strip() == "data-ok", res.stderr
+    assert "ProxyCommand=ssh -F /dev/null" in " ".join(endpoint_for(via, inv).argv(["true"]))
+
+
+def test_ssh_config_is_resolved_by_openssh(tmp_path):
+    """Include and Match (which a hand-written parser would get wrong) come from `ssh -G`."""
+    from orchestrator.inventory import parse_inventory
+    from orchestrator.transport import endpoint_for
+
+    inc = tmp_path / "included.conf"
+    inc.write_text("Host box\n    HostName 192.0.2.9\n    ProxyJump hopper:2022\n")
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Include {inc}\nMatch host 192.0.2.9\n    Port 2299\n    User matched\n"
+                   "Host hopper\n    HostName 192.0.2.10\n")
+    inv = parse_inventory({"hosts": {"box": {"ssh_config": "box", "known_hosts": str(tmp_path / "kh")}}},
+                          tmp_path / "inv.yaml", ssh_config_path=cfg)
+    ep = endpoint_for(inv.get("box"), inv)
+    assert (ep.address, ep.port, ep.user) == ("192.0.2.9", 2299, "matched")
+    assert ep.jump is not None and (ep.jump.address, ep.jump.port) == ("192.0.2.10", 2022)
+    assert ep.known_hosts == (str(tmp_path / "kh"),) == ep.jump.known_hosts   # the hop inherits it

@@ -1,0 +1,52 @@
+"""The `dflash-ops` app: global options, and one module per command group registered on it.
+Commands import the domain modules they need inside their bodies, so `dflash-ops --help` and
+shell completion start fast (no paramiko, numpy, matplotlib or torch at start-up)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from . import evals, hosts, runs, sync
+from .context import options
+from .guard import GuardedGroup
+
+app = typer.Typer(
+    name="dflash-ops",
+    cls=GuardedGroup,
+    help="Evaluate DFlash drafter checkpoints on remote GPU hosts, sync checkpoints, write reports.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"dflash-ops {version('dflash-ops')}")
+        except PackageNotFoundError:
+            typer.echo("dflash-ops (not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    inventory: Optional[str] = typer.Option(
+        None, "--inventory", "-i", metavar="PATH",
+        help="Inventory file (default: $DFLASH_OPS_INVENTORY, ./inventory.yaml, "
+             "$XDG_CONFIG_HOME/dflash-ops/inventory.yaml, else only `local`)."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+):
+    options(ctx).inventory_path = inventory
+
+
+for group in (hosts, runs, evals, sync):
+    group.register(app)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,72 @@
+"""`dflash-ops hosts` and `hosts check`."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from . import console
+from .context import inventory
+
+hosts_app = typer.Typer(help="List the inventory's hosts; `hosts check` probes them.", invoke_without_command=True)
+
+
+@hosts_app.callback()
+def hosts(ctx: typer.Context,
+          as_json: bool = typer.Option(False, "--json", help="Print the hosts as JSON.")):
+    """List hosts and their roles (with no subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    inv = inventory(ctx)
+    if as_json:
+        console.print_json({"inventory": str(inv.path) if inv.path else None, "hosts": [h.to_dict() for h in inv]})
+        return
+    rows = []
+    for h in inv:
+        address = "(local subprocess)" if h.is_local else (
+            f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
+        rows.append([h.name, ",".join(h.roles), address, h.python, h.workdir or "-", h.checkpoints or "-",
+                     h.sglang or "-", "-" if h.gpus is None else str(h.gpus)])
+    console.out().print(console.table(f"hosts ({inv.path or 'built-in only'})", [
+        "name", "roles", "address", "python", "workdir", "checkpoints", "sglang", "gpus"], rows))
+
+
+@hosts_app.command("check")
+def hosts_check(
+    ctx: typer.Context,
+    names: Optional[List[str]] = typer.Argument(None, help="Hosts to check (default: all)."),
+    timeout: float = typer.Option(60.0, help="Seconds allowed per host."),
+    as_json: bool = typer.Option(False, "--json", help="Print the reports as JSON."),
+):
+    """Connect to hosts in parallel and report python, torch/CUDA, GPUs, disk and SGLang."""
+    from dataclasses import asdict
+
+    from rich.markup import escape
+
+    from ..hostcheck import HostCheckFailed, check_hosts
+
+    inv = inventory(ctx)
+    selected = [inv.get(n) for n in names] if names else list(inv)
+    reports = check_hosts(selected, timeout=timeout, inventory=inv)
+    failed = [r.name for r in reports if not r.ok]
+    if as_json:
+        console.print_json([asdict(r) | {"ok": r.ok} for r in reports])
+    else:
+        rows = [[escape(r.name), "[green]ok[/]" if r.ok else "[red]FAIL[/]", *(escape(v or "-") for v in (
+                 r.python, r.torch, r.cuda, r.transformers, r.fla)), escape(", ".join(r.gpus) or "none"),
+                 escape(" / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))),
+                 escape(r.sglang or "-"), escape(r.model or "-")] for r in reports]
+        out = console.out()
+        out.print(console.table("hosts check", ["host", "ok", "python", "torch", "cuda", "transformers", "fla",
+                                                "gpus", "free (workdir / ckpts)", "sglang", "model"], rows, markup=True))
+        for r in reports:
+            for e in r.errors:
+                out.print(f"[red]✘ {escape(r.name)}: {escape(e)}[/]")
+            for w in r.warnings:
+                out.print(f"[yellow]! {escape(r.name)}: {escape(w)}[/]")
+    if failed:
+        raise HostCheckFailed(f"{len(failed)} of {len(reports)} host(s) failed: {', '.join(failed)}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(hosts_app, name="hosts")

@@ -1,0 +1,136 @@
+"""`dflash-ops runs`, `show` and `compare`: eval run folders, a run's report, runs side by side."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+from rich.panel import Panel
+
+from . import console
+from .context import RUNS_DIR_HELP
+
+
+def runs_cmd(
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Only runs of this drafter label."),
+    suite: Optional[str] = typer.Option(None, "--suite", help="Only runs of this suite."),
+    host: Optional[str] = typer.Option(None, "--host", help="Only runs on this host."),
+    status: Optional[str] = typer.Option(None, "--status", help="Only runs with this status (done, failed, running)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
+):
+    """List runs: id, drafter, checkpoint, target, suite, prompts, τ, host, date, status."""
+    from ..runs import filter_runs, list_runs, run_rows, runs_dir as find_runs_dir
+
+    d = find_runs_dir(runs_dir)
+    rows = run_rows(filter_runs(list_runs(d), drafter=drafter, suite=suite, host=host, status=status))
+    if as_json:
+        console.print_json(rows)
+        return
+    if not rows:
+        filtered = " matching the filters" if any((drafter, suite, host, status)) else ""
+        console.err().print(f"no runs in {escape(str(d))}{filtered}")
+        return
+    colors = {"done": "green", "failed": "red", "running": "yellow"}
+    table_rows = []
+    for row in rows:
+        n = "-" if row["prompts"] is None else str(row["prompts"])
+        if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
+            n += f"/{row['prompts_planned']}"
+        table_rows.append([escape(row["id"]), *(escape(str(row[k] or "-")) for k in ("drafter", "checkpoint", "target",
+                                                                                      "suite")),
+                           n, "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
+                           escape(str(row["host"] or "-")), escape(row["created_at"][:16].replace("T", " ")),
+                           f"[{colors.get(row['status'], 'white')}]{escape(row['status'])}[/]"])
+    console.out().print(console.table(f"runs ({d})", ["id", "drafter", "checkpoint", "target", "suite", "prompts",
+                                                     "τ macro", "host", "date", "status"], table_rows,
+                                      right=("prompts", "τ macro"), markup=True))
+
+
+def show_cmd(
+    run: str = typer.Argument(..., help="A run id, a drafter label (newest run) or DRAFTER:CHECKPOINT."),
+    rewrite: bool = typer.Option(False, "--rewrite", help="Rewrite report.md/report.html even if current."),
+    as_json: bool = typer.Option(False, "--json", help="Print the run's metrics and report paths as JSON."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
+):
+    """Print a run's summary and the paths of its report (written if missing or stale)."""
+    from ..render import fnum
+    from ..report import current_report, run_warnings, summary_rows
+    from ..runs import resolve, runs_dir as find_runs_dir
+
+    r = resolve(run, find_runs_dir(runs_dir))
+    md_path, html_path = current_report(r, rewrite)
+    m = r.metrics
+    warnings = run_warnings(r)
+    if as_json:
+        console.print_json({"id": r.id, "path": str(r.path), "run": r.meta, "metrics": {
+            k: v for k, v in m.items() if k != "per_prompt"}, "warnings": warnings,
+            "report": {"md": str(md_path), "html": str(html_path)}})
+        return
+    out = console.out()
+    out.print(console.table(f"run {r.id}", ["metric", "value"], summary_rows(r, m), show_header=False))
+    if m.get("categories"):
+        out.print(console.table("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"], [
+            [c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])] for c, v in m["categories"].items()],
+            right=("prompts", "tau_macro", "tau_pooled")))
+    if warnings:
+        out.print(Panel("\n".join(f"• {escape(w)}" for w in warnings), title="warnings", border_style="yellow"))
+    out.print(f"report: {escape(str(md_path))}\n        {escape(str(html_path))}")
+
+
+def compare_cmd(
+    runs: List[str] = typer.Argument(..., help="Runs to compare (labels or ids); the first is the baseline."),
+    force: bool = typer.Option(False, "--force", help="Compare even when the runs do not pair (common prompts)."),
+    resamples: int = typer.Option(10000, "--resamples", help="Bootstrap / permutation resamples."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap and permutation test."),
+    published: Optional[str] = typer.Option(None, "--published", metavar="BENCH",
+                                            help="Show published numbers for BENCH (default: from the suite name)."),
+    no_published: bool = typer.Option(False, "--no-published", help="Never show published numbers."),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Folder for compare.md/.html."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
+):
+    """Pair runs prompt by prompt and compare them with the first: τ, per-position acceptance,
+    DDTree, win/tie/loss, paired-bootstrap CIs and p-values. Exit code 3 when the runs do not pair."""
+    from ..compare import (category_rows, compare_labels, difference_rows, env_warning_lines, per_position_rows,
+                           refusal, side_by_side, stats_note)
+    from ..runs import runs_dir as find_runs_dir
+
+    result = compare_labels(runs, find_runs_dir(runs_dir), force=force, resamples=resamples, seed=seed,
+                            published=published, use_published=not no_published, out=Path(out) if out else None)
+    if as_json:
+        console.print_json(result)
+    mismatches = "\n".join(f"• {escape(m['message'])}" for m in result["mismatches"])
+    if result["refused"]:
+        if not as_json:
+            console.err().print(Panel(mismatches, title="runs do not pair", border_style="red"))
+        raise refusal(result)
+    if as_json:
+        return
+    con = console.out()
+    if result["mismatches"]:
+        con.print(Panel(mismatches, title="FORCED: runs do not pair (--force)", border_style="red"))
+    env_lines = env_warning_lines(result)
+    if env_lines:
+        con.print(Panel("\n".join(f"• {escape(x)}" for x in env_lines),
+                        title="environment differences that can change the numbers", border_style="yellow"))
+    for w in result["warnings"]:
+        con.print(f"[yellow]! {escape(w)}[/]")
+    pub = result.get("published")
+    caption = (f"{pub['name']}: {pub['label']} ({pub['source'].get('title')}, arXiv {pub['source'].get('arxiv')})"
+               + (f"; {pub['caveat']}" if pub.get("caveat") else "")) if pub else None
+    tables = [("side by side", side_by_side(result), caption),
+              ("difference vs baseline", difference_rows(result), stats_note(result)),
+              ("per-position acceptance", per_position_rows(result), None)]
+    if category_rows(result):
+        tables.append(("per category (τ macro)", category_rows(result), None))
+    for title, (head, rows), cap in tables:
+        con.print(console.table(title, head, rows, right=head[1:], caption=cap))
+    con.print(f"compare report: {escape(result['outputs']['md'])}\n                {escape(result['outputs']['html'])}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("runs")(runs_cmd)
+    app.command("show")(show_cmd)
+    app.command("compare")(compare_cmd)

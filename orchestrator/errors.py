@@ -1,0 +1,25 @@
+"""The kinds of expected failure. Every domain module raises its own error class, derived from
+one of these; the CLI's one error guard (orchestrator/cli/guard.py) prints its message as one red
+line and exits with its ``exit_code`` (README, "Exit codes"). Anything else is a bug and keeps
+its traceback.
+"""
+from __future__ import annotations
+
+
+class DflashOpsError(Exception):
+    """An expected failure; ``str(error)`` is the user-facing message, ``exit_code`` the
+    command's exit status."""
+
+    exit_code = 1
+
+
+class InputError(DflashOpsError):
+    """What the user gave is wrong: a file, a name, an option."""
+
+    exit_code = 2
+
+
+class OperationFailed(DflashOpsError):
+    """The operation ran and failed: a host, a transfer, a worker."""
+
+    exit_code = 1

@@ -1,0 +1,176 @@
+"""``runs/<id>/run.json``: an eval run's record, and the one owner of its state.
+
+Everything that changes a run's state is a method here; the eval flow (evaluate.py) and the
+commands (eval, attach, cancel) call them and never set fields themselves. From the start of
+the workers on, each transition writes run.json (atomically), so an interrupted command leaves
+a record another can pick up; a run whose pre-flight failed leaves nothing.
+
+Run status:   preparing -> running -> done | failed | cancelled
+              (running stays running when the user detaches or contact is lost: `attach`)
+Shard state:  pending -> running -> the worker's exit state (done, failed, ...) | cancelled;
+              ``fetched`` once its files are back here.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+RUN_FILE = "run.json"
+
+
+@dataclass
+class EvalRequest:
+    """What the user asked for (kept in run.json so `eval --resume` repeats it)."""
+    hosts: list[str]
+    drafter: str | None = None
+    target: str | None = None
+    suite: str = "default"
+    prompts: int | None = 2
+    mode: str = "offline"
+    max_new_tokens: int = 256
+    max_blocks: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    sglang: str = "auto"            # auto (the host's, offline mode) | off | URL
+    thinking: str = "default"
+    ddtree_budgets: str = "8,16,32,64"
+    all_anchors: bool = False
+    min_free_gb: float = 1.0
+    verify_weights: bool = False    # sha256 of the weights vs the sync manifest (slow on 17 GB)
+
+
+@dataclass
+class Shard:
+    """One host's part of a run (``--shard index/count`` of the prompts)."""
+    host: str
+    index: int
+    count: int
+    run_dir: str = ""               # on the host: <workdir>/runs/<run id>[/shard-<index>]
+    code_dir: str = ""
+    python: str = ""
+    drafter_path: str = ""
+    target_path: str = ""
+    fetched: bool = False
+    state: str = "pending"
+    exit_code: int | None = None
+
+    def local_dir(self, run_dir: Path) -> Path:
+        """Where its files land here."""
+        return run_dir if self.count == 1 else run_dir / f"shard-{self.index}"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_id(drafter: str, checkpoint: str | None, host: str, when: datetime | None = None) -> str:
+    when = when or datetime.now()
+    parts = [when.strftime("%Y%m%d-%H%M%S"), drafter, checkpoint or "", host]
+    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", p).strip("_") for p in parts if p)
+
+
+@dataclass
+class RunRecord:
+    """Everything needed to follow, resume, cancel and report a run."""
+    id: str
+    drafter: str
+    checkpoint: str | None
+    target: str
+    suite: str
+    host: str
+    mode: str
+    prompts: int | None
+    created_at: str
+    status: str
+    request: dict
+    shards: list[Shard] = field(default_factory=list)
+    folder: Path | None = field(default=None, repr=False, compare=False)   # runs/<id>, not saved
+
+    # --- creating, reading, writing ------------------------------------------------------------
+
+    @classmethod
+    def create(cls, runs_dir: Path, request: EvalRequest, label: str, checkpoint: str | None) -> "RunRecord":
+        hosts = request.hosts
+        rid = run_id(label, checkpoint, "+".join(hosts))
+        record = cls(id=rid, drafter=label, checkpoint=checkpoint, target=request.target or "default",
+                     suite=request.suite, host=",".join(hosts), mode=request.mode, prompts=request.prompts,
+                     created_at=now_iso(), status="preparing", request=asdict(request),
+                     shards=[Shard(host=h, index=i, count=len(hosts)) for i, h in enumerate(hosts)],
+                     folder=Path(runs_dir) / rid)
+        return record
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunRecord":
+        raw = json.loads((Path(run_dir) / RUN_FILE).read_text())
+        raw["shards"] = [Shard(**s) for s in raw.get("shards", [])]
+        return cls(**raw, folder=Path(run_dir))
+
+    @property
+    def eval_request(self) -> EvalRequest:
+        return EvalRequest(**self.request)
+
+    def save(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "folder"}
+        data["shards"] = [asdict(s) for s in self.shards]
+        tmp = self.folder / (RUN_FILE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.folder / RUN_FILE)
+
+    # --- transitions ---------------------------------------------------------------------------
+
+    def prepared(self, index: int, *, run_dir: str, code_dir: str, python: str, drafter_path: str,
+                 target_path: str) -> None:
+        """Pre-flight passed on shard ``index``'s host: where its worker runs and what it loads."""
+        s = self.shards[index]
+        s.run_dir, s.code_dir, s.python = run_dir, code_dir, python
+        s.drafter_path, s.target_path = drafter_path, target_path
+
+    def started(self, resolved_target: str | None = None) -> None:
+        """Every worker was started (fresh or resumed)."""
+        if resolved_target:
+            self.target = resolved_target
+        for s in self.shards:
+            s.fetched, s.state = False, "running"
+        self.status = "running"
+        self.save()
+
+    def following(self) -> None:
+        """`attach`: every shard is followed again and its files fetched again."""
+        for s in self.shards:
+            s.fetched = False
+
+    def shard_exited(self, index: int, exit_event: dict) -> None:
+        """The worker of shard ``index`` ended (its files are about to be fetched)."""
+        s = self.shards[index]
+        s.state = exit_event.get("state", "unknown")
+        s.exit_code = exit_event.get("exit_code")
+
+    def shard_fetched(self, index: int) -> None:
+        self.shards[index].fetched = True
+        self.save()
+
+    def detached(self) -> None:
+        """The user stopped following; the workers keep running."""
+        self.save()
+
+    def settle(self) -> str:
+        """After following: ``unfinished`` (some shard not fetched: still running), ``failed``
+        (some worker failed) or ``done``; the status follows."""
+        if not all(s.fetched for s in self.shards):
+            self.status, outcome = "running", "unfinished"
+        elif any(s.state != "done" for s in self.shards):
+            self.status = outcome = "failed"
+        else:
+            self.status = outcome = "done"
+        self.save()
+        return outcome
+
+    def cancelled(self, states: dict[int, str]) -> None:
+        for index, state in states.items():
+            self.shards[index].state = state
+        self.status = "cancelled"
+        self.save()

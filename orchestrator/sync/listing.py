@@ -1,0 +1,71 @@
+"""`ckpts`: a training run's checkpoints on the training host (step, size, time) and whether
+each is already complete on the eval host."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..catalog import Catalog, CatalogError, TrainingRun
+from ..inventory import Host, Inventory, InventoryError
+from ..transport import TransportError, runner_for
+from .plan import dest_rundir
+from .tool import SyncError, run_tool
+
+
+def list_runs(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
+    """The tool's listing of each run's checkpoint folders under ``root_for(run)`` on ``host``."""
+    args: list[str] = ["list", host.checkpoints or "/"]
+    for r in runs:
+        args += ["--run", r.name, root_for(r), r.pattern]
+    return run_tool(runner, host, *args, timeout=120)["runs"]
+
+
+@dataclass
+class CkptRow:
+    run: str
+    name: str
+    step: int | None
+    size: int
+    files: int
+    mtime: float
+    on_eval: str  # yes | partial | no | ?
+
+
+def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *,
+                     src_name: str | None = None, dst_name: str | None = None) -> tuple[list[CkptRow], list[str]]:
+    """Checkpoints of one run (or all runs) on the training host, and whether each is on the eval
+    host. Returns (rows, warnings)."""
+    src = inv.pick("train", src_name)
+    runs = [catalog.run(run)] if run else list(catalog.runs.values())
+    if not runs:
+        raise CatalogError(f"no training runs in the catalog ({catalog.path or 'none found'})")
+    warnings: list[str] = []
+    with runner_for(src, inv) as srun:
+        listing = list_runs(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
+    there: dict | None = None
+    try:
+        dst = inv.pick("eval", dst_name)
+        if dst.checkpoints:
+            with runner_for(dst, inv, connect_timeout=10) as drun:
+                there = list_runs(drun, dst, runs, lambda r: dest_rundir(dst, r))
+    except (InventoryError, TransportError, SyncError) as e:
+        warnings.append(f"eval host: {e}")
+    rows = []
+    for r in runs:
+        info = listing[r.name]
+        if not info.get("exists", True):
+            warnings.append(f"run {r.name}: {info['dir']} does not exist on {src.name}")
+        d = {c["name"]: c for c in (there or {}).get(r.name, {}).get("checkpoints", [])}
+        staging = set((there or {}).get(r.name, {}).get("staging", []))
+        for c in info["checkpoints"]:
+            if there is None:
+                on = "?"
+            elif c["name"] in d and d[c["name"]]["complete"]:
+                on = "yes"
+            elif c["name"] in staging or c["name"] in d:
+                on = "partial"
+            else:
+                on = "no"
+            rows.append(CkptRow(r.name, c["name"], c["step"], c["size"], c["files"], c["mtime"], on))
+    rows.sort(key=lambda x: (x.run, x.step if x.step is not None else -1, x.name))
+    return rows, warnings

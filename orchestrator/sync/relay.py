@@ -1,0 +1,279 @@
+"""The data path: each file streams from an OpenSSH client running ``ckpt_tool.py send`` on the
+source into one running ``ckpt_tool.py recv`` on the destination, the first one's stdout joined
+to the second one's stdin by a kernel pipe (REFERENCE §5; benchmarks/bench_sync.py). The bytes
+never enter this process nor touch this machine's disk, and no paramiko is in the way (its
+512 MiB rekey deadlock, paramiko#822). Both clients come from the hosts' SSH endpoints
+(transport/endpoint.py). ``ServerAliveInterval``/``CountMax`` make a dead link fail in bounded
+time; the remote ends give up when stdin is silent for ``idle`` seconds; a watchdog stops a
+transfer that moved nothing for ``stall`` seconds.
+
+Integrity: bytes go to ``.staging-CKPT/NAME.part``, appended from its size on resume; sha256 is
+computed in flight on both ends (the sender over the whole file, continuing over the prefix on
+resume; the receiver over the ``.part`` prefix, read once, plus the new bytes) and compared
+before fsync + rename; a mismatch deletes the ``.part`` and the file is sent again from zero.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import PurePosixPath
+from typing import Callable
+
+from ..inventory import Host, Inventory
+from ..render import human_bytes
+from ..transport import CONNECT_TIMEOUT, command_line, endpoint_for
+from .plan import FilePlan, SyncPlan, SyncResult
+from .tool import SyncError, tool_argv, tool_error
+
+ALIVE_INTERVAL = 5  # ssh ServerAliveInterval: a dead link is noticed after INTERVAL*COUNT seconds
+ALIVE_COUNT = 3
+IDLE_TIMEOUT = 20.0  # remote ends give up after this long without input
+STALL_TIMEOUT = 45.0  # backstop: no byte moved for this long -> abort
+PIPE_SIZE = 1 << 20
+CIPHERS = ("aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,"
+           "aes128-ctr,aes256-ctr")
+
+
+def data_options(alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> tuple[str, ...]:
+    """OpenSSH options of the data path: a dead link fails in ALIVE[0]*ALIVE[1] s, fast ciphers."""
+    return (f"ConnectTimeout={int(CONNECT_TIMEOUT)}", f"ServerAliveInterval={alive[0]}",
+            f"ServerAliveCountMax={alive[1]}", "TCPKeepAlive=yes", "Compression=no", f"Ciphers={CIPHERS}")
+
+
+def data_argv(host: Host, remote: list[str], inventory: Inventory | None = None,
+              alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> list[str]:
+    """``remote`` run on ``host`` by an OpenSSH client (the host's endpoint), or locally."""
+    return list(remote) if host.is_local else endpoint_for(host, inventory).argv(remote, data_options(alive))
+
+
+class SyncProgress:
+    """What a sync reports while it moves bytes; this one shows nothing (the CLI draws bars)."""
+
+    def start(self, plan: SyncPlan) -> None:
+        """Bytes are about to move: ``plan.to_move`` in all."""
+
+    def file_started(self, f: FilePlan) -> None:
+        """``f`` starts moving at ``f.offset``."""
+
+    def moved(self, f: FilePlan, n: int) -> None:
+        """``n`` more bytes of ``f`` arrived."""
+
+    def file_restarted(self, f: FilePlan, lost: int) -> None:
+        """``f`` is sent again from zero (a checksum mismatch): ``lost`` bytes must move again."""
+
+    def stop(self) -> None:
+        """No more bytes will move (done, failed or interrupted)."""
+
+
+class Transfer:
+    def __init__(self, f: FilePlan, src_argv: list[str] | None, dst_argv: list[str]):
+        self.f = f
+        self.src_argv, self.dst_argv = src_argv, dst_argv
+        self.got = 0
+        self.last = time.monotonic()
+        self.procs: list[subprocess.Popen] = []
+        self.killed_for: str | None = None
+        self.rcs = (0, 0)
+
+    def kill(self, why: str) -> None:
+        self.killed_for = self.killed_for or why
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def run(self, on_bytes: Callable[[int], None]) -> tuple[str, str, str, str]:
+        """Returns (status line, dst stderr, src stderr, src rc)."""
+        self.got = 0
+        self.last = time.monotonic()
+        r = w = None
+        if self.src_argv is not None:
+            r, w = os.pipe()
+            try:
+                fcntl.fcntl(w, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wake-ups per MiB
+            except OSError:
+                pass
+            src = subprocess.Popen(self.src_argv, stdin=subprocess.DEVNULL, stdout=w,
+                                   stderr=subprocess.PIPE, start_new_session=True)
+            self.procs.append(src)
+            os.close(w)
+        else:
+            src = None
+        dst = subprocess.Popen(self.dst_argv, stdin=r if r is not None else subprocess.DEVNULL,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.procs.append(dst)
+        if r is not None:
+            os.close(r)  # only the two ssh clients hold the pipe now
+        errs = {"src": b"", "dst": b""}
+
+        def drain(name, stream):
+            errs[name] = stream.read()
+        threads = [threading.Thread(target=drain, args=("dst", dst.stderr), daemon=True)]
+        if src is not None:
+            threads.append(threading.Thread(target=drain, args=("src", src.stderr), daemon=True))
+        for t in threads:
+            t.start()
+        status = ""
+        for raw in iter(dst.stdout.readline, b""):
+            line = raw.decode(errors="replace").strip()
+            if line.startswith("P "):
+                n = int(line[2:])
+                if n > self.got:
+                    on_bytes(n - self.got)
+                    self.got = n
+                self.last = time.monotonic()
+            elif line:
+                status = line
+        dst.wait()
+        if src is not None:
+            try:
+                src.wait(timeout=10 if dst.returncode == 0 else 3)
+            except subprocess.TimeoutExpired:
+                self.kill("sender did not stop")
+                src.wait()
+        for t in threads:
+            t.join(5)
+        self.rcs = (src.returncode if src is not None else 0, dst.returncode)
+        return (status, errs["dst"].decode(errors="replace"), errs["src"].decode(errors="replace"),
+                str(self.rcs[0]))
+
+
+def move(plan: SyncPlan, inv: Inventory, token: str, result: SyncResult, *, jobs: int = 4,
+         alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT), idle: float = IDLE_TIMEOUT,
+         stall: float = STALL_TIMEOUT, direct: bool = False, progress: SyncProgress | None = None) -> None:
+    """Move every file of ``plan`` that is not skipped, ``jobs`` at once (one sender/receiver pair
+    each); a receiver that reports a bad checksum gets its file once more from zero. The first
+    failure stops the others; what arrived stays in the staging folder for the rerun."""
+    todo = [f for f in plan.files if f.action != "skip"]
+    if not todo:
+        return
+    src, dst = plan.src, plan.dst
+    progress = progress or SyncProgress()
+    lock = threading.Lock()
+    active: dict[str, Transfer] = {}
+    abort = threading.Event()
+    failures: list[str] = []
+
+    def argv_pair(f: FilePlan, offset: int) -> tuple[list[str] | None, list[str]]:
+        send = tool_argv(src, "send", str(PurePosixPath(plan.src_dir) / f.path), f.size, f.mtime_ns,
+                         offset, *(["--hash"] if f.sha256 is None else []))
+        recv = tool_argv(dst, "--idle", f"{idle:g}", "recv", plan.dst_rundir, plan.checkpoint, f.path,
+                         f.size, offset, f.mtime_ns, token, *(["--sha256", f.sha256] if f.sha256 else []))
+        if direct:  # the eval host pulls from the training host itself, with its own key and known_hosts
+            pull = endpoint_for(src, inv).argv(send, data_options(alive), on_host=True)
+            line = f"set -o pipefail 2>/dev/null; {command_line(pull)} | {command_line(recv)}"
+            return None, data_argv(dst, ["bash", "-c", line], inv, alive)
+        return data_argv(src, send, inv, alive), data_argv(dst, recv, inv, alive)
+
+    def one(f: FilePlan) -> None:
+        progress.file_started(f)
+        offset = f.offset
+        for attempt in range(2):
+            if abort.is_set():
+                return
+            t = Transfer(f, *argv_pair(f, offset))
+            with lock:
+                active[f.path] = t
+
+            def on_bytes(n: int) -> None:
+                with lock:
+                    result.bytes_moved += n
+                progress.moved(f, n)
+            status, derr, serr, src_rc = t.run(on_bytes)
+            with lock:
+                active.pop(f.path, None)
+            if status.startswith("OK "):
+                digest = status[3:].strip()
+                if f.sha256 and digest != f.sha256:
+                    raise SyncError(f"{f.path}: receiver reported {digest}, manifest {f.sha256}")
+                f.sha256 = digest
+                return
+            if status.startswith("BAD") and attempt == 0 and not abort.is_set():
+                result.resent.append(f.path)  # corrupt .part / bad stream: again from zero
+                progress.file_restarted(f, offset)
+                offset = 0
+                continue
+            raise SyncError(explain(f, t, status, derr, serr, src_rc, src, dst, alive, idle))
+
+    def watchdog() -> None:
+        while not abort.wait(1.0):
+            now = time.monotonic()
+            with lock:
+                for t in list(active.values()):
+                    if now - t.last > stall:
+                        t.kill(f"no byte moved for {stall:g}s")
+
+    def guarded(f: FilePlan) -> None:
+        try:
+            one(f)
+        except BaseException as e:
+            with lock:
+                failures.append(str(e))
+                abort.set()
+                for t in active.values():
+                    t.kill("another file failed")
+            raise
+
+    wd = threading.Thread(target=watchdog, daemon=True)
+    wd.start()
+    try:
+        progress.start(plan)
+        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo)))) as pool:
+            futures = [pool.submit(guarded, f) for f in sorted(todo, key=lambda f: -f.to_move)]
+            for fut in futures:
+                try:
+                    fut.result()
+                except BaseException:
+                    pass
+    except BaseException:
+        abort.set()
+        with lock:
+            for t in active.values():
+                t.kill("interrupted")
+        raise
+    finally:
+        abort.set()
+        progress.stop()
+    if failures:
+        raise SyncError(failures[0])
+
+
+def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc: str,
+             src: Host, dst: Host, alive, idle: float) -> str:
+    where = f"{f.path} ({human_bytes(t.got)} of {human_bytes(f.size - f.offset)} this run)"
+    keep = "what arrived is kept in the staging folder; run the same command again to resume"
+    dead = alive[0] * alive[1]
+    for host, err in ((dst, derr), (src, serr)):
+        low = err.lower()
+        if "host key verification failed" in low:
+            ep = endpoint_for(host)
+            return f"{ep.where}: host key verification failed (known_hosts {ep.known_hosts_file})"
+        if "not responding" in low or "timed out" in low or "connection reset" in low:
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while "
+                    f"moving {where}: no answer for ~{dead}s; {keep}")
+        if any(w in low for w in ("connection refused", "no route", "could not resolve",
+                                  "network is unreachable", "permission denied")):
+            return f"cannot reach host {host.name} ({host.address}:{host.port}): {err.strip().splitlines()[-1]}"
+    for host, rc, err, ssh_used in ((dst, t.rcs[1], derr, not dst.is_local),
+                                    (src, t.rcs[0], serr, t.src_argv is not None and not src.is_local)):
+        if ssh_used and rc == 255 and not t.killed_for:  # ssh itself failed: the connection
+            tail = (err.strip().splitlines() or ["connection closed"])[-1]
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while "
+                    f"moving {where} (ssh: {tail}); {keep}")
+    if t.killed_for:
+        return f"stopped moving {where}: {t.killed_for}; {keep}"
+    if status.startswith("IDLE"):
+        return f"host {dst.name}: no data arrived for {idle:g}s while moving {where}; {keep}"
+    if status.startswith("LOST"):
+        return f"host {dst.name}: this sync lost the checkpoint lock while moving {where}"
+    if status.startswith("BAD"):
+        return f"{f.path}: sha256 mismatch again after re-sending from zero ({status}); the source may be changing"
+    if status.startswith("SHORT") or not status:
+        why = tool_error(serr, "") or tool_error(derr, "") or f"the stream ended early (sender exit {src_rc})"
+        return f"moving {where} failed: {why}; {keep}"
+    return f"moving {where} failed: {status} {tool_error(derr, '')}"

@@ -1,0 +1,67 @@
+"""Conventions every command follows: --version, shell completion, --json, one red line and the
+documented exit code for each kind of failure (README, "Exit codes")."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from runfixtures import make_run, read_rows, recompute
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def invoke(*args: str):
+    res = CliRunner().invoke(app, list(args))
+    assert "Traceback" not in res.output, res.output
+    return res
+
+
+def test_version_and_completion():
+    from importlib.metadata import version
+
+    res = invoke("--version")
+    assert res.exit_code == 0 and res.output.strip() == f"dflash-ops {version('dflash-ops')}"
+    assert "--install-completion" in invoke("--help").output
+    res = invoke("--show-completion", "bash")
+    assert res.exit_code == 0 and "complete" in res.output
+
+
+def test_show_json(tmp_path):
+    runs = tmp_path / "runs"
+    make_run(runs, "20261202-2041-v5-step20k-ct129", "v5", "step20k", prompts=7)
+    res = invoke("show", "v5:step20k", "--runs-dir", str(runs), "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    want = recompute(read_rows(runs / "20261202-2041-v5-step20k-ct129"))
+    assert data["id"] == "20261202-2041-v5-step20k-ct129" and data["run"]["checkpoint"] == "step20k"
+    assert data["metrics"]["tau_macro"] == pytest.approx(want["tau_macro"]) and not data["warnings"]
+    assert data["report"]["html"].endswith("report.html")
+
+
+def test_hosts_json_and_hosts_check_json(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                       # no ./inventory.yaml: only the built-in host
+    monkeypatch.delenv("DFLASH_OPS_INVENTORY", raising=False)
+    res = invoke("hosts", "--json")
+    assert res.exit_code == 0 and [h["name"] for h in json.loads(res.stdout)["hosts"]] == ["local"]
+    res = invoke("hosts", "check", "local", "--json")
+    assert res.exit_code == 0, res.output
+    (report,) = json.loads(res.stdout)
+    assert report["name"] == "local" and report["ok"] and report["torch"]
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["eval", "--mode", "sideways"], 2, "--mode must be offline or online"),
+    (["attach", "no-such-run"], 2, "no run 'no-such-run'"),
+    (["show", "nope"], 2, "no run matches 'nope'"),
+    (["hosts", "check", "nohost"], 2, "unknown host 'nohost'"),
+    (["eval", "--host", "nohost"], 2, "unknown host 'nohost'"),
+])
+def test_errors_are_one_red_line_with_the_documented_code(tmp_path, args, code, message):
+    res = CliRunner().invoke(app, [*args, *(["--runs-dir", str(tmp_path)] if args[0] in ("attach", "show") else [])])
+    assert res.exit_code == code, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+    assert "Traceback" not in res.output
