@@ -143,7 +143,7 @@ def prepare_shard(host: Host, inventory: Inventory, req: EvalRequest, shard: Sha
     code_dir = ship(runner, host.python, host.workdir)
     drafter_path, target_path = catalog_resolve(host, runner, code_dir)
     flags = ["--verify-hashes"] if req.verify_weights else []
-    report, err = _python_json(runner, host.python, code_dir, "remote.drafter", "inspect", drafter_path,
+    report, err = _python_json(runner, host.python, code_dir, "remote.inspect", drafter_path,
                                "--target", target_path, "--json", *flags, timeout=1800)
     if report is None:
         raise EvalError(f"host {host.name}: drafter inspection failed: {err[-800:]}")

@@ -87,7 +87,7 @@ def build(out: Path) -> dict:
     import torch
 
     from remote.checkpoint import save_drafter
-    from remote.online import target_greedy
+    from remote.online import target_decode
     from remote.target import target_features
     from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
     from remote.tokenizer import build_tiny_tokenizer
@@ -116,7 +116,7 @@ def build(out: Path) -> dict:
     batches = []
     for prompt, _ in convs:
         prompt_len = len(prompt)
-        out_ids = target_greedy(target, torch.tensor([prompt]), 96, stop).output_ids
+        out_ids = target_decode(target, torch.tensor([prompt]), 96, stop).output_ids
         ids = torch.tensor([prompt + out_ids])
         _, feats = target_features(target, ids, cfg.target_layer_ids)
         mask = torch.zeros_like(ids, dtype=torch.bool)
