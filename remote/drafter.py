@@ -50,6 +50,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from remote.sampling import Sampling, sample
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 ZLAB, SPECULATORS = "zlab", "speculators"          # mask rules
 DFLASH, DFLASH2 = "dflash", "dflash2"              # architectures
@@ -587,7 +589,7 @@ class DFlashDrafter(nn.Module):
         return full.index_copy_(-1, self.to_target_ids(torch.arange(probs.shape[-1], device=probs.device)), probs)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,
-                sampling=None) -> Proposal:
+                sampling: Sampling | None = None) -> Proposal:
         """Draft tokens from the draft slots' ``hidden [b, n, H]``: argmax (greedy), or sampled from
         the drafter's tempered / top-k / top-p distribution; DFlash2 through its selector.
         ``anchor_tokens [b]`` are the blocks' slot-0 tokens (the selector's first predecessor)."""
@@ -597,12 +599,10 @@ class DFlashDrafter(nn.Module):
             return self._select(hidden, logits, anchor_tokens, None if greedy else sampling.temperature)
         if greedy:
             return Proposal(self.to_target_ids(logits.argmax(-1)))
-        from remote.sampling import sample
         probs = sampling.probs(logits)
         return Proposal(self.to_target_ids(sample(probs)), self.to_target_probs(probs))
 
     def _select(self, hidden, logits, anchor_tokens, temperature: float | None) -> Proposal:
-        from remote.sampling import Sampling, sample
         sel = self.candidate_selector
         unary, candidates = sel.candidates(logits)
         projected = sel.hidden_projection(hidden)

@@ -415,16 +415,19 @@ def test_speculative_sampling_is_distributed_as_the_target(tmp_path, monkeypatch
     assert chi_square_p(draw(300), exact, 300) < 1e-6
 
 
+@pytest.mark.parametrize("dflash2", [False, True])
 @torch.no_grad()
-def test_offline_expected_acceptance_at_t1(tmp_path, walk):
+def test_offline_expected_acceptance_at_t1(dflash2, tmp_path, walk):
     """α_k = Σ min(p_k, q_k) from the reference classes (z-lab's sampling filter over the target's
-    teacher-forced logits and the reference drafter's logits) equals the offline estimate."""
+    teacher-forced logits; the reference drafter's logits, or for DFlash2 z-lab's selector modules
+    scoring the top-k with the reference token before the slot as the predecessor) equals the
+    offline estimate."""
     from dflash.model import _sampling_probs
 
     from remote.offline import evaluate_offline
 
     target, trained = walk
-    ref = reference_from(trained, tmp_path, target)
+    ref = reference_from(trained, tmp_path, target, dflash2=dflash2)
     ours, _ = load_drafter(tmp_path)
     seq = target_decode(target, prompts(target, 1)[0], 20).output_ids
     prompt = prompts(target, 1)[0][0].tolist()
@@ -436,9 +439,20 @@ def test_offline_expected_acceptance_at_t1(tmp_path, walk):
     alpha_sum, tau_sum = [0.0] * (B - 1), 0.0
     for p in range(len(prompt), T - 1):
         n = min(B - 1, T - 1 - p)
-        q = _sampling_probs(zlab_logits(ref, target, th, ids, p, n + 1)[0, 1:], 0.9, 1.0, 50)
+        logits = zlab_logits(ref, target, th, ids, p, n + 1)[0, 1:]
         pk = _sampling_probs(out.logits[0, p:p + n], 0.9, 1.0, 50)
-        alpha = torch.minimum(pk, q).sum(-1).tolist()
+        if dflash2:
+            sel = ref.candidate_selector
+            unary, cand = torch.topk(logits, sel.top_k, dim=-1, sorted=False)
+            hidden = ours.draft(ours.embed(block_input_ids(ids[p:p + 1], n + 1, ours.config.mask_token_id)[None],
+                                           target.get_input_embeddings().weight), p, th[:, :p])[0][0, 1:]
+            proj = sel.hidden_projection(hidden)
+            scores = unary + ((sel.predecessor_codebook(ids[p:p + n]) * proj)[:, None, :]
+                              * sel.successor_codebook(cand)).sum(-1)
+            q = torch.softmax(scores / 0.9, -1)
+            alpha = torch.minimum(pk.gather(-1, cand), q).sum(-1).tolist()
+        else:
+            alpha = torch.minimum(pk, _sampling_probs(logits, 0.9, 1.0, 50)).sum(-1).tolist()
         run, tau = 1.0, 1.0
         for k, a in enumerate(alpha):
             alpha_sum[k] += a
@@ -449,6 +463,25 @@ def test_offline_expected_acceptance_at_t1(tmp_path, walk):
     assert got["alpha_sum"] == pytest.approx(alpha_sum, abs=1e-4)
     assert got["tau_sum"] == pytest.approx(tau_sum, abs=1e-3)
     assert 1 < got["expected_tau"] < B
+
+
+def test_dflash2_offline_walk_equals_online_and_grows_selector_trees(tmp_path, walk):
+    """DFlash2 offline: the greedy walk equals online decoding cycle for cycle, and DDTree over the
+    selector's chain distribution grows with the budget: one node accepts at most one draft, 64
+    nodes (whose first-child chain is the greedy path) at least the greedy walk's τ here."""
+    from remote.offline import evaluate_offline
+
+    target, trained = walk
+    reference_from(trained, tmp_path, target, dflash2=True)
+    ours, _ = load_drafter(tmp_path)
+    for prompt in prompts(target, 2, seed=23):
+        greedy = target_decode(target, prompt, 40).output_ids
+        spec = speculative_generate(target, ours, prompt, 40)
+        offline = evaluate_offline(ours, target, prompt[0].tolist(), greedy, budgets=(1, 7, 64))
+        assert offline["acceptance_lengths"] == spec.acceptance_lengths
+        tau = {b: sum(v["acceptance_lengths"]) / len(v["acceptance_lengths"]) for b, v in offline["ddtree"].items()}
+        greedy_tau = sum(spec.acceptance_lengths) / len(spec.acceptance_lengths)
+        assert tau["1"] <= greedy_tau <= tau["64"] + 1e-9 and tau["7"] <= tau["64"] + 1e-9, tau
 
 
 # ----------------------------------------------------------------------------- speculators decoding
@@ -567,3 +600,57 @@ def test_our_zlab_writer_is_read_by_zlab(tmp_path, walk):
     for p in (0, 3, 9):
         torch.testing.assert_close(ours_logits_per_anchor(model, target, th, ids, p, 8),
                                    zlab_logits(ref, target, th, ids, p, 8), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"mask_rule": "vllm"}, "unknown mask_rule 'vllm'"),
+    ({"block_size": 1}, "a DFlash block needs at least 2 slots"),
+    ({"architecture": "dflash3"}, "unknown architecture 'dflash3'"),
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries for 2 layers"),
+    ({"rope_theta": 5e5, "colour": "red"}, r"unknown drafter config keys \['colour'\]"),
+])
+def test_flat_config_refusals(change, message, tmp_path, walk):
+    _, trained = walk
+    save_drafter(trained, tmp_path, fmt="state_dict")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(tmp_path)
+
+
+def test_t2d_that_disagrees_with_d2t_is_refused(tmp_path, random_target):
+    from safetensors.torch import load_file, save_file
+
+    speculators_drafter(tmp_path, random_target, draft_vocab=100)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    t2d = weights["t2d"].clone()
+    marked, unmarked = int(torch.nonzero(t2d)[0]), int(torch.nonzero(~t2d)[0])
+    t2d[marked], t2d[unmarked] = False, True           # still 100 ids, one of them not d2t's
+    weights["t2d"] = t2d
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="t2d marks 100 target ids, not the 100 that d2t maps to"):
+        load_drafter(tmp_path)
+
+
+def test_zlab_writer_refuses_what_zlab_cannot_express(tmp_path, random_target):
+    speculators_drafter(tmp_path / "s", random_target, sample_from_anchor=True)
+    model, _ = load_drafter(tmp_path / "s")
+    with pytest.raises(ValueError, match="only z-lab-rule, full-vocabulary drafters without sample_from_anchor"):
+        save_drafter(model, tmp_path / "z")
+
+
+def test_inspect_prints_the_variant_and_rules(tmp_path, random_target):
+    import subprocess
+    import sys
+
+    speculators_drafter(tmp_path, random_target, draft_vocab=100, sample_from_anchor=True,
+                        layer_types=SLIDE, window=3)
+    proc = subprocess.run([sys.executable, "-m", "remote.inspect", str(tmp_path)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "format    speculators" in out
+    assert "variant   dflash   mask rule speculators   drafts per block 8   (sample_from_anchor" in out
+    assert "layer 0   sliding_attention: causal, window 3 from the anchor" in out
+    assert "layer 1   full_attention: bidirectional" in out
+    assert "vocab     reduced: 100 draft ids mapped to target ids through d2t" in out
