@@ -103,7 +103,8 @@ class DraftTable:
         d = self.drafter
         anchor_tokens = self.ids[torch.tensor(anchors, device=self.ids.device)]
         drafts = d.propose(hidden, anchor_tokens, self.head).tokens.tolist()
-        logits = d.logits(hidden, self.head).float()
+        if self.topk or self.sampling is not None:
+            logits = d.logits(hidden, self.head).float()
         if self.topk and d.config.architecture == DFLASH2:
             sel = d.candidate_selector
             unary, cand = sel.candidates(logits)
