@@ -17,7 +17,8 @@ from remote.drafter import DFlashDrafter, DrafterConfig, block_input_ids, init_w
 
 def per_anchor_loop(model, target_hidden, noise):
     B = model.block_size
-    return torch.cat([model.draft(target_hidden, p, noise[:, p * B:(p + 1) * B]) for p in range(target_hidden.shape[1])], 1)
+    return torch.cat([model.draft(noise[:, p * B:(p + 1) * B], p, target_hidden[:, :p])[0]
+                      for p in range(target_hidden.shape[1])], 1)
 
 
 def batched(model, target_hidden, noise, chunk):

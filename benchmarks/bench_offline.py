@@ -44,7 +44,7 @@ def throughput(args) -> None:
         t0 = time.perf_counter()
         batched = []
         for s, th in zip(seqs, feats):
-            table = DraftTable(drafter, th, s, embed, head, chunk=64)
+            table = DraftTable(drafter, th, s, embed.weight, head, chunk=64, cut_last_blocks=False)
             table.compute(range(prompt, s.numel() - 1))
             batched.append([table.tokens[p] for p in range(prompt, s.numel() - 1)])
         t_batched = time.perf_counter() - t0
@@ -54,7 +54,7 @@ def throughput(args) -> None:
             out = []
             for p in range(prompt, s.numel() - 1):
                 noise = embed(block_input_ids(s[p:p + 1], 16, drafter.config.mask_token_id))[None]
-                out.append(head(drafter.draft(th, p, noise)[:, 1:]).argmax(-1)[0].tolist())
+                out.append(head(drafter.draft(noise, p, th[:, :p])[0][:, 1:]).argmax(-1)[0].tolist())
             looped.append(out)
         t_loop = time.perf_counter() - t0
     assert batched == looped, "batched and per-anchor drafts differ"

@@ -22,7 +22,7 @@ from .ship import ship
 from .transport import runner_for
 
 EMBEDDED = "embedded"
-INSPECT = ("remote.drafter", "inspect")   # the worker's drafter/target compatibility check
+INSPECT = ("remote.inspect",)   # the worker's drafter/target compatibility check
 
 
 class EvalError(OperationFailed):

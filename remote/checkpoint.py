@@ -1,12 +1,16 @@
 """Drafter checkpoints: detect the format, normalise the config, check and load the tensors.
 
 Formats
-* ``zlab`` — z-lab / Hugging Face: ``config.json`` (a Qwen3Config plus ``dflash_config:
-  {mask_token_id, target_layer_ids}``, ``block_size`` at the top level or in ``dflash_config``)
-  and ``model.safetensors`` (or a sharded index) with bare key names (``fc.weight``, ``layers.0...``).
-* ``speculators`` — vLLM speculators: ``speculators_model_type: dflash``, the layer config under
-  ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` index HF ``hidden_states`` and are
-  therefore the z-lab ids **+ 1** (converted here, once).
+* ``zlab`` — z-lab ``dflash`` / Hugging Face: ``config.json`` (a Qwen3Config plus ``dflash_config:
+  {mask_token_id, target_layer_ids, ...}``, ``block_size`` at the top level or in ``dflash_config``;
+  ``architectures`` names ``DFlashDraftModel`` or ``DFlash2DraftModel``) and ``model.safetensors``
+  (or a sharded index) with bare key names (``fc.weight``, ``layers.0...``). Values are read as z-lab
+  reads them: ``dflash_config[name]`` first, then the config attribute, then z-lab's default.
+* ``speculators`` — vLLM speculators (``speculators_model_type: dflash | dflash2``), the layer config
+  under ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` index HF ``hidden_states`` and
+  are therefore the z-lab ids **+ 1** (converted here, once); speculators' defaults
+  (``draft_vocab_size`` 32000, ``block_size`` 8, ``sliding_window_non_causal`` False for DFlash and
+  True for DFlash2). A reduced draft vocabulary brings ``lm_head.weight``, ``d2t`` and ``t2d``.
 * ``state_dict`` — what an in-house training run saves: a ``.pt``/``.bin``/``.safetensors`` state
   dict (possibly nested under ``model``/``state_dict``, keys prefixed ``module.``/``model.``/
   ``_orig_mod.``) plus a small flat ``config.json`` whose keys are :class:`DrafterConfig` fields.
@@ -17,7 +21,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from remote.drafter import FULL, DrafterConfig
+from remote.drafter import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -46,50 +50,29 @@ class DrafterCheckpoint:
                 "num_hidden_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
                 "vocab_size": c.vocab_size, "num_target_layers": c.num_target_layers,
                 "layer_types": c.layer_types, "sliding_window": c.sliding_window,
+                "variant": c.describe_rules(),
                 "weight_files": [p.name for p in self.weight_files], "notes": self.notes}
 
 
 # ----------------------------------------------------------------------------- config
+
+# speculators model types that are not DFlash block drafters (or are DFlash derivatives this worker
+# does not implement): refused by name.
+SPECULATORS_REFUSED = {
+    "xpress": "XPress (a DFlash drafter plus a causal refiner head resolved by Jacobi passes)",
+    "dspark": "DSpark (a DFlash drafter plus Markov and confidence heads)",
+    "eagle3": "EAGLE-3 (an autoregressive drafter, not a block drafter)",
+    "peagle": "P-EAGLE (an autoregressive drafter, not a block drafter)",
+    "mtp": "MTP (multi-token prediction heads, not a block drafter)",
+}
+ZLAB_ARCHITECTURES = {"DFlashDraftModel": DFLASH, "DFlash2DraftModel": DFLASH2}
+
 
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-
-
-def _rope_theta(raw: dict) -> float:
-    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", None):
-        raise CheckpointError(f"unsupported RoPE type {kind!r} (only default RoPE drafters are supported)")
-    return float(raw.get("rope_theta", params.get("rope_theta", 1_000_000.0)))
-
-
-def _layer_config(raw: dict, where: str, **extra) -> DrafterConfig:
-    try:
-        heads = int(raw["num_attention_heads"])
-        layers = int(raw["num_hidden_layers"])
-        hidden = int(raw["hidden_size"])
-        cfg = DrafterConfig(
-            hidden_size=hidden, intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads", heads)),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(raw),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            layer_types=list(raw.get("layer_types") or [FULL] * layers),
-            sliding_window=raw.get("sliding_window"), **extra)
-    except KeyError as e:
-        raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from None
-    if len(cfg.layer_types) != cfg.num_hidden_layers:
-        raise CheckpointError(f"{where}: layer_types has {len(cfg.layer_types)} entries for "
-                              f"{cfg.num_hidden_layers} layers")
-    if "sliding_attention" in cfg.layer_types and not cfg.sliding_window:
-        raise CheckpointError(f"{where}: sliding_attention layers but no sliding_window")
-    if not any(t == "sliding_attention" for t in cfg.layer_types):
-        cfg.sliding_window = None
-    return cfg
 
 
 def _require(value, name: str, where: str):
@@ -100,39 +83,111 @@ def _require(value, name: str, where: str):
     return value
 
 
+def _transformers_config(raw: dict, where: str, auto: bool):
+    """The drafter's layer config as the reference reads it: z-lab through ``Qwen3Config``
+    (its ``config_class``), speculators through the class of the config's ``model_type``. Defaults,
+    ``use_sliding_window`` and RoPE standardisation are transformers' own."""
+    from transformers import AutoConfig, Qwen3Config
+
+    try:
+        if auto and raw.get("model_type"):
+            return AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+        return Qwen3Config.from_dict(raw)
+    except Exception as e:  # strict dataclass validation, unknown model_type, ...
+        raise CheckpointError(f"{where}: transformers cannot read this config ({type(e).__name__}: {e})") from None
+
+
+def _layer_fields(hf, where: str, flatten_rope: bool) -> dict:
+    """DrafterConfig fields read from a transformers config the way the references read them."""
+    heads = int(hf.num_attention_heads)
+    rope = dict(getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
+    if "sliding_attention" in rope or "full_attention" in rope:
+        if not flatten_rope:
+            raise CheckpointError(f"{where}: per-layer-type rope_parameters {sorted(rope)}: z-lab's drafter builds "
+                                  f"one Qwen3RotaryEmbedding from the config and cannot use them")
+        rope = dict(rope.get("sliding_attention") or rope["full_attention"])   # speculators' flatten_rope_parameters
+    layers = int(hf.num_hidden_layers)
+    return {"hidden_size": int(hf.hidden_size), "intermediate_size": int(hf.intermediate_size),
+            "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": int(getattr(hf, "num_key_value_heads", None) or heads),
+            "head_dim": int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // heads),
+            "rms_norm_eps": float(hf.rms_norm_eps), "hidden_act": str(getattr(hf, "hidden_act", "silu")),
+            "attention_bias": bool(getattr(hf, "attention_bias", False)), "rope_parameters": rope,
+            "max_position_embeddings": int(getattr(hf, "max_position_embeddings", 32768)),
+            "layer_types": list(getattr(hf, "layer_types", None) or [FULL] * layers),
+            "sliding_window": getattr(hf, "sliding_window", None)}
+
+
+def _zlab_value(hf, name: str, default=None):
+    """z-lab's ``_draft_value``: ``dflash_config[name]``, else the config attribute, else the default."""
+    return (getattr(hf, "dflash_config", None) or {}).get(name, getattr(hf, name, default))
+
+
 def _zlab_config(raw: dict, where: str) -> DrafterConfig:
+    known = [a for a in raw.get("architectures") or [] if a in ZLAB_ARCHITECTURES]
+    unknown = [a for a in raw.get("architectures") or [] if "dflash" in a.lower() and a not in ZLAB_ARCHITECTURES]
+    if unknown and not known:
+        raise CheckpointError(f"{where}: drafter architecture {unknown[0]!r} is not supported "
+                              f"(supported: {', '.join(ZLAB_ARCHITECTURES)})")
+    architecture = DFLASH2 if "DFlash2DraftModel" in known else DFLASH
+    hf = _transformers_config(raw, where, auto=False)
     dcfg = raw.get("dflash_config") or {}
     top, inner = raw.get("block_size"), dcfg.get("block_size")
     if top is not None and inner is not None and int(top) != int(inner):
         raise CheckpointError(f"{where}: block size mismatch: block_size={top} at the top level but "
                               f"dflash_config.block_size={inner}")
-    block = top if top is not None else inner
-    return _layer_config(
-        raw, where,
-        target_layer_ids=_require(dcfg.get("target_layer_ids", raw.get("target_layer_ids")), "target_layer_ids", where),
-        mask_token_id=int(_require(dcfg.get("mask_token_id", raw.get("mask_token_id")), "mask_token_id", where)),
+    extra = {}
+    if architecture == DFLASH2:
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            extra[name] = int(_require(_zlab_value(hf, name), name, where))
+    softcap = _zlab_value(hf, "final_logit_softcapping")
+    is_causal = getattr(hf, "is_causal", None)
+    return DrafterConfig(
+        **_layer_fields(hf, where, flatten_rope=False), **extra, architecture=architecture, mask_rule=ZLAB,
+        target_layer_ids=_require(_zlab_value(hf, "target_layer_ids"), "target_layer_ids", where),
+        mask_token_id=int(_require(_zlab_value(hf, "mask_token_id"), "mask_token_id", where)),
         vocab_size=int(_require(raw.get("vocab_size"), "vocab_size", where)),
-        block_size=int(block if block is not None else 16),
-        num_target_layers=raw.get("num_target_layers"),
-        target_hidden_size=raw.get("target_hidden_size"))
+        block_size=int(_zlab_value(hf, "block_size", 16)),
+        num_target_layers=raw.get("num_target_layers"), target_hidden_size=raw.get("target_hidden_size"),
+        is_causal=None if is_causal is None else bool(is_causal),
+        input_embedding_scale=float(_zlab_value(hf, "input_embedding_scale", 1.0)),
+        output_multiplier=float(_zlab_value(hf, "output_multiplier", 1.0)),
+        final_logit_softcapping=None if softcap is None else float(softcap))
 
 
 def _speculators_config(raw: dict, where: str) -> DrafterConfig:
+    kind = raw.get("speculators_model_type") or "dflash"
+    if kind in SPECULATORS_REFUSED:
+        raise CheckpointError(f"{where}: speculators model type {kind!r} is {SPECULATORS_REFUSED[kind]}; this worker "
+                              f"evaluates DFlash and DFlash2 drafters only")
+    if kind not in (DFLASH, DFLASH2):
+        raise CheckpointError(f"{where}: unknown speculators model type {kind!r} (supported: dflash, dflash2)")
     layer_raw = raw.get("transformer_layer_config")
     if not isinstance(layer_raw, dict):
         raise CheckpointError(f"{where}: speculators config without transformer_layer_config")
+    sub = f"{where} (transformer_layer_config)"
+    hf = _transformers_config(layer_raw, sub, auto=True)
     aux = _require(raw.get("aux_hidden_state_layer_ids"), "aux_hidden_state_layer_ids", where)
-    return _layer_config(
-        layer_raw, f"{where} (transformer_layer_config)",
+    vocab = int(_require(getattr(hf, "vocab_size", None), "vocab_size", sub))
+    extra = {}
+    if kind == DFLASH2:   # DFlash2SpeculatorConfig's defaults
+        extra = {"conv_kernel_size": int(raw.get("conv_kernel_size", 2)), "conv_group_size": int(raw.get("conv_group_size", 16)),
+                 "selector_rank": int(raw.get("selector_rank", 256)), "selector_top_k": int(raw.get("selector_top_k", 16))}
+    return DrafterConfig(
+        **_layer_fields(hf, sub, flatten_rope=True), **extra, architecture=kind, mask_rule=SPECULATORS,
         target_layer_ids=[int(i) - 1 for i in aux],  # speculators index hidden_states: z-lab id + 1
         mask_token_id=int(_require(raw.get("mask_token_id"), "mask_token_id", where)),
-        vocab_size=int(_require(layer_raw.get("vocab_size", raw.get("vocab_size")), "vocab_size", where)),
-        block_size=int(raw.get("block_size", 8)),
-        num_target_layers=raw.get("num_target_layers"),
-        target_hidden_size=raw.get("target_hidden_size"))
+        vocab_size=vocab, block_size=int(raw.get("block_size", 8)),
+        num_target_layers=raw.get("num_target_layers"), target_hidden_size=raw.get("target_hidden_size"),
+        draft_vocab_size=int(raw.get("draft_vocab_size", 32000)),
+        sliding_window_non_causal=bool(raw.get("sliding_window_non_causal", kind == DFLASH2)),
+        sample_from_anchor=bool(raw.get("sample_from_anchor", False)))
 
 
 def _flat_config(raw: dict, where: str) -> DrafterConfig:
+    raw = dict(raw)
+    if "rope_theta" in raw:   # configs written before rope_parameters
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": float(raw.pop("rope_theta"))}
     known = {f.name for f in fields(DrafterConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -141,6 +196,52 @@ def _flat_config(raw: dict, where: str) -> DrafterConfig:
         return DrafterConfig(**raw)
     except TypeError as e:
         raise CheckpointError(f"{where}: {e}") from None
+
+
+def validate_config(cfg: DrafterConfig, where: str) -> None:
+    """Refuse, by name, every setting the drafter cannot honour."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if len(cfg.layer_types) != cfg.num_hidden_layers:
+        raise CheckpointError(f"{where}: layer_types has {len(cfg.layer_types)} entries for "
+                              f"{cfg.num_hidden_layers} layers")
+    odd = sorted(set(cfg.layer_types) - {FULL, SLIDING})
+    if odd:
+        raise CheckpointError(f"{where}: unsupported drafter layer types {odd} (supported: {FULL}, {SLIDING})")
+    if SLIDING in cfg.layer_types and not cfg.sliding_window:
+        raise CheckpointError(f"{where}: sliding_attention layers but no sliding_window (transformers' Qwen3Config "
+                              f"drops sliding_window unless use_sliding_window is true)")
+    if SLIDING not in cfg.layer_types:
+        cfg.sliding_window = None
+    if cfg.mask_rule not in (ZLAB, SPECULATORS):
+        raise CheckpointError(f"{where}: unknown mask_rule {cfg.mask_rule!r} (zlab or speculators)")
+    kind = cfg.rope_parameters.get("rope_type", "default")
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        raise CheckpointError(f"{where}: RoPE type {kind!r} is not one transformers knows "
+                              f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    try:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+        Qwen3RotaryEmbedding(cfg.transformers_config())
+    except Exception as e:  # a RoPE type without its required parameters
+        raise CheckpointError(f"{where}: transformers cannot build this RoPE ({kind}: {type(e).__name__}: {e})") from None
+    if cfg.block_size < 2:
+        raise CheckpointError(f"{where}: block_size {cfg.block_size}: a DFlash block needs at least 2 slots")
+    if cfg.architecture not in (DFLASH, DFLASH2):
+        raise CheckpointError(f"{where}: unknown architecture {cfg.architecture!r} (dflash or dflash2)")
+    if cfg.architecture == DFLASH2:
+        if cfg.reduced_vocab:
+            raise CheckpointError(f"{where}: a DFlash2 drafter with a reduced draft vocabulary ({cfg.draft_vocab_size} "
+                                  f"of {cfg.vocab_size}) is not supported (speculators refuses it too: the candidate "
+                                  f"selector's codebooks cover the full vocabulary)")
+        if cfg.hidden_size % cfg.conv_group_size:
+            raise CheckpointError(f"{where}: DFlash2 conv_group_size {cfg.conv_group_size} does not divide hidden_size "
+                                  f"{cfg.hidden_size}")
+        if cfg.selector_top_k > cfg.vocab_size:
+            raise CheckpointError(f"{where}: DFlash2 selector_top_k {cfg.selector_top_k} exceeds the vocabulary "
+                                  f"({cfg.vocab_size})")
+        if cfg.mask_rule == SPECULATORS and cfg.conv_kernel_size > cfg.block_size:
+            raise CheckpointError(f"{where}: DFlash2 conv_kernel_size {cfg.conv_kernel_size} exceeds block_size "
+                                  f"{cfg.block_size} (speculators refuses it)")
 
 
 def detect_format(raw: dict) -> str:
@@ -184,6 +285,7 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     fmt = detect_format(raw)
     where = str(cfg_path)
     cfg = {"zlab": _zlab_config, "speculators": _speculators_config, "state_dict": _flat_config}[fmt](raw, where)
+    validate_config(cfg, where)
     files = [path] if path.is_file() else _weight_files(folder, fmt)
     if len(files) > 1 and fmt == "state_dict":
         raise CheckpointError(f"{folder}: several state-dict files {[p.name for p in files]}: name one")
@@ -242,6 +344,9 @@ def _strip(name: str) -> str:
         for p in STRIP_PREFIXES:
             if name.startswith(p):
                 name, changed = name[len(p):], True
+    for book in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"):
+        if name == book + ".weight":   # z-lab's nn.Embedding names; released checkpoints drop ".weight"
+            return book
     return name
 
 
@@ -294,7 +399,7 @@ def check_tensors(ckpt: DrafterCheckpoint, found: dict[str, tuple]) -> tuple[dic
     problems = []
     fc = found.get("fc.weight")
     if fc is not None and len(fc) == 2 and fc[1] != want["fc.weight"][1]:
-        k, h = cfg.num_target_features, cfg.target_hidden_size
+        k, h = cfg.num_target_features, cfg.hidden_size
         if fc[1] % h == 0:
             problems.append(
                 f"fc.weight takes {fc[1]} inputs = {fc[1] // h} x {h}, but target_layer_ids lists {k} layers "
@@ -322,6 +427,24 @@ def _short(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
 
 
+def check_vocab_maps(ckpt: DrafterCheckpoint, d2t, t2d) -> None:
+    """A reduced vocabulary's maps must agree: ``d2t`` offsets land inside the target vocabulary, on
+    distinct ids, exactly the ones ``t2d`` marks."""
+    import torch
+
+    cfg = ckpt.config
+    target_ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
+    where = f"{ckpt.path} ({ckpt.format})"
+    if target_ids.min() < 0 or target_ids.max() >= cfg.vocab_size:
+        raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocabulary (0..{cfg.vocab_size - 1})")
+    if target_ids.unique().numel() != cfg.draft_vocab_size:
+        raise CheckpointError(f"{where}: d2t maps two draft ids to the same target id")
+    marked = t2d.bool()
+    if int(marked.sum()) != cfg.draft_vocab_size or not bool(marked[target_ids].all()):
+        raise CheckpointError(f"{where}: t2d marks {int(marked.sum())} target ids, not the {cfg.draft_vocab_size} "
+                              f"that d2t maps to")
+
+
 def load_drafter(path: str | Path, device="cpu", dtype=None):
     """Open, check and load a drafter. Returns ``(model in eval mode, DrafterCheckpoint)``."""
     import torch
@@ -332,27 +455,49 @@ def load_drafter(path: str | Path, device="cpu", dtype=None):
     _, ignored = check_tensors(ckpt, {k: tuple(v.shape) for k, v in tensors.items()})
     if ignored:
         ckpt.notes.append(f"ignored tensors that belong to the target or are buffers: {ignored}")
+    if ckpt.config.reduced_vocab:
+        check_vocab_maps(ckpt, tensors["d2t"], tensors["t2d"])
     with torch.device("meta"):
         model = DFlashDrafter(ckpt.config)
     state = {k: v for k, v in tensors.items() if k not in ignored}
     model.load_state_dict(state, assign=True, strict=True)
-    dtype = dtype or next(iter(state.values())).dtype
+    dtype = dtype or state["fc.weight"].dtype
     return model.to(device=device, dtype=dtype).eval(), ckpt
 
 
 # ----------------------------------------------------------------------------- saving
 
-def _hf_layer_fields(cfg: DrafterConfig) -> dict:
-    return {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "attention_bias": cfg.attention_bias,
-            "layer_types": cfg.layer_types, "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size,
-            "model_type": "qwen3", "hidden_act": "silu"}
+def zlab_config_dict(cfg: DrafterConfig) -> dict:
+    """``config.json`` of a z-lab-format drafter: a Qwen3Config plus ``dflash_config`` (what z-lab's
+    own ``from_pretrained`` reads)."""
+    if cfg.mask_rule != ZLAB or cfg.reduced_vocab or cfg.sample_from_anchor:
+        raise ValueError("only z-lab-rule, full-vocabulary drafters without sample_from_anchor can be written "
+                         "in the z-lab format")
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
+              "input_embedding_scale": cfg.input_embedding_scale, "output_multiplier": cfg.output_multiplier,
+              "final_logit_softcapping": cfg.final_logit_softcapping}
+    raw = {"architectures": ["DFlash2DraftModel" if cfg.architecture == DFLASH2 else "DFlashDraftModel"],
+           "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+           "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+           "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
+           "rope_parameters": cfg.rope_parameters, "max_position_embeddings": cfg.max_position_embeddings,
+           "layer_types": cfg.layer_types, "use_sliding_window": cfg.sliding_window is not None,
+           "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
+           "num_target_layers": cfg.num_target_layers, "dflash_config": dflash}
+    if cfg.is_causal is not None:
+        raw["is_causal"] = cfg.is_causal
+    if cfg.target_hidden_size != cfg.hidden_size:
+        raw["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.architecture == DFLASH2:
+        dflash.update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                      selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    return raw
 
 
 def save_drafter(model, folder: str | Path, fmt: str = "zlab", prefix: str = "", file_name: str | None = None) -> Path:
-    """Write ``model`` in one of the three formats (used by tests, the demo and the training step)."""
+    """Write ``model`` in the z-lab or the flat state-dict format (tests, the demo, the training
+    step). speculators-format checkpoints come from speculators itself."""
     import torch
     from safetensors.torch import save_file
 
@@ -361,18 +506,7 @@ def save_drafter(model, folder: str | Path, fmt: str = "zlab", prefix: str = "",
     cfg: DrafterConfig = model.config
     sd = {prefix + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if fmt == "zlab":
-        raw = {**_hf_layer_fields(cfg), "architectures": ["DFlashDraftModel"], "block_size": cfg.block_size,
-               "num_target_layers": cfg.num_target_layers,
-               "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids}}
-        if cfg.target_hidden_size != cfg.hidden_size:
-            raw["target_hidden_size"] = cfg.target_hidden_size
-        save_file(sd, str(folder / (file_name or "model.safetensors")))
-    elif fmt == "speculators":
-        raw = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"],
-               "transformer_layer_config": _hf_layer_fields(cfg),
-               "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
-               "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-               "target_hidden_size": cfg.target_hidden_size, "num_target_layers": cfg.num_target_layers}
+        raw = zlab_config_dict(cfg)
         save_file(sd, str(folder / (file_name or "model.safetensors")))
     elif fmt == "state_dict":
         raw = cfg.to_dict()
@@ -382,6 +516,6 @@ def save_drafter(model, folder: str | Path, fmt: str = "zlab", prefix: str = "",
         else:
             torch.save({"model": sd, "step": 0}, folder / name)
     else:
-        raise ValueError(f"unknown format {fmt!r}")
+        raise ValueError(f"unknown format {fmt!r} (zlab or state_dict)")
     (folder / CONFIG_NAME).write_text(json.dumps(raw, indent=2))
     return folder

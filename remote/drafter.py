@@ -1,5 +1,7 @@
-"""The DFlash drafter: a few Qwen3-style decoder layers that draft a block of B tokens at once
-from the target's hidden states ("KV injection"). One model, one file.
+"""The DFlash drafter: a few Qwen3-style decoder layers that draft a block of tokens at once from
+the target's hidden states ("KV injection"). Covers z-lab's DFlash and DFlash2 and the speculators
+variants; built from transformers' Qwen3 parts (RMSNorm, MLP, rotary embedding: every RoPE type
+transformers knows). One model, one file.
 
 Conventions, stated once:
 
@@ -7,18 +9,35 @@ Conventions, stated once:
   layer ``i``, i.e. Hugging Face ``hidden_states[i + 1]`` (``hidden_states[0]`` is the embedding
   output). speculators' ``aux_hidden_state_layer_ids`` are these ids + 1 (converted on load).
   ``target_hidden`` is ``cat([hidden_states[i + 1] for i in target_layer_ids], -1)``: ``[b, T, K*H]``.
-* **Anchor.** A block anchored at sequence position ``p`` holds ``[token_p, MASK, ..., MASK]``
-  (slot 0 is the last committed token, which the target has not processed yet; slots 1..B-1 are
-  ``mask_token_id``). Its logits at slot ``k`` (k >= 1) predict token ``p + k``.
-* **Context rule.** The block attends to target features at positions **strictly before** the
-  anchor (``kv_pos < p``; context slice ``[:p]``, empty at ``p == 0``) and to its own B slots,
-  bidirectionally; never to other blocks.
-* **Positions.** Context positions ``0..p-1``, block positions ``p..p+B-1`` (RoPE over
-  ``[context positions ; block positions]``).
+* **Anchor and block.** A block anchored at sequence position ``p`` holds
+  ``[token_p, MASK, ..., MASK]`` (slot 0 is the last committed token, which the target has not
+  processed yet). Normally slot ``k >= 1`` predicts token ``p + k`` (``B - 1`` drafts per block);
+  with speculators' ``sample_from_anchor`` slot ``k >= 0`` predicts token ``p + k + 1`` (``B``
+  drafts). ``noise_embedding`` = the target's embedding rows of the block tokens x
+  ``input_embedding_scale``.
+* **Positions.** Context positions ``0..p-1``, block positions ``p..p+n-1`` (RoPE over
+  ``[context positions ; block positions]``); ``n = B`` except where z-lab drafts a shorter last
+  block (``verify_size``, see :mod:`remote.online`).
+* **The mask rule** (:func:`visible`, the only place it is written). A slot at position ``q`` of
+  the block anchored at ``p`` sees context position ``c`` iff ``c < p`` (strictly before the
+  anchor; the context slice is ``[:p]``, empty at ``p = 0``) and its own block's slots, never
+  another block. Then, per layer (:meth:`DrafterConfig.layer_rules`):
 
-Two attention paths compute the same thing: :meth:`DFlashDrafter.draft` (one anchor, a context
-slice, no mask) and :meth:`DFlashDrafter.forward_anchors` (all anchors of a batch in one forward
-with the training-style anchor-block mask). Tests assert they agree.
+  - *causal* layers see only block slots at positions ``<= q``. z-lab: sliding layers are causal,
+    full layers are not, and a config ``is_causal`` overrides every layer. speculators: sliding
+    layers are causal unless ``sliding_window_non_causal``; full layers never.
+  - *sliding* layers keep a window of ``W = sliding_window``. z-lab counts it from the query:
+    ``|q - k| < W`` (context and block). speculators counts it from the anchor, for context keys
+    only: ``c >= p - W``.
+
+Two attention paths compute the same thing: :meth:`DFlashDrafter.draft` (one anchor, context
+``[:p]``, incremental context K/V for online decoding) and :meth:`DFlashDrafter.forward_anchors`
+(all anchors of a batch in one forward with the training-style anchor-block mask). Tests assert
+both equal the references (z-lab's per-anchor forward, speculators' batched mask).
+
+DFlash2 adds a grouped dynamic causal convolution along a block's slots around attention and
+around the MLP in every layer (it never crosses blocks), and a candidate selector that picks each
+draft token left to right among the top-k of its slot's logits.
 """
 from __future__ import annotations
 
@@ -28,8 +47,37 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from remote.sampling import Sampling, sample
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+ZLAB, SPECULATORS = "zlab", "speculators"          # mask rules
+DFLASH, DFLASH2 = "dflash", "dflash2"              # architectures
+
+
+# ----------------------------------------------------------------------------- config and mask rule
+
+@dataclass(frozen=True)
+class LayerRule:
+    causal: bool               # block slots see only slots at positions <= their own
+    window: int | None         # sliding window W (None: full attention)
+    window_from: str           # "query": |q - k| < W (z-lab); "anchor": context c >= p - W (speculators)
+
+
+def visible(rule: LayerRule, q_pos, k_pos, anchor_pos, k_in_block):
+    """The mask rule (module docstring), on broadcastable position tensors. Membership (own block,
+    same document) is the caller's; this adds the anchor, causality and window conditions."""
+    ok = k_in_block | (k_pos < anchor_pos)
+    if rule.causal:
+        ok = ok & (k_pos <= q_pos)
+    if rule.window is not None:
+        if rule.window_from == "query":
+            ok = ok & ((q_pos - k_pos).abs() < rule.window)
+        else:
+            ok = ok & (k_in_block | (k_pos >= anchor_pos - rule.window))
+    return ok
 
 
 @dataclass
@@ -47,10 +95,25 @@ class DrafterConfig:
     num_target_layers: int | None = None  # decoder layers of the target it was trained for
     target_hidden_size: int | None = None  # defaults to hidden_size
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    hidden_act: str = "silu"
     attention_bias: bool = False
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0})
+    max_position_embeddings: int = 32768
     layer_types: list[str] = field(default_factory=list)  # FULL / SLIDING per layer
     sliding_window: int | None = None
+    mask_rule: str = ZLAB                 # zlab | speculators (module docstring)
+    is_causal: bool | None = None         # z-lab: overrides every layer's causality
+    sliding_window_non_causal: bool = False  # speculators: bidirectional sliding layers
+    sample_from_anchor: bool = False      # speculators: slot k predicts token p + k + 1
+    draft_vocab_size: int | None = None   # speculators reduced vocabulary: own lm_head + d2t
+    input_embedding_scale: float = 1.0    # z-lab knobs
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    architecture: str = DFLASH            # dflash | dflash2
+    conv_kernel_size: int | None = None   # DFlash2
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self):
         if not self.layer_types:
@@ -58,10 +121,62 @@ class DrafterConfig:
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        self.rope_parameters = dict(self.rope_parameters)
 
     @property
     def num_target_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size is not None and self.draft_vocab_size != self.vocab_size
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per block: ``B - 1`` (slot 0 is the anchor), ``B`` with sample_from_anchor."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
+
+    @property
+    def verify_block(self) -> int:
+        """Tokens one verify forward checks: the last committed token and the drafts."""
+        return self.num_drafts + 1
+
+    def layer_rules(self) -> list[LayerRule]:
+        rules = []
+        for kind in self.layer_types:
+            window = self.sliding_window if kind == SLIDING else None
+            if self.mask_rule == ZLAB:
+                causal = kind == SLIDING if self.is_causal is None else bool(self.is_causal)
+                rules.append(LayerRule(causal, window, "query"))
+            else:
+                rules.append(LayerRule(kind == SLIDING and not self.sliding_window_non_causal, window, "anchor"))
+        return rules
+
+    def describe_rules(self) -> dict:
+        """What ``inspect`` prints: the variant and the rules found in the checkpoint."""
+        rules = self.layer_rules()
+        return {"architecture": self.architecture, "mask_rule": self.mask_rule,
+                "layers": [("causal" if r.causal else "bidirectional")
+                           + (f", window {r.window} from the {r.window_from}" if r.window else "") for r in rules],
+                "rope": self.rope_parameters, "sample_from_anchor": self.sample_from_anchor,
+                "drafts_per_block": self.num_drafts,
+                "vocab": (f"reduced: {self.draft_vocab_size} draft ids mapped to target ids through d2t"
+                          if self.reduced_vocab else "full: the target's lm_head"),
+                "knobs": {"input_embedding_scale": self.input_embedding_scale,
+                          "output_multiplier": self.output_multiplier,
+                          "final_logit_softcapping": self.final_logit_softcapping},
+                **({"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
+                    "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
+                   if self.architecture == DFLASH2 else {})}
+
+    def transformers_config(self) -> Qwen3Config:
+        """The Qwen3Config that transformers' parts (MLP, rotary embedding) are built from."""
+        return Qwen3Config(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           hidden_act=self.hidden_act, rms_norm_eps=self.rms_norm_eps,
+                           rope_parameters=dict(self.rope_parameters),
+                           max_position_embeddings=self.max_position_embeddings, vocab_size=self.vocab_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,48 +184,15 @@ class DrafterConfig:
 
 # ----------------------------------------------------------------------------- building blocks
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rope(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[b, 1, n, head_dim]`` for integer ``positions [b, n]`` (Qwen3 default RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """``x [b, h, n, d]``, ``cos/sin [b, n, d]`` (from ``Qwen3RotaryEmbedding``)."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-class KVInjectionAttention(nn.Module):
+class DFlashAttention(nn.Module):
     """Q from the block; K/V from ``[context ; block]`` through the same k/v projections."""
 
-    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+    def __init__(self, cfg: DrafterConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
@@ -118,8 +200,8 @@ class KVInjectionAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.n_kv * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.n_heads * d, h, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=cfg.rms_norm_eps)
 
     def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [b, n, H]`` -> k, v ``[b, n_kv, n, d]`` (k normed and rotated)."""
@@ -136,7 +218,7 @@ class KVInjectionAttention(nn.Module):
         k_blk, v_blk = self.keys_values(x, cos, sin)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = attend(q, k, v, mask)  # non-causal; visibility is entirely in `mask`
+        out = attend(q, k, v, mask)  # visibility is entirely in `mask` (None: everything)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -144,21 +226,91 @@ def sdpa_attend(q, k, v, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, layer_idx: int):
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash2's local convolution along a block's slots: output slot ``i`` = Σ_t (base[t] +
+    dynamic[i, t]) * x[i - t] for taps ``t < kernel_size`` inside the block (earlier slots only;
+    zero before slot 0, so blocks never mix). The dynamic kernel is one value per channel group,
+    projected from the slot's own input; ``prepare`` (before the sublayer) also returns the kernel
+    that ``finish`` (after it) uses."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
         super().__init__()
-        self.layer_type = cfg.layer_types[layer_idx]
-        self.self_attn = KVInjectionAttention(cfg, layer_idx)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
-    def forward(self, x, block_rope, ctx_kv, mask, attend):
-        x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx_kv, mask, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``x [b, n, L, H]`` (n blocks of L slots), ``dynamic [b, n, L, K, G]``, ``base [K, H]``."""
+        b, n, L, H = x.shape
+        groups = x.view(b, n, L, self.groups, self.group_size)
+        out = torch.zeros_like(groups)
+        for tap in range(self.kernel_size):
+            shifted = groups if tap == 0 else F.pad(groups[:, :, :L - tap], (0, 0, 0, 0, tap, 0))
+            coeff = base[tap].view(self.groups, self.group_size).to(x.dtype) + dynamic[:, :, :, tap, :, None]
+            out = out + coeff * shifted
+        return out.view_as(x)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self._convolve(x, dynamic[..., 0, :, :], self.base_kernel[0]), dynamic[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(x, dynamic, self.base_kernel[1])
 
 
-# ----------------------------------------------------------------------------- masks
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, hf_config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = Qwen3MLP(hf_config)
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.architecture == DFLASH2:
+            self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    @staticmethod
+    def _wrapped(sublayer, conv, x, block_len):
+        if conv is None:
+            return sublayer(x)
+        b, q, H = x.shape
+        x, kernel = conv.prepare(x.view(b, q // block_len, block_len, H))
+        y = sublayer(x.view(b, q, H)).view(b, q // block_len, block_len, H)
+        return conv.finish(y, kernel).view(b, q, H)
+
+    def forward(self, x, block_rope, ctx_kv, mask, attend, block_len):
+        attn = lambda h: self.self_attn(h, block_rope, ctx_kv, mask, attend)  # noqa: E731
+        x = x + self._wrapped(attn, self.attention_conv, self.input_layernorm(x), block_len)
+        return x + self._wrapped(self.mlp, self.mlp_conv, self.post_attention_layernorm(x), block_len)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2: the draft token of each slot is one of the top-k of its logits, picked left to
+    right by ``unary logit + <predecessor_codebook[prev] * hidden_projection(h), successor_codebook[cand]>``,
+    where ``prev`` is the token picked for the slot before (the anchor token for the first draft).
+    Greedy: argmax; T > 0: sampled from ``softmax(scores / T)`` over the k candidates."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def candidates(self, logits: torch.Tensor):
+        """Unary scores and ids of the top-k of every slot (z-lab's order: ``sorted=False``)."""
+        return torch.topk(logits, self.top_k, dim=-1, sorted=False)
+
+    def scores(self, unary, candidates, projected, predecessor):
+        """Scores of one slot's ``candidates [b, k]`` given the ``predecessor [b]`` token."""
+        context = self.predecessor_codebook[predecessor] * projected          # [b, r]
+        return unary + torch.einsum("br,bkr->bk", context, self.successor_codebook[candidates])
+
+
+# ----------------------------------------------------------------------------- masks (batched path)
 
 @dataclass
 class AnchorLayout:
@@ -168,85 +320,80 @@ class AnchorLayout:
     """
     query_pos: torch.Tensor     # [b, n*B] RoPE position of each block slot
     query_anchor: torch.Tensor  # [b, n*B] anchor index (T axis) of the slot's block
+    anchor_pos: torch.Tensor    # [b, n*B] anchor position of the slot's block
     query_doc: torch.Tensor     # [b, n*B]
     key_pos: torch.Tensor       # [b, T+n*B]
     key_doc: torch.Tensor       # [b, T+n*B]
     ctx_len: int
     block_size: int
 
-    def mask_mod(self, sliding_window: int | None = None):
-        """The anchor-block rule, written once. Called with scalar indices by flex_attention and
-        with broadcast index grids for the dense SDPA mask:
-
-        context key ``kv`` is visible to a slot iff ``kv < anchor`` (strictly before) and both
-        belong to the same document; a block key is visible iff it is in the slot's own block
-        (bidirectional); sliding layers further require ``|q_pos - kv_pos| < window``."""
+    def mask_mod(self, rule: LayerRule):
+        """Membership (context of the same document strictly before the anchor index, or the own
+        block) and :func:`visible`. Called with scalar indices by flex_attention and with broadcast
+        index grids for the dense and split masks."""
         L = self
 
         def mask_mod(b, h, q_idx, kv_idx):
             kv_is_ctx = kv_idx < L.ctx_len
             in_context = kv_is_ctx & (kv_idx < L.query_anchor[b, q_idx]) & (L.key_doc[b, kv_idx] == L.query_doc[b, q_idx])
             same_block = ~kv_is_ctx & ((kv_idx - L.ctx_len) // L.block_size == q_idx // L.block_size)
-            ok = in_context | same_block
-            if sliding_window is not None:
-                ok = ok & ((L.query_pos[b, q_idx] - L.key_pos[b, kv_idx]).abs() < sliding_window)
-            return ok
+            return (in_context | same_block) & visible(rule, L.query_pos[b, q_idx], L.key_pos[b, kv_idx],
+                                                       L.anchor_pos[b, q_idx], ~kv_is_ctx)
 
         return mask_mod
 
 
 def anchor_layout(position_ids, doc_ids, anchor_idx, block_size) -> AnchorLayout:
-    b, T = position_ids.shape
     slot = torch.arange(block_size, device=position_ids.device)
     anchor_pos = position_ids.gather(1, anchor_idx)                       # [b, n]
     block_pos = (anchor_pos[..., None] + slot).flatten(1)                 # [b, n*B]
     query_anchor = anchor_idx.repeat_interleave(block_size, dim=1)
     query_doc = doc_ids.gather(1, query_anchor)
     return AnchorLayout(
-        query_pos=block_pos, query_anchor=query_anchor, query_doc=query_doc,
-        key_pos=torch.cat([position_ids, block_pos], 1), key_doc=torch.cat([doc_ids, query_doc], 1),
-        ctx_len=T, block_size=block_size)
+        query_pos=block_pos, query_anchor=query_anchor, anchor_pos=anchor_pos.repeat_interleave(block_size, dim=1),
+        query_doc=query_doc, key_pos=torch.cat([position_ids, block_pos], 1), key_doc=torch.cat([doc_ids, query_doc], 1),
+        ctx_len=position_ids.shape[1], block_size=block_size)
 
 
-def dense_anchor_mask(layout: AnchorLayout, sliding_window: int | None = None) -> torch.Tensor:
+def dense_anchor_mask(layout: AnchorLayout, rule: LayerRule) -> torch.Tensor:
     """Boolean ``[b, 1, n*B, T+n*B]`` (True = may attend) for SDPA."""
     (nb, nq), nk = layout.query_pos.shape, layout.key_pos.shape[1]
     dev = layout.query_pos.device
     b = torch.arange(nb, device=dev)[:, None, None]
     q_idx = torch.arange(nq, device=dev)[None, :, None]
     kv_idx = torch.arange(nk, device=dev)[None, None, :]
-    return layout.mask_mod(sliding_window)(b, None, q_idx, kv_idx)[:, None]
+    return layout.mask_mod(rule)(b, None, q_idx, kv_idx)[:, None]
 
 
-def flex_anchor_mask(layout: AnchorLayout, sliding_window: int | None = None):
+def flex_anchor_mask(layout: AnchorLayout, rule: LayerRule):
     """The same rule as a flex_attention BlockMask (CUDA)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     nb, nq = layout.query_pos.shape
-    return create_block_mask(layout.mask_mod(sliding_window), nb, None, nq, layout.key_pos.shape[1],
+    return create_block_mask(layout.mask_mod(rule), nb, None, nq, layout.key_pos.shape[1],
                              device=layout.query_pos.device)
 
 
 @dataclass
 class SplitAnchorMask:
     """The anchor-block mask in two parts, for :func:`split_attend`: ``context [b, 1, n*B, T]``
-    (dense, strictly-before-anchor rule) and ``block [b, 1, n, B, B]`` (each block with itself).
-    Same visibility as :func:`dense_anchor_mask`, without materialising the (n*B)^2 block-to-block
-    part that is zero outside the diagonal blocks."""
+    and ``block [b, 1, n, B, B]`` (each block with itself). Same visibility as
+    :func:`dense_anchor_mask`, without materialising the (n*B)^2 block-to-block part that is zero
+    outside the diagonal blocks."""
     context: torch.Tensor
     block: torch.Tensor
 
 
-def split_anchor_mask(layout: AnchorLayout, sliding_window: int | None = None) -> SplitAnchorMask:
+def split_anchor_mask(layout: AnchorLayout, rule: LayerRule) -> SplitAnchorMask:
     (nb, nq), T, B = layout.query_pos.shape, layout.ctx_len, layout.block_size
     dev = layout.query_pos.device
-    rule = layout.mask_mod(sliding_window)
+    mod = layout.mask_mod(rule)
     b = torch.arange(nb, device=dev)
     q_idx = torch.arange(nq, device=dev)
-    context = rule(b[:, None, None], None, q_idx[None, :, None], torch.arange(T, device=dev)[None, None, :])
+    context = mod(b[:, None, None], None, q_idx[None, :, None], torch.arange(T, device=dev)[None, None, :])
     q_blk = q_idx.view(nq // B, B)                                   # [n, B] slots of each block
     kv_blk = T + q_blk                                               # the same block's keys
-    block = rule(b[:, None, None, None], None, q_blk[None, :, :, None], kv_blk[None, :, None, :])
+    block = mod(b[:, None, None, None], None, q_blk[None, :, :, None], kv_blk[None, :, None, :])
     return SplitAnchorMask(context=context[:, None], block=block[:, None])
 
 
@@ -291,66 +438,97 @@ def flex_available(device: torch.device) -> bool:
         return False
 
 
+def anchor_mask(rule: LayerRule, anchor_pos: int, n_slots: int, device) -> torch.Tensor | None:
+    """The rule for one block at ``anchor_pos`` over keys ``[context 0..p-1 ; block]``:
+    ``[1, 1, n_slots, p + n_slots]`` (None when every key is visible)."""
+    q_pos = anchor_pos + torch.arange(n_slots, device=device)[:, None]
+    k_pos = torch.cat([torch.arange(anchor_pos, device=device), anchor_pos + torch.arange(n_slots, device=device)])
+    k_in_block = torch.arange(anchor_pos + n_slots, device=device) >= anchor_pos
+    mask = visible(rule, q_pos, k_pos[None], anchor_pos, k_in_block[None])
+    return None if bool(mask.all()) else mask[None, None]
+
+
 # ----------------------------------------------------------------------------- the model
+
+@dataclass
+class Proposal:
+    """Draft tokens of one block (target ids) and, when sampling, the distribution they came from:
+    ``probs [b, n, V]`` over the target vocabulary, or ``[b, n, k]`` over ``candidates [b, n, k]``
+    (DFlash2's selector)."""
+    tokens: torch.Tensor
+    probs: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.fc = nn.Linear(cfg.num_target_features * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        hf_config = cfg.transformers_config()
+        self.fc = nn.Linear(cfg.num_target_features * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, hf_config) for _ in range(cfg.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        with torch.device("cpu"):           # real inverse frequencies even under a meta-device build
+            self.rotary_emb = Qwen3RotaryEmbedding(hf_config)
+        self.rules = cfg.layer_rules()
+        if cfg.reduced_vocab:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        if cfg.architecture == DFLASH2:
+            self.candidate_selector = CandidateSelector(cfg)
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
 
-    def _rope(self, positions, dtype):
-        return rope(positions, self.config.head_dim, self.config.rope_theta, dtype)
+    # -- inputs
+    def embed(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        """``noise_embedding``: the target's embedding rows x ``input_embedding_scale``."""
+        noise = F.embedding(block_ids, embed_weight)
+        scale = self.config.input_embedding_scale
+        return noise * scale if scale != 1.0 else noise
 
-    def context_kv(self, target_hidden: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer context K/V from ``target_hidden [b, c, K*H]`` at positions ``ctx_pos [b, c]``.
+    def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(0, dtype=dtype, device=positions.device)
+        return self.rotary_emb(probe, positions)
 
-        The fused context (``hidden_norm(fc(target_hidden))``) is the same input to every layer,
-        and K/V of a context position do not depend on the block: they can be computed once per
-        sequence and sliced (``[:, :, :p]``) or appended to, which is exactly KV injection.
-        """
+    def context_kv(self, target_hidden, ctx_rope) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer K/V of the fused context ``hidden_norm(fc(target_hidden))`` (the same input to
+        every layer). K/V of a context position do not depend on the block, so they are computed
+        once and appended to: KV injection."""
         ctx = self.hidden_norm(self.fc(target_hidden))
-        cos, sin = self._rope(ctx_pos, ctx.dtype)
-        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+        return [layer.self_attn.keys_values(ctx, *ctx_rope) for layer in self.layers]
 
-    def forward(self, noise_embedding, block_pos, ctx_kv, masks: dict | None = None,
-                attend: Callable = sdpa_attend) -> torch.Tensor:
-        """``noise_embedding [b, q, H]`` at ``block_pos [b, q]`` -> final-normed hidden ``[b, q, H]``.
-
-        ``masks`` maps a layer type to a mask (None = everything visible)."""
-        masks = masks or {}
+    def forward(self, noise_embedding, block_rope, ctx_kv, masks: list, attend: Callable = sdpa_attend,
+                block_len: int | None = None) -> torch.Tensor:
+        """``noise_embedding [b, q, H]`` (blocks of ``block_len`` slots) -> final-normed hidden
+        ``[b, q, H]``; ``masks[i]`` is layer i's mask (None: everything visible)."""
         x = noise_embedding
-        block_rope = self._rope(block_pos, x.dtype)
-        for layer, kv in zip(self.layers, ctx_kv):
-            x = layer(x, block_rope, kv, masks.get(layer.layer_type), attend)
+        block_len = block_len or x.shape[1]
+        for layer, kv, mask in zip(self.layers, ctx_kv, masks):
+            x = layer(x, block_rope, kv, mask, attend, block_len)
         return self.norm(x)
 
-    # -- path 1: one anchor, context slice [:anchor_pos]
-    def draft(self, target_hidden: torch.Tensor, anchor_pos: int, noise_embedding: torch.Tensor,
-              ctx_kv: list | None = None) -> torch.Tensor:
-        """Hidden states of one block anchored at ``anchor_pos`` (``target_hidden [1, >=p, K*H]``,
-        ``noise_embedding [1, B, H]``). Pass ``ctx_kv`` (from :meth:`context_kv` over the whole
-        sequence) to reuse context K/V; it is sliced to ``[:anchor_pos]`` here either way."""
-        B = noise_embedding.shape[1]
-        dev = noise_embedding.device
-        if ctx_kv is None:
-            ctx = target_hidden[:, :anchor_pos]
-            ctx_kv = self.context_kv(ctx, torch.arange(anchor_pos, device=dev)[None])
-        else:
-            ctx_kv = [(k[:, :, :anchor_pos], v[:, :, :anchor_pos]) for k, v in ctx_kv]
-        block_pos = torch.arange(anchor_pos, anchor_pos + B, device=dev)[None]
-        masks = {}
-        if SLIDING in self.config.layer_types:
-            key_pos = torch.arange(anchor_pos + B, device=dev)
-            masks[SLIDING] = ((block_pos[0, :, None] - key_pos[None]).abs() < self.config.sliding_window)[None, None]
-        return self(noise_embedding, block_pos, ctx_kv, masks)
+    # -- path 1: one anchor, context [:p] (incremental for online decoding)
+    def draft(self, noise_embedding: torch.Tensor, anchor_pos: int, new_target_hidden: torch.Tensor,
+              past_kv: list | None = None) -> tuple[torch.Tensor, list]:
+        """Hidden states of one block anchored at ``anchor_pos`` (``noise_embedding [1, n, H]``).
+
+        ``new_target_hidden [1, c, K*H]`` are the features of positions ``p - c .. p - 1``;
+        ``past_kv`` the context K/V of the positions before them (None: ``c == p``). Returns the
+        block's hidden states and the context K/V of positions ``0 .. p - 1`` (the block's own K/V
+        are not kept: the next anchor's context ends where this block begins)."""
+        n, c, dev = noise_embedding.shape[1], new_target_hidden.shape[1], noise_embedding.device
+        positions = torch.arange(anchor_pos - c, anchor_pos + n, device=dev)[None]
+        cos, sin = self.rope(positions, noise_embedding.dtype)
+        new_kv = self.context_kv(new_target_hidden, (cos[:, :c], sin[:, :c]))
+        if past_kv is not None:
+            new_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(past_kv, new_kv)]
+        masks = [anchor_mask(rule, anchor_pos, n, dev) for rule in self.rules]
+        hidden = self(noise_embedding, (cos[:, c:], sin[:, c:]), new_kv, masks)
+        return hidden, new_kv
 
     # -- path 2: all anchors at once, training-style mask
     def forward_anchors(self, target_hidden, noise_embedding, anchor_idx, position_ids=None, doc_ids=None,
@@ -376,11 +554,71 @@ class DFlashDrafter(nn.Module):
             attention = "flex" if flex_available(dev) else "split"
         build, attend = {"flex": (flex_anchor_mask, flex_attend), "dense": (dense_anchor_mask, sdpa_attend),
                          "split": (split_anchor_mask, split_attend)}[attention]
-        masks = {FULL: build(layout)}
-        if SLIDING in self.config.layer_types:
-            masks[SLIDING] = build(layout, self.config.sliding_window)
-        ctx_kv = self.context_kv(target_hidden, position_ids)
-        return self(noise_embedding, layout.query_pos, ctx_kv, masks, attend)
+        built = {rule: build(layout, rule) for rule in set(self.rules)}
+        dtype = noise_embedding.dtype
+        ctx_kv = self.context_kv(target_hidden, self.rope(position_ids, dtype))
+        return self(noise_embedding, self.rope(layout.query_pos, dtype), ctx_kv, [built[r] for r in self.rules],
+                    attend, self.block_size)
+
+    # -- outputs
+    def draft_slots(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden states that hold drafts: slots 1.. (slot 0 too with sample_from_anchor)."""
+        return hidden if self.config.sample_from_anchor else hidden[..., 1:, :]
+
+    def logits(self, hidden: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
+        """z-lab's ``compute_logits``: the head (the target's, or the reduced-vocabulary
+        ``lm_head``) x ``output_multiplier``, then ``tanh`` soft-capping when configured."""
+        cfg = self.config
+        logits = (self.lm_head if cfg.reduced_vocab else target_head)(hidden)
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        cap = cfg.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids -> target ids (``id + d2t[id]``); identity for a full vocabulary."""
+        return ids + self.d2t[ids] if self.config.reduced_vocab else ids
+
+    def to_target_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft vocabulary as one over the target vocabulary."""
+        if not self.config.reduced_vocab:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.to_target_ids(torch.arange(probs.shape[-1], device=probs.device)), probs)
+
+    def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,
+                sampling: Sampling | None = None) -> Proposal:
+        """Draft tokens from the draft slots' ``hidden [b, n, H]``: argmax (greedy), or sampled from
+        the drafter's tempered / top-k / top-p distribution; DFlash2 through its selector.
+        ``anchor_tokens [b]`` are the blocks' slot-0 tokens (the selector's first predecessor)."""
+        logits = self.logits(hidden, target_head)
+        greedy = sampling is None or sampling.greedy
+        if self.config.architecture == DFLASH2:
+            return self._select(hidden, logits, anchor_tokens, None if greedy else sampling.temperature)
+        if greedy:
+            return Proposal(self.to_target_ids(logits.argmax(-1)))
+        probs = sampling.probs(logits)
+        return Proposal(self.to_target_ids(sample(probs)), self.to_target_probs(probs))
+
+    def _select(self, hidden, logits, anchor_tokens, temperature: float | None) -> Proposal:
+        sel = self.candidate_selector
+        unary, candidates = sel.candidates(logits)
+        projected = sel.hidden_projection(hidden)
+        predecessor, picked, q_rows = anchor_tokens, [], []
+        for slot in range(hidden.shape[1]):
+            scores = sel.scores(unary[:, slot], candidates[:, slot], projected[:, slot], predecessor)
+            if temperature is None:
+                index = scores.argmax(-1)
+            else:
+                q = Sampling(temperature).probs(scores)
+                index = sample(q)
+                q_rows.append(q)
+            predecessor = candidates[:, slot].gather(-1, index[:, None])[:, 0]
+            picked.append(predecessor)
+        return Proposal(torch.stack(picked, 1), torch.stack(q_rows, 1) if q_rows else None,
+                        candidates if q_rows else None)
 
 
 def block_input_ids(anchor_tokens: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
@@ -391,14 +629,16 @@ def block_input_ids(anchor_tokens: torch.Tensor, block_size: int, mask_token_id:
 
 
 def init_weights(model: nn.Module, std: float = 0.02, generator: torch.Generator | None = None) -> None:
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            with torch.no_grad():
+    """Random weights for tests and the demo: linear layers, DFlash2 kernels and codebooks ~ N(0, std)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
                 m.weight.normal_(0.0, std, generator=generator)
                 if m.bias is not None:
                     m.bias.zero_()
-
-
-if __name__ == "__main__":  # python -m remote.drafter inspect DIR [--target DIR]
-    from remote.inspect_cli import main
-    raise SystemExit(main())
+            elif isinstance(m, GroupedDynamicCausalConv):
+                m.base_kernel.normal_(0.0, std, generator=generator)
+                m.base_kernel[:, 0] += 1.0                  # near identity, as both references initialise
+            elif isinstance(m, CandidateSelector):
+                m.predecessor_codebook.normal_(0.0, std, generator=generator)
+                m.successor_codebook.normal_(0.0, std, generator=generator)

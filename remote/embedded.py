@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-RECIPE = {"version": 1, "vocab": 256, "hidden": 64, "layers": 4, "target_steps": 300, "drafter_steps": 400,
+RECIPE = {"version": 2, "vocab": 256, "hidden": 64, "layers": 4, "target_steps": 300, "drafter_steps": 400,
           "block_size": 8, "seed": 0}
 
 
@@ -26,7 +26,9 @@ def log(msg: str) -> None:
 
 def corpus(tokenizer) -> list[tuple[list[int], list[int]]]:
     """Chat conversations: every prompt of the default suite (and a few extra) answered with a fixed
-    paragraph — a tiny language the target memorises, so its greedy answers are prompt dependent."""
+    paragraph — a tiny language the target memorises, so its greedy answers are prompt dependent.
+    Each prompt is rendered with thinking off (the worker's default: an empty think block) and with
+    the template's own default, so the demo answers either way."""
     from remote.prompts import format_chat, load_suite
     from remote.tokenizer import PARAGRAPHS
 
@@ -34,9 +36,9 @@ def corpus(tokenizer) -> list[tuple[list[int], list[int]]]:
     prompts += ["Tell me something.", "Write some code.", "Solve this problem.", "Summarize the text above."]
     convs = []
     for i, text in enumerate(prompts):
-        prompt = format_chat(tokenizer, [{"role": "user", "content": text}], None)
         answer = tokenizer(PARAGRAPHS[i % len(PARAGRAPHS)] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-        convs.append((prompt, answer))
+        for thinking in (False, None):
+            convs.append((format_chat(tokenizer, [{"role": "user", "content": text}], thinking), answer))
     return convs
 
 
@@ -87,7 +89,7 @@ def build(out: Path) -> dict:
     import torch
 
     from remote.checkpoint import save_drafter
-    from remote.online import target_greedy
+    from remote.online import target_decode
     from remote.target import target_features
     from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
     from remote.tokenizer import build_tiny_tokenizer
@@ -116,7 +118,7 @@ def build(out: Path) -> dict:
     batches = []
     for prompt, _ in convs:
         prompt_len = len(prompt)
-        out_ids = target_greedy(target, torch.tensor([prompt]), 96, stop).output_ids
+        out_ids = target_decode(target, torch.tensor([prompt]), 96, stop).output_ids
         ids = torch.tensor([prompt + out_ids])
         _, feats = target_features(target, ids, cfg.target_layer_ids)
         mask = torch.zeros_like(ids, dtype=torch.bool)

@@ -49,6 +49,31 @@ def per_position_acceptance(per_prompt: list[list[int]], block_size: int) -> lis
     return [sum(n >= k + 1 for n in lengths) / len(lengths) for k in range(1, block_size)]
 
 
+def responses(rows: list[dict]) -> list[dict]:
+    """One entry per response: each turn of a multi-turn row, else the row itself."""
+    return [t for r in rows for t in (r.get("turns") or [r])]
+
+
+def tau_sglang(rows: list[dict]) -> float | None:
+    """τ as SGLang reports it, ``Σ completion_tokens / Σ spec_verify_ct``: every response's first
+    token (from the prefill) counts as a completion token, verify cycles are the cycles."""
+    per_response = [t.get("acceptance_lengths") or [] for t in responses(rows)]
+    cycles = sum(len(a) for a in per_response)
+    return sum(1 + sum(a) for a in per_response) / cycles if cycles else None
+
+
+def expected_summary(rows: list[dict]) -> dict:
+    """T > 0 offline: the expected acceptance along the reference completions (an estimate)."""
+    parts = [r["expected"] for r in rows if r.get("expected")]
+    alpha = [sum(v) for v in zip(*(p["alpha_sum"] for p in parts))]
+    count = [sum(v) for v in zip(*(p["count"] for p in parts))]
+    anchors = sum(p["anchors"] for p in parts)
+    return {"label": "estimate: α_k = Σ_x min(p_k(x), q_k(x)) along the reference completion, "
+                     "expected τ = 1 + Σ_k Π_{j≤k} α_j, averaged over anchors",
+            "alpha": [a / n if n else None for a, n in zip(alpha, count)],
+            "tau": sum(p["tau_sum"] for p in parts) / anchors if anchors else None, "anchors": anchors}
+
+
 def category_summary(rows: list[dict]) -> dict[str, dict]:
     """:func:`tau_summary` per prompt category (rows without a category are left out)."""
     groups: dict[str, list] = {}
@@ -58,15 +83,15 @@ def category_summary(rows: list[dict]) -> dict[str, dict]:
     return {c: tau_summary(v) for c, v in sorted(groups.items())}
 
 
-def all_anchors_accuracy(rows: list[dict], block_size: int) -> tuple[list[float], list[float]]:
-    """Teacher-forced per-position accuracy with every completion position an anchor (rows'
-    ``all_anchors`` hit counts, slots 1..B-1), and its cumulative product."""
-    correct = [0] * (block_size - 1)
-    count = [0] * (block_size - 1)
-    for r in rows:
-        aa = r.get("all_anchors") or {}
-        for k, (c, n) in enumerate(zip(list(aa.get("correct") or [])[:block_size - 1],
-                                       list(aa.get("count") or [])[:block_size - 1])):
+def all_anchors_accuracy(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """Teacher-forced per-slot accuracy with every completion position an anchor (rows'
+    ``all_anchors`` hit counts: slots 1..B-1, or 0..B-1 for a sample_from_anchor drafter), and its
+    cumulative product."""
+    hits = [r["all_anchors"] for r in rows if r.get("all_anchors")]
+    slots = max((len(h.get("correct") or []) for h in hits), default=0)
+    correct, count = [0] * slots, [0] * slots
+    for h in hits:
+        for k, (c, n) in enumerate(zip(h.get("correct") or [], h.get("count") or [])):
             correct[k] += c
             count[k] += n
     acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
@@ -79,26 +104,35 @@ def all_anchors_accuracy(rows: list[dict], block_size: int) -> tuple[list[float]
 
 def online_summary(rows: list[dict]) -> dict:
     """Speed of an online run: output tokens (every turn's completion) per second of speculative
-    decoding and of plain target greedy decoding, and whether every row was lossless."""
+    decoding and of plain target decoding, and whether every row was lossless (``None`` when no row
+    could be checked, e.g. sampled decoding)."""
     wall = sum(r["wall_s"] for r in rows)
     target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
-    tokens = sum(len(t.get("output_ids") or []) for r in rows for t in (r.get("turns") or [r]))
+    tokens = sum(len(t.get("output_ids") or []) for t in responses(rows))
     online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
     if target_wall:
         online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
                       speedup=target_wall / wall if wall else None)
     if any("lossless" in r for r in rows):
-        online["lossless"] = all(r.get("lossless") is True for r in rows)
+        checked = [r["lossless"] for r in rows if r.get("lossless") is not None]
+        online["lossless"] = all(c is True for c in checked) if checked else None
     return online
 
 
-def summarize(rows: list[dict], block_size: int, mode: str | None) -> dict:
+def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: int | None = None) -> dict:
+    """``max_length``: the most tokens a cycle can commit (default ``block_size``; ``B + 1`` for a
+    sample_from_anchor drafter)."""
     per_prompt = [r.get("acceptance_lengths") or [] for r in rows]
+    longest = max_length or block_size
     t = tau_summary(per_prompt)
     summary = {"mode": mode, "block_size": block_size, "prompts": len(rows), "tau_macro": t["tau_macro"],
                "tau_pooled": t["tau_pooled"], "cycles": t["cycles"], "tokens": t["tokens"],
-               "acceptance_histogram": histogram(per_prompt, block_size),
-               "per_position_acceptance": per_position_acceptance(per_prompt, block_size)}
+               "tau_macro_turns": tau_summary([r.get("acceptance_lengths") or [] for r in responses(rows)])["tau_macro"],
+               "tau_sglang": tau_sglang(rows), "responses": len(responses(rows)),
+               "acceptance_histogram": histogram(per_prompt, longest),
+               "per_position_acceptance": per_position_acceptance(per_prompt, longest)}
+    if any(r.get("expected") for r in rows):
+        summary["expected"] = expected_summary(rows)
     budgets = sorted({str(b) for r in rows for b in (r.get("ddtree") or {})}, key=int)
     if budgets:
         summary["ddtree"] = {}
@@ -108,7 +142,7 @@ def summarize(rows: list[dict], block_size: int, mode: str | None) -> dict:
             summary["ddtree"][b] = {"tau_macro": d["tau_macro"], "tau_pooled": d["tau_pooled"],
                                     "prompts": d["prompts"]}
     if any("all_anchors" in r for r in rows):
-        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows, block_size)
+        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows)
     if rows and all(r.get("wall_s") is not None for r in rows):
         summary["online"] = online_summary(rows)
     return summary

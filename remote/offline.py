@@ -1,43 +1,67 @@
-"""Offline evaluation: walk a reference completion the way greedy speculative decoding would.
+"""Offline evaluation: walk a reference completion the way speculative decoding would.
 
-With greedy decoding the target's verify step accepts exactly the drafted tokens that match its
-own greedy output, so given the reference completion (the target's greedy output) we need no
-verify forwards: one target forward over ``prompt + completion`` gives every context feature,
-and the drafts of every anchor come from the batched training-style mask.
+**Greedy (T = 0).** The target's verify step accepts exactly the drafted tokens that match its own
+greedy output, so given the reference completion (the target's greedy output) no verify forwards
+are needed: one target forward over ``prompt + completion`` gives every context feature, and the
+drafts of every anchor come from the batched training-style mask. The walk is
+:func:`remote.online.speculative_generate`'s, cycle by cycle: ``max_length = P + N``; the first
+anchor is the first completion token (position ``P``); while ``start + 1 < max_length``:
+``verify_size = min(verify_block, max_length - start)``, draft the ``verify_size - 1`` tokens of
+the block anchored at ``start`` (context ``[:start]``; the last blocks are cut as z-lab cuts them,
+so they are drafted one anchor at a time), accept the longest prefix matching the reference, commit
+it plus the bonus token: ``produced = min(a + 1, max_length - start - 1)``, ``start += produced``.
 
-The walk (identical to :func:`remote.online.speculative_generate`, cycle by cycle):
-``max_length = P + N``; the first anchor is the first completion token (position ``P``); while
-``start + 1 < max_length``: draft the block anchored at ``start`` (context ``[:start]``), accept
-the longest prefix of drafts matching the reference (at most ``verify_size - 1`` with
-``verify_size = min(B, max_length - start)``), commit it plus the bonus token:
-``produced = min(a + 1, max_length - start - 1)``, ``start += produced``.
+**Sampled (T > 0)** there is no single walk: the reference completion is one sample, and what a
+cycle accepts is random. Reported instead, labelled an estimate: for every anchor ``p`` of the
+completion and draft ``k``, ``α_k(p) = Σ_x min(p_k(x), q_k(x))`` with ``p_k`` the teacher-forced
+target's sampling distribution for that token (the reference prefix before it) and ``q_k`` the
+drafter's; ``E[τ](p) = 1 + Σ_k Π_{j≤k} α_j(p)``. It is exact for a cycle whose accepted drafts
+equal the reference; along other prefixes the target may assign other probabilities.
+
+**DDTree-N** (greedy): a best-first tree of N nodes grown from one draft pass by summed
+log-probability, accepted depth = the longest prefix of the reference that is a node. DFlash:
+per-slot top-k of the draft logits (the same children under every node). DFlash2: a node's
+children are the next slot's candidates scored by the selector with the node's token as the
+predecessor, so the tree follows the selector's chain distribution.
 """
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from remote.drafter import DFlashDrafter, block_input_ids
+from remote.drafter import DFLASH2, DFlashDrafter, block_input_ids
+from remote.sampling import Sampling
 
 DEFAULT_BUDGETS = (8, 16, 32, 64)
+MAX_BUDGET = 1024
 
 
 @dataclass
 class DraftTable:
-    """Drafts of anchors along one sequence, computed on demand in chunks of anchors through the
-    batched anchor-block mask and cached. ``ids [T]`` are prompt + reference completion."""
+    """Drafts of anchors along one sequence, computed on demand in chunks of anchors and cached.
+    ``ids [T]`` are prompt + reference completion (``max_length = T``)."""
     drafter: DFlashDrafter
-    target_hidden: torch.Tensor        # [1, T, K*H]
+    target_hidden: torch.Tensor        # [1, T, K*H] (positions 0..T-2 are used)
     ids: torch.Tensor                  # [T]
-    embed: torch.nn.Module
-    lm_head: torch.nn.Module
-    topk: int = 0                      # keep per-slot top-k log-probs (DDTree)
+    embed_weight: torch.Tensor
+    head: torch.nn.Module
+    topk: int = 0                      # keep what DDTree needs (per-slot top-k, or the selector's inputs)
     chunk: int = 64
-    tokens: dict = field(default_factory=dict)   # anchor -> [B-1] argmax drafts
-    top: dict = field(default_factory=dict)      # anchor -> (logp [B-1, k], idx [B-1, k])
+    sampling: Sampling | None = None   # T > 0: the expected acceptance along the reference
+    target_logits: torch.Tensor | None = None   # [T-1, V] teacher-forced target logits (T > 0)
+    cut_last_blocks: bool = True       # False: full blocks everywhere (the training view, remote.parity)
+    tokens: dict = field(default_factory=dict)   # anchor -> draft target ids
+    top: dict = field(default_factory=dict)      # anchor -> DDTree children data
+    alpha: dict = field(default_factory=dict)    # anchor -> [α_k] (T > 0)
     blocks_drafted: int = 0
+
+    def num_drafts(self, anchor: int) -> int:
+        """Drafts the cycle at ``anchor`` verifies (fewer near the end, as z-lab's last block)."""
+        n = self.drafter.config.num_drafts
+        return min(n, self.ids.numel() - anchor - 1) if self.cut_last_blocks else n
 
     def __getitem__(self, anchor: int) -> list[int]:
         if anchor not in self.tokens:
@@ -46,27 +70,103 @@ class DraftTable:
 
     @torch.no_grad()
     def compute(self, anchors) -> None:
-        anchors = torch.tensor([a for a in anchors if a not in self.tokens], dtype=torch.long,
-                               device=self.ids.device)
-        if anchors.numel() == 0:
-            return
-        B, cfg = self.drafter.block_size, self.drafter.config
-        blocks = block_input_ids(self.ids[anchors], B, cfg.mask_token_id)[None]
-        last = int(anchors.max())
-        hidden = self.drafter.forward_anchors(self.target_hidden[:, :last + 1], self.embed(blocks), anchors[None])
-        logits = self.lm_head(hidden.view(anchors.numel(), B, -1)[:, 1:]).float()     # [n, B-1, V]
-        drafts = logits.argmax(-1).tolist()
-        if self.topk:
-            logp, idx = logits.log_softmax(-1).topk(self.topk, dim=-1)
-            logp, idx = logp.cpu(), idx.cpu()
-        for j, a in enumerate(anchors.tolist()):
+        todo = [a for a in anchors if a not in self.tokens]
+        full = [a for a in todo if self.num_drafts(a) == self.drafter.config.num_drafts]
+        for i in range(0, len(full), self.chunk):
+            self._batched(full[i:i + self.chunk])
+        for a in todo:
+            if a not in full:
+                self._single(a)
+
+    def _noise(self, anchor_tokens: torch.Tensor, n_slots: int) -> torch.Tensor:
+        blocks = block_input_ids(anchor_tokens, n_slots, self.drafter.config.mask_token_id)
+        return self.drafter.embed(blocks, self.embed_weight).to(self.target_hidden.dtype)
+
+    def _batched(self, anchors: list[int]) -> None:
+        """Full blocks, all anchors in one forward through the anchor-block mask."""
+        idx = torch.tensor(anchors, dtype=torch.long, device=self.ids.device)
+        B = self.drafter.block_size
+        hidden = self.drafter.forward_anchors(self.target_hidden[:, :max(anchors) + 1],
+                                              self._noise(self.ids[idx], B)[None], idx[None])
+        self._store(anchors, self.drafter.draft_slots(hidden.view(len(anchors), B, -1)))
+
+    def _single(self, anchor: int) -> None:
+        """A cut last block: one anchor, context ``[:anchor]``."""
+        n = self.num_drafts(anchor)
+        slots = n + (0 if self.drafter.config.sample_from_anchor else 1)
+        hidden, _ = self.drafter.draft(self._noise(self.ids[anchor:anchor + 1], slots)[None], anchor,
+                                       self.target_hidden[:, :anchor])
+        self._store([anchor], self.drafter.draft_slots(hidden))
+
+    def _store(self, anchors: list[int], hidden: torch.Tensor) -> None:
+        """``hidden [n, drafts, H]`` of the anchors' draft slots -> tokens, DDTree data, α."""
+        d = self.drafter
+        anchor_tokens = self.ids[torch.tensor(anchors, device=self.ids.device)]
+        drafts = d.propose(hidden, anchor_tokens, self.head).tokens.tolist()
+        if self.topk or self.sampling is not None:
+            logits = d.logits(hidden, self.head).float()
+        if self.topk and d.config.architecture == DFLASH2:
+            sel = d.candidate_selector
+            unary, cand = sel.candidates(logits)
+            proj = sel.hidden_projection(hidden)
+        elif self.topk:
+            logp, idx = logits.log_softmax(-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
+            idx = d.to_target_ids(idx)
+        for j, a in enumerate(anchors):
             self.tokens[a] = drafts[j]
-            if self.topk:
-                self.top[a] = (logp[j], idx[j])
-        self.blocks_drafted += anchors.numel()
+            if self.topk and d.config.architecture == DFLASH2:
+                self.top[a] = (unary[j], cand[j], proj[j], int(anchor_tokens[j]))
+            elif self.topk:
+                self.top[a] = slot_children(logp[j].cpu(), idx[j].cpu())
+        if self.sampling is not None:
+            for j, a in enumerate(anchors):
+                self.alpha[a] = self._alpha(a, hidden[j:j + 1], logits[j:j + 1])
+        self.blocks_drafted += len(anchors)
+
+    def _alpha(self, anchor: int, hidden, logits) -> list[float]:
+        """α_k = Σ_x min(p_k(x), q_k(x)) for the anchor's drafts (module docstring)."""
+        d, n = self.drafter, hidden.shape[1]
+        p = self.sampling.probs(self.target_logits[anchor:anchor + n])                 # [n, V]
+        if d.config.architecture == DFLASH2:    # teacher-forced predecessors: the reference tokens
+            sel = d.candidate_selector
+            unary, cand = sel.candidates(logits)
+            proj = sel.hidden_projection(hidden)
+            alphas = []
+            for k in range(n):
+                scores = sel.scores(unary[:, k], cand[:, k], proj[:, k], self.ids[anchor + k][None])
+                q = Sampling(self.sampling.temperature).probs(scores)[0]
+                alphas.append(float(torch.minimum(p[k, cand[0, k]], q).sum()))
+            return alphas
+        q = d.to_target_probs(self.sampling.probs(logits))[0]
+        return torch.minimum(p, q).sum(-1).tolist()
+
+    def children(self, anchor: int) -> Callable:
+        """DDTree children of a node at ``anchor``: ``children(prefix) -> (log-probs desc, tokens)``."""
+        self[anchor]
+        top = self.top[anchor]
+        if callable(top):
+            return top
+        unary, cand, proj, anchor_token = top
+        sel = self.drafter.candidate_selector
+
+        def selector_children(prefix: tuple) -> tuple[list, list]:
+            depth = len(prefix)
+            prev = torch.tensor([prefix[-1] if prefix else anchor_token], device=cand.device)
+            with torch.no_grad():
+                logp = sel.scores(unary[None, depth], cand[None, depth], proj[None, depth], prev)[0].float().log_softmax(-1)
+            logp, order = logp.sort(descending=True)
+            return logp.tolist(), cand[depth][order].tolist()
+        return selector_children
 
 
-def greedy_walk(drafts, ref: list[int], prompt_len: int, block_size: int, max_blocks: int | None = None,
+def slot_children(logp: torch.Tensor, idx: torch.Tensor) -> Callable:
+    """DFlash's DDTree children: slot ``len(prefix)``'s top-k (``logp/idx [drafts, k]``, sorted),
+    whatever the prefix."""
+    lp, ix = logp.tolist(), idx.tolist()
+    return lambda prefix: (lp[len(prefix)], ix[len(prefix)])
+
+
+def greedy_walk(drafts, ref: list[int], prompt_len: int, verify_block: int, max_blocks: int | None = None,
                 accept=None) -> list[int]:
     """Acceptance lengths of the walk over ``ref`` (prompt + completion). ``accept(start, n)``
     returns the accepted draft count at ``start`` (at most ``n``); default: longest matching prefix
@@ -80,7 +180,7 @@ def greedy_walk(drafts, ref: list[int], prompt_len: int, block_size: int, max_bl
     max_length, start = len(ref), prompt_len
     lengths: list[int] = []
     while start + 1 < max_length and (max_blocks is None or len(lengths) < max_blocks):
-        verify_size = min(block_size, max_length - start)
+        verify_size = min(verify_block, max_length - start)
         a = accept(start, verify_size - 1)
         produced = min(a + 1, max_length - start - 1)
         lengths.append(produced)
@@ -88,72 +188,100 @@ def greedy_walk(drafts, ref: list[int], prompt_len: int, block_size: int, max_bl
     return lengths
 
 
-def ddtree_depth(logp: torch.Tensor, idx: torch.Tensor, truth: list[int], budget: int) -> int:
+def ddtree_depth(children: Callable, depth_max: int, truth: list[int], budget: int) -> int:
     """Depth accepted by a DDTree of ``budget`` nodes (root excluded) grown best-first by summed
-    log-prob from one draft pass (per-slot top-k ``logp/idx [B-1, k]``), against the target's
-    tokens ``truth`` for slots 1..; the tree is prefix-closed, so the accepted depth is the longest
-    prefix of ``truth`` that is a node."""
-    depth_max, k = logp.shape
-    lp, ix = logp.tolist(), idx.tolist()
+    log-prob (``children(prefix) -> (log-probs sorted descending, tokens)``) to at most
+    ``depth_max`` levels, against the target's tokens ``truth``; the tree is prefix-closed, so the
+    accepted depth is the longest prefix of ``truth`` that is a node."""
     tree: set[tuple[int, ...]] = set()
-    heap = [(-lp[0][0], (0,))]          # a path is the tuple of ranks per depth
+    if depth_max < 1:
+        return 0
+    first = children(())
+    heap = [(-first[0][0], (), 0, first)]     # (-score, parent prefix, rank among its children, children)
     while heap and len(tree) < budget:
-        neg, ranks = heapq.heappop(heap)
-        tree.add(tuple(ix[d][r] for d, r in enumerate(ranks)))
-        d = len(ranks) - 1
-        if d + 1 < depth_max:        # first child
-            heapq.heappush(heap, (neg - lp[d + 1][0], ranks + (0,)))
-        if ranks[-1] + 1 < k:        # next sibling
-            heapq.heappush(heap, (neg + lp[d][ranks[-1]] - lp[d][ranks[-1] + 1], ranks[:-1] + (ranks[-1] + 1,)))
+        neg, parent, rank, kids = heapq.heappop(heap)
+        node = parent + (kids[1][rank],)
+        tree.add(node)
+        if len(node) < depth_max:                                  # first child
+            grand = children(node)
+            heapq.heappush(heap, (neg - grand[0][0], node, 0, grand))
+        if rank + 1 < len(kids[0]):                                # next sibling
+            heapq.heappush(heap, (neg + kids[0][rank] - kids[0][rank + 1], parent, rank + 1, kids))
     a = 0
     while a < min(len(truth), depth_max) and tuple(truth[:a + 1]) in tree:
         a += 1
     return a
 
 
-def ddtree_walk(table: DraftTable, ref: list[int], prompt_len: int, block_size: int, budget: int,
+def ddtree_walk(table: DraftTable, ref: list[int], prompt_len: int, verify_block: int, budget: int,
                 max_blocks: int | None = None) -> list[int]:
     def accept(start, n):
-        table[start]
-        logp, idx = table.top[start]
-        return min(n, ddtree_depth(logp, idx, ref[start + 1:start + block_size], budget))
-    return greedy_walk(None, ref, prompt_len, block_size, max_blocks, accept)
+        return min(n, ddtree_depth(table.children(start), n, ref[start + 1:start + 1 + n], budget))
+    return greedy_walk(None, ref, prompt_len, verify_block, max_blocks, accept)
 
 
-def all_anchor_hits(table: DraftTable, ref: list[int], prompt_len: int, block_size: int) -> dict:
-    """Teacher-forced per-slot hits with every completion position an anchor."""
-    correct = [0] * (block_size - 1)
-    count = [0] * (block_size - 1)
+def all_anchor_hits(table: DraftTable, ref: list[int], prompt_len: int) -> dict:
+    """Teacher-forced per-draft hits with every completion position an anchor."""
+    n = table.drafter.config.num_drafts
+    correct, count = [0] * n, [0] * n
     table.compute(range(prompt_len, len(ref) - 1))
     for p in range(prompt_len, len(ref) - 1):
-        d = table[p]
-        for k in range(1, block_size):
-            if p + k < len(ref):
-                count[k - 1] += 1
-                correct[k - 1] += int(d[k - 1] == ref[p + k])
+        for k, token in enumerate(table[p]):
+            count[k] += 1
+            correct[k] += int(token == ref[p + 1 + k])
     return {"correct": correct, "count": count}
 
 
+def expected_acceptance(table: DraftTable, ref: list[int], prompt_len: int) -> dict:
+    """T > 0: Σ α_k and counts per draft slot, and Σ E[τ] over the completion's anchors (an estimate,
+    module docstring)."""
+    n = table.drafter.config.num_drafts
+    alpha_sum, count, tau_sum = [0.0] * n, [0] * n, 0.0
+    table.compute(range(prompt_len, len(ref) - 1))
+    for p in range(prompt_len, len(ref) - 1):
+        run, tau = 1.0, 1.0
+        for k, a in enumerate(table.alpha[p]):
+            alpha_sum[k] += a
+            count[k] += 1
+            run *= a
+            tau += run
+        tau_sum += tau
+    anchors = max(0, len(ref) - 1 - prompt_len)
+    return {"alpha_sum": alpha_sum, "count": count, "tau_sum": tau_sum, "anchors": anchors,
+            "expected_tau": tau_sum / anchors if anchors else None}
+
+
 def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[int], *, max_blocks=None,
-                     budgets=DEFAULT_BUDGETS, all_anchors: bool = False, chunk: int = 64) -> dict:
+                     budgets=DEFAULT_BUDGETS, all_anchors: bool = False, chunk: int = 64,
+                     sampling: Sampling | None = None) -> dict:
     """One target forward over prompt + reference, then the greedy walk, DDTree walks and
-    optionally the all-anchors hits. Returns the per-turn fields of a results row."""
+    optionally the all-anchors hits; at T > 0 the expected acceptance instead. Returns the
+    per-turn fields of a results row."""
     from remote.target import target_features
 
+    sampled = sampling is not None and not sampling.greedy
+    if sampled and budgets:
+        raise ValueError("DDTree budgets at T > 0: a sampled tree is verified by the target's own sampling "
+                         "at every node, which needs online decoding; offline at T > 0 reports the expected "
+                         "acceptance only")
     device = next(target.parameters()).device
     ref = list(prompt_ids) + list(output_ids)
     ids = torch.tensor(ref, dtype=torch.long, device=device)
-    _, target_hidden = target_features(target, ids[None, :-1] if len(ref) > 1 else ids[None],
-                                       drafter.config.target_layer_ids)
-    target_hidden = target_hidden.to(next(drafter.parameters()).dtype)
-    table = DraftTable(drafter, target_hidden, ids, target.get_input_embeddings(), target.get_output_embeddings(),
-                       topk=max(budgets) if budgets else 0, chunk=chunk)
-    B = drafter.block_size
-    out = {"acceptance_lengths": greedy_walk(table, ref, len(prompt_ids), B, max_blocks)}
-    if budgets:
-        out["ddtree"] = {str(n): {"acceptance_lengths": ddtree_walk(table, ref, len(prompt_ids), B, n, max_blocks)}
-                         for n in budgets}
+    out, target_hidden = target_features(target, ids[None, :-1] if len(ref) > 1 else ids[None],
+                                         drafter.config.target_layer_ids)
+    table = DraftTable(drafter, target_hidden.to(next(drafter.parameters()).dtype), ids,
+                       target.get_input_embeddings().weight, target.get_output_embeddings(),
+                       topk=max(budgets) if budgets else 0, chunk=chunk, sampling=sampling if sampled else None,
+                       target_logits=out.logits[0] if sampled else None)
+    P, verify_block = len(prompt_ids), drafter.config.verify_block
+    if sampled:
+        res = {"acceptance_lengths": [], "expected": expected_acceptance(table, ref, P)}
+    else:
+        res = {"acceptance_lengths": greedy_walk(table, ref, P, verify_block, max_blocks)}
+        if budgets:
+            res["ddtree"] = {str(n): {"acceptance_lengths": ddtree_walk(table, ref, P, verify_block, n, max_blocks)}
+                             for n in budgets}
     if all_anchors:
-        out["all_anchors"] = all_anchor_hits(table, ref, len(prompt_ids), B)
-    out["blocks_drafted"] = table.blocks_drafted
-    return out
+        res["all_anchors"] = all_anchor_hits(table, ref, P)
+    res["blocks_drafted"] = table.blocks_drafted
+    return res

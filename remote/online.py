@@ -1,15 +1,28 @@
-"""Online (real) greedy DFlash speculative decoding against a Hugging Face target, and the plain
-greedy baseline it must reproduce token for token.
+"""Online (real) DFlash speculative decoding against a Hugging Face target, greedy or sampled, and
+the plain decoding baseline it must reproduce.
 
-Batch size 1, greedy, ``torch.inference_mode``; device and dtype are the target's. Both functions
-time themselves (prefill included) with ``time.perf_counter`` after a CUDA synchronize.
+Batch size 1, ``torch.inference_mode``; device and dtype are the target's. Both functions time
+themselves (prefill included) with ``time.perf_counter`` after a CUDA synchronize.
+
+The cycle is z-lab's ``dflash_generate`` (``dflash/model.py``), step for step: ``start`` is the
+position of the last committed token, which the target has not processed yet; at the top of every
+cycle the target cache holds exactly positions ``< start`` and the drafter's context K/V the target
+features of the same positions. Each cycle verifies ``verify_size = min(verify_block, max_length -
+start)`` tokens (``verify_block = B``, or ``B + 1`` with speculators' sample_from_anchor) and drafts
+only the ``verify_size - 1`` tokens it verifies: the drafter's block is cut to match, as z-lab's
+last, shorter block is. The target verifies ``[token_at_start, drafts]`` in one forward; greedy
+accepts the longest prefix of drafts equal to the target's argmax and adds the target's next token
+(the bonus); sampling accepts by rejection sampling (:mod:`remote.sampling`). The cycle commits
+``produced = min(accepted + 1, max_length - start - 1)`` tokens, fewer at a stop token.
 
 Target cache (transformers 5.x ``DynamicCache``; the forward kwarg is ``cache=``, ``past_key_values``
 is a deprecated alias). Attention layers hold per-position K/V and are cropped
 (``layer.crop(-n)`` removes the last ``n`` positions). Gated DeltaNet ``linear_attention`` layers
 (Qwen3.5/3.6) hold one recurrent state and a short conv state *for the whole prefix*: a verify
-forward over ``B`` tokens leaves them at position ``start + B`` and there is no per-position
-history to crop back to (``is_croppable`` is False). The scheme used here:
+forward over ``n`` tokens leaves them at position ``start + n`` and there is no per-position
+history to crop back to (``is_croppable`` is False; transformers' ``crop`` with past recording,
+which z-lab's ``dflash_generate`` relies on, rolls back only the conv state, so the reference is
+not lossless on hybrid targets). The scheme used here:
 
 * before every verify, :func:`snapshot_linear_states` clones each linear layer's conv and
   recurrent state (small: independent of the sequence length);
@@ -29,19 +42,20 @@ from dataclasses import dataclass
 import torch
 
 from remote.drafter import block_input_ids
+from remote.sampling import GREEDY, Sampling, rejection_sample
 from remote.target import capture, features
 
 
 @dataclass
-class GreedyResult:
+class DecodeResult:
     output_ids: list[int]      # completion only (the stop token included when one was produced)
     wall_s: float
 
 
 @dataclass
 class SpecResult:
-    output_ids: list[int]          # completion only; equals the target's greedy completion
-    acceptance_lengths: list[int]  # tokens committed per cycle, bonus included (1..B)
+    output_ids: list[int]          # completion only; greedy: equals the target's greedy completion
+    acceptance_lengths: list[int]  # tokens committed per cycle, bonus included (1..verify_block)
     wall_s: float
     target_forwards: int           # prefill + verifies + hybrid rollback re-forwards
 
@@ -114,10 +128,11 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def target_greedy(target, prompt_ids: torch.Tensor, max_new_tokens: int,
-                  stop_token_ids: list[int] | None = None) -> GreedyResult:
-    """Plain greedy decoding: prefill, then one token per forward with a KV cache (lm_head on the
-    last position only). The losslessness reference and the speedup baseline."""
+def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: list[int] | None = None,
+                  sampling: Sampling = GREEDY) -> DecodeResult:
+    """Plain decoding (z-lab's ``dflash_generate`` with ``block_size=1``): prefill, then one token
+    per forward with a KV cache (lm_head on the last position only). Greedy, it is the
+    losslessness reference; either way, the speedup baseline."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     stop = set(stop_token_ids or ())
@@ -127,43 +142,32 @@ def target_greedy(target, prompt_ids: torch.Tensor, max_new_tokens: int,
     t0 = time.perf_counter()
     cache = new_cache(target)
     logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-    token = logits[:, -1].argmax(-1, keepdim=True)                     # [1, 1]
+    token = sampling.choose(logits[:, -1])[:, None]                      # [1, 1]
     output_ids = [int(token)]
     while len(output_ids) < max_new_tokens and output_ids[-1] not in stop:
         logits = target(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
+        token = sampling.choose(logits[:, -1])[:, None]
         output_ids.append(int(token))
     _sync(device)
-    return GreedyResult(output_ids=output_ids, wall_s=time.perf_counter() - t0)
+    return DecodeResult(output_ids=output_ids, wall_s=time.perf_counter() - t0)
 
 
 @torch.inference_mode()
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
-                         stop_token_ids: list[int] | None = None) -> SpecResult:
-    """Greedy DFlash speculative decoding (lossless: ``output_ids == target_greedy(...).output_ids``).
-
-    ``start`` is the position of the last committed token, which the target has not processed
-    yet; at the top of every cycle the target cache holds exactly positions ``< start`` and the
-    drafter context K/V holds the target features of the same positions. Each cycle drafts a full
-    block of ``B`` slots ``[token_at_start, MASK x (B-1)]`` anchored at ``start``, verifies
-    ``verify_size = min(B, max_length - start)`` of them in one target forward, accepts the longest
-    matching prefix and commits it plus the bonus token (``produced`` tokens, capped at
-    ``max_length`` and at a stop token). See the module docstring for the cache rollback.
-    """
+                         stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY) -> SpecResult:
+    """DFlash speculative decoding, cycle for cycle as z-lab's ``dflash_generate`` (module
+    docstring). Greedy output equals ``target_decode(...)``; sampled output is distributed as it."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     stop = set(stop_token_ids or ())
     device = _device(target)
     prompt_ids = prompt_ids.to(device)
     cfg = drafter.config
-    B, mask_id, layer_ids = drafter.block_size, cfg.mask_token_id, cfg.target_layer_ids
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter_dtype = next(drafter.parameters()).dtype
-    prompt_len = prompt_ids.shape[1]
-    max_length = prompt_len + max_new_tokens
-
-    def positions(lo: int, hi: int) -> torch.Tensor:
-        return torch.arange(lo, hi, device=device)[None]
+    layer_ids, mask_id = cfg.target_layer_ids, cfg.mask_token_id
+    embed_weight, head = target.get_input_embeddings().weight, target.get_output_embeddings()
+    dtype = next(drafter.parameters()).dtype
+    slot0 = 0 if cfg.sample_from_anchor else 1          # block slots before the first draft slot
+    max_length = prompt_ids.shape[1] + max_new_tokens
 
     with capture(target, layer_ids) as store:
         _sync(device)
@@ -171,58 +175,63 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         cache = new_cache(target)
         hybrid = has_linear_layers(cache)
 
-        # prefill: the prompt -> first token and the drafter's context for positions 0..P-1
+        # prefill: the prompt -> first token, and the drafter's context for positions 0..P-1
         logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
         target_forwards = 1
-        token = logits[:, -1].argmax(-1, keepdim=True)                   # [1, 1], at position `start`
-        ctx_kv = drafter.context_kv(features(store, layer_ids).to(drafter_dtype), positions(0, prompt_len))
+        token = sampling.choose(logits[:, -1])                           # [1], the token at `start`
+        new_context, ctx_kv = features(store, layer_ids), None
         output_ids = [int(token)]
         acceptance_lengths: list[int] = []
-        start = prompt_len
+        start = prompt_ids.shape[1]
+        stopped = output_ids[-1] in stop
 
-        while start + 1 < max_length and output_ids[-1] not in stop:
-            # draft: a full block anchored at `start`, context strictly before it
-            block = block_input_ids(token, B, mask_id)                   # [1, B]
-            hidden = drafter.draft(None, start, embed(block).to(drafter_dtype), ctx_kv=ctx_kv)
-            block[:, 1:] = lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).argmax(-1)
+        while start + 1 < max_length and not stopped:
+            # draft: the block anchored at `start`, cut to the tokens this cycle verifies
+            verify_size = min(cfg.verify_block, max_length - start)
+            block = block_input_ids(token, slot0 + verify_size - 1, mask_id)[None]   # [1, n]
+            hidden, ctx_kv = drafter.draft(drafter.embed(block, embed_weight).to(dtype), start,
+                                           new_context.to(dtype), ctx_kv)
+            proposal = drafter.propose(drafter.draft_slots(hidden), token, head, sampling)
+            drafts = proposal.tokens                                       # [1, verify_size - 1]
 
-            # verify: the real token at `start` and the drafts, positions start..start+verify_size-1
-            verify_size = min(B, max_length - start)
+            # verify: the token at `start` and the drafts, positions start..start+verify_size-1
             snapshot = snapshot_linear_states(cache) if hybrid else None
-            logits = target(input_ids=block[:, :verify_size], cache=cache, use_cache=True).logits
+            verify_ids = torch.cat([token[:, None], drafts], 1)
+            logits = target(input_ids=verify_ids, cache=cache, use_cache=True).logits
             target_forwards += 1
-            posterior = logits[0].argmax(-1)                             # [verify_size]
-            matches = block[0, 1:verify_size] == posterior[:verify_size - 1]
-            acceptance_length = int(matches.cumprod(0).sum())
+            if sampling.greedy:
+                posterior = logits[0].argmax(-1)                           # [verify_size]
+                accepted = int((drafts[0] == posterior[:-1]).cumprod(0).sum())
+                bonus = int(posterior[accepted])
+            else:
+                accepted, bonus = rejection_sample(drafts, sampling.probs(logits), proposal.probs,
+                                                   proposal.candidates)
 
             # commit the accepted drafts and the bonus token
-            produced = min(acceptance_length + 1, max_length - start - 1)
-            new_tokens = torch.cat([block[0, 1:acceptance_length + 1],
-                                    posterior[acceptance_length:acceptance_length + 1]])[:produced].tolist()
+            produced = min(accepted + 1, max_length - start - 1)
+            new_tokens = (drafts[0, :accepted].tolist() + [bonus])[:produced]
             stopped_at = next((i for i, t in enumerate(new_tokens) if t in stop), None)
             if stopped_at is not None:
-                produced = stopped_at + 1
+                produced, stopped = stopped_at + 1, True
                 new_tokens = new_tokens[:produced]
             output_ids += new_tokens
             acceptance_lengths.append(produced)
             # features of the kept positions start..start+produced-1, from this verify (causal: the
             # rejected drafts after them do not affect them; a re-forward would recompute the same)
-            new_feats = features(store, layer_ids)[:, :produced]
-            start_old, start = start, start + produced
-            token = posterior.new_tensor([[new_tokens[-1]]])
-            if start + 1 >= max_length or stopped_at is not None:
+            new_context = features(store, layer_ids)[:, :produced]
+            start += produced
+            token = verify_ids.new_tensor([new_tokens[-1]])
+            if start + 1 >= max_length or stopped:
                 break                                                    # nothing runs after this cycle
 
-            # cache: keep exactly positions < start (block[:produced] of this verify)
+            # cache: keep exactly positions < start (verify_ids[:, :produced] of this verify)
             if hybrid and produced < verify_size:
-                restore_linear_states(snapshot)                          # rewind to start_old ...
+                restore_linear_states(snapshot)                          # rewind to the cycle's start ...
                 crop_attention(cache, verify_size)
-                target(input_ids=block[:, :produced], cache=cache, use_cache=True, logits_to_keep=1)
+                target(input_ids=verify_ids[:, :produced], cache=cache, use_cache=True, logits_to_keep=1)
                 target_forwards += 1                                     # ... and re-forward the kept tokens
             else:
                 crop_attention(cache, verify_size - produced)
-            new_kv = drafter.context_kv(new_feats.to(drafter_dtype), positions(start_old, start))
-            ctx_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(ctx_kv, new_kv)]
 
         _sync(device)
         wall_s = time.perf_counter() - t0

@@ -22,16 +22,15 @@ def _turns(row: dict) -> list[tuple[list[int], list[int]]]:
 def parity(drafter, target, pairs: list[tuple[list[int], list[int]]], max_anchors: int | None = None) -> dict:
     import torch
 
-    from remote.drafter import block_input_ids
     from remote.offline import DraftTable
     from remote.target import target_features
 
     device = next(target.parameters()).device
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    B = drafter.block_size
+    n = drafter.config.num_drafts
     methods = ("training", "eval", "eval_ctx_plus_one")
-    hits = {m: [0] * (B - 1) for m in methods}
-    count = [0] * (B - 1)
+    hits = {m: [0] * n for m in methods}
+    count = [0] * n
     disagreements = 0            # draft tokens where the two paths differ (expected 0 in fp32)
     anchors_done = 0
     with torch.no_grad():
@@ -47,23 +46,18 @@ def parity(drafter, target, pairs: list[tuple[list[int], list[int]]], max_anchor
                 anchors = anchors[:max(0, max_anchors - anchors_done)]
             if not anchors:
                 break
-            table = DraftTable(drafter, th, ids, embed, head)
+            table = DraftTable(drafter, th, ids, embed.weight, head, cut_last_blocks=False)
             table.compute(anchors)
-            ctx_kv = drafter.context_kv(th, torch.arange(th.shape[1], device=device)[None])
             for p in anchors:
-                noise = embed(block_input_ids(ids[p:p + 1], B, drafter.config.mask_token_id))[None]
-                logits = head(drafter.draft(th, p, noise, ctx_kv=ctx_kv)[:, 1:])[0].float()
-                plus_one = _ctx_plus_one(drafter, th, p, noise, head)
-                per_anchor = logits.argmax(-1).tolist()
                 batched = table.tokens[p]
-                for k in range(1, B):
-                    if p + k >= len(ref):
-                        break
-                    truth = ref[p + k]
-                    count[k - 1] += 1
-                    hits["training"][k - 1] += int(batched[k - 1] == truth)
-                    hits["eval"][k - 1] += int(per_anchor[k - 1] == truth)
-                    hits["eval_ctx_plus_one"][k - 1] += int(plus_one[k - 1] == truth)
+                per_anchor = _draft_tokens(drafter, th, p, ids[p:p + 1], embed.weight, head)
+                plus_one = _draft_tokens(drafter, th, p, ids[p:p + 1], embed.weight, head, extra_context=True)
+                for k in range(min(n, len(ref) - 1 - p)):
+                    truth = ref[p + 1 + k]
+                    count[k] += 1
+                    hits["training"][k] += int(batched[k] == truth)
+                    hits["eval"][k] += int(per_anchor[k] == truth)
+                    hits["eval_ctx_plus_one"][k] += int(plus_one[k] == truth)
                 disagreements += sum(a != b for a, b in zip(batched, per_anchor))
             anchors_done += len(anchors)
     acc = {m: [h / c if c else 0.0 for h, c in zip(hits[m], count)] for m in methods}
@@ -73,18 +67,30 @@ def parity(drafter, target, pairs: list[tuple[list[int], list[int]]], max_anchor
         for a in acc[m]:
             run *= a
             cum[m].append(run)
-    return {"anchors": anchors_done, "block_size": B, "count": count, "accuracy": acc, "cumulative": cum,
-            "tau_estimate": {m: 1 + sum(cum[m]) for m in methods},
+    return {"anchors": anchors_done, "block_size": drafter.block_size, "count": count, "accuracy": acc,
+            "cumulative": cum, "tau_estimate": {m: 1 + sum(cum[m]) for m in methods},
             "draft_disagreements": disagreements, "agree": disagreements == 0}
 
 
-def _ctx_plus_one(drafter, th, p, noise, head) -> list[int]:
-    """The seed harness's context slice ``[:p+1]`` (one token too many), block positions as usual."""
+def _draft_tokens(drafter, th, p, anchor_token, embed_weight, head, extra_context: bool = False) -> list[int]:
+    """The per-anchor path's full-block drafts at ``p``: context ``[:p]``, or with
+    ``extra_context`` the seed harness's ``[:p+1]`` (one token too many, every key visible), block
+    positions as usual."""
     import torch
-    ctx_len = min(p + 1, th.shape[1])
-    kv = drafter.context_kv(th[:, :ctx_len], torch.arange(ctx_len, device=th.device)[None])
-    block_pos = torch.arange(p, p + drafter.block_size, device=th.device)[None]
-    return head(drafter(noise, block_pos, kv)[:, 1:])[0].argmax(-1).tolist()
+
+    from remote.drafter import block_input_ids
+
+    B = drafter.block_size
+    noise = drafter.embed(block_input_ids(anchor_token, B, drafter.config.mask_token_id)[None], embed_weight)
+    noise = noise.to(th.dtype)
+    if extra_context:
+        positions = torch.arange(p + B, device=th.device)[None]
+        cos, sin = drafter.rope(positions, th.dtype)
+        kv = drafter.context_kv(th[:, :p + 1], (cos[:, :p + 1], sin[:, :p + 1]))
+        hidden = drafter(noise, (cos[:, p:], sin[:, p:]), kv, [None] * len(drafter.layers))
+    else:
+        hidden, _ = drafter.draft(noise, p, th[:, :p])
+    return drafter.propose(drafter.draft_slots(hidden), anchor_token, head).tokens[0].tolist()
 
 
 def main(argv=None) -> int:

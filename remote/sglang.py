@@ -1,7 +1,8 @@
-"""A small client for SGLang's native HTTP API (stdlib urllib only): greedy reference completions.
+"""A small client for SGLang's native HTTP API (stdlib urllib only): reference completions.
 
-``SGLangClient(url).generate(input_ids, max_new_tokens, stop_token_ids)`` posts to ``/generate`` with
-``temperature: 0`` and returns the completion's token ids. Credentials in the URL (``user:pass@``) are
+``SGLangClient(url).generate(input_ids, max_new_tokens, stop_token_ids, sampling)`` posts to
+``/generate`` with ``temperature: 0`` (or the sampling settings) and returns the completion's token
+ids. Credentials in the URL (``user:pass@``) are
 sent as HTTP basic auth and an ``api_key`` as a bearer token; neither ever appears in a message.
 Proxies from the environment are not used: the server is on this host or behind an SSH tunnel.
 """
@@ -134,10 +135,15 @@ class SGLangClient:
             raise SGLangError(f"SGLang at {self.display}: model info is not a JSON object: {info!r:.200}")
         return info
 
-    def generate_raw(self, input_ids: list[int], max_new_tokens: int,
-                     stop_token_ids: list[int] | None = None) -> dict:
-        """The whole ``/generate`` answer for one greedy completion (``output_ids``, ``meta_info``, ...)."""
+    def generate_raw(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None,
+                     sampling=None) -> dict:
+        """The whole ``/generate`` answer for one completion (``output_ids``, ``meta_info``, ...):
+        greedy (``temperature: 0``), or sampled with ``sampling``'s temperature / top_p / top_k."""
         params = {"temperature": 0, "max_new_tokens": int(max_new_tokens)}
+        if sampling is not None and not sampling.greedy:
+            params.update(temperature=sampling.temperature, top_p=sampling.top_p)
+            if sampling.top_k > 0:
+                params["top_k"] = sampling.top_k
         if stop_token_ids is not None:
             params["stop_token_ids"] = [int(i) for i in stop_token_ids]
         out = self._request("POST", "/generate", {"input_ids": [int(i) for i in input_ids],
@@ -150,9 +156,10 @@ class SGLangClient:
                               f"this client needs an SGLang version that returns token ids")
         return out
 
-    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None) -> list[int]:
-        """The greedy (``temperature: 0``) completion's token ids."""
-        return [int(i) for i in self.generate_raw(input_ids, max_new_tokens, stop_token_ids)["output_ids"]]
+    def generate(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None = None,
+                 sampling=None) -> list[int]:
+        """The completion's token ids (greedy unless ``sampling`` says otherwise)."""
+        return [int(i) for i in self.generate_raw(input_ids, max_new_tokens, stop_token_ids, sampling)["output_ids"]]
 
 
 def _describe(e) -> str:

@@ -38,9 +38,9 @@ def block_logits(drafter: DFlashDrafter, batch: Batch, anchors: torch.Tensor, em
     """Logits of slots 1..B-1 for every anchor: ``[n, B-1, V]``."""
     B, mask_id = drafter.block_size, drafter.config.mask_token_id
     blocks = block_input_ids(batch.input_ids[0, anchors], B, mask_id)[None]      # [1, n*B]
-    hidden = drafter.forward_anchors(batch.target_hidden, embed(blocks), anchors[None])
+    hidden = drafter.forward_anchors(batch.target_hidden, drafter.embed(blocks, embed.weight), anchors[None])
     hidden = hidden.view(anchors.numel(), B, -1)[:, 1:]
-    return lm_head(hidden)
+    return drafter.logits(hidden, lm_head)
 
 
 def block_labels(batch: Batch, anchors: torch.Tensor, block_size: int):

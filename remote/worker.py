@@ -1,11 +1,16 @@
 """The eval worker: ``python -m remote.worker --target DIR --drafter DIR [options]``.
 
 Runs on the eval host (or by hand on any GPU box). Loads the target and the drafter, gets a
-reference completion per prompt (SGLang's greedy output when ``--sglang`` is given, otherwise
-local greedy decoding with the loaded target), evaluates the drafter (``offline`` walk or real
-``online`` speculative decoding) and writes ``results.jsonl`` (one line per prompt, flushed as it
-finishes), ``summary.json`` and ``env.json`` into ``--out`` (format: docs/run-format.md).
-Progress: one JSON event per line on stdout; human-readable logs on stderr.
+reference completion per prompt (SGLang's output when ``--sglang`` is given, otherwise local
+decoding with the loaded target; greedy, or sampled with ``--temperature``), evaluates the drafter
+(``offline`` walk or real ``online`` speculative decoding) and writes ``results.jsonl`` (one line
+per prompt, flushed as it finishes), ``summary.json`` and ``env.json`` into ``--out`` (format:
+docs/run-format.md). Progress: one JSON event per line on stdout; human-readable logs on stderr.
+
+Defaults follow z-lab's benchmark: thinking off (``--thinking on`` to enable), stop tokens
+``generation_config.eos_token_id`` (else the tokenizer's eos), greedy unless ``--temperature``.
+Sampled runs seed torch's generator per prompt from ``--seed`` and the prompt id, so a resumed or
+sharded run draws the same numbers for the same prompt.
 
 Exit status: 0 done, 1 a check failed (drafter/target mismatch, bad prompts, SGLang down),
 2 bad usage (missing folders, ...), 3 an unexpected error during the run (finished prompts kept).
@@ -22,7 +27,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from remote.offline import DEFAULT_BUDGETS
+from remote.offline import DEFAULT_BUDGETS, MAX_BUDGET
 
 
 class WorkerError(Exception):
@@ -60,15 +65,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--sglang", default=None, help="SGLang URL for reference completions (as seen from this host)")
     p.add_argument("--resume", action="store_true", help="keep finished prompts in --out and do the rest")
-    p.add_argument("--ddtree-budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
-                   help="offline DDTree node budgets, comma-separated ('' to skip)")
+    p.add_argument("--ddtree-budgets", default=None,
+                   help=f"offline DDTree node budgets, comma-separated, each 1..{MAX_BUDGET} ('' to skip; default "
+                        f"{','.join(map(str, DEFAULT_BUDGETS))} when greedy, none at T > 0)")
     p.add_argument("--all-anchors", action="store_true", help="offline: also every completion position as an anchor")
-    p.add_argument("--thinking", choices=("default", "on", "off"), default="default",
-                   help="chat template enable_thinking (default: the template's default)")
+    p.add_argument("--thinking", choices=("off", "on", "default"), default="off",
+                   help="chat template enable_thinking: off (default, as z-lab's published runs), on, or the "
+                        "template's own default")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--block-size", type=int, default=None, help="refuse to run unless the drafter uses this block size")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="evaluate only prompts K, K+N, K+2N, ... of the selected ones (0-based; sharding over hosts)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it and the prompt id)")
     p.add_argument("--host-label", default=None, help="host name recorded in env.json")
     args = p.parse_args(argv)
     if args.prompts is not None and args.prompts < 1:
@@ -83,11 +93,31 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (ValueError, AssertionError):
             p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
         args.shard_index, args.shard_count = k, n
+    from remote.sampling import Sampling
     try:
-        args.budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
-    except ValueError:
-        p.error(f"--ddtree-budgets: not a comma-separated list of integers: {args.ddtree_budgets!r}")
+        args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    except ValueError as e:
+        p.error(str(e))
+    if args.ddtree_budgets is None:
+        args.budgets = [] if not args.sampling.greedy else list(DEFAULT_BUDGETS)
+    else:
+        try:
+            args.budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
+        except ValueError:
+            p.error(f"--ddtree-budgets: not a comma-separated list of integers: {args.ddtree_budgets!r}")
+        if any(not 1 <= b <= MAX_BUDGET for b in args.budgets):
+            p.error(f"--ddtree-budgets: each budget must be 1..{MAX_BUDGET}, got {args.ddtree_budgets!r}")
+        if args.budgets and not args.sampling.greedy and args.mode == "offline":
+            p.error("--ddtree-budgets at T > 0: a sampled DDTree is verified by the target's own sampling at every "
+                    "node, which needs online decoding; offline at T > 0 reports the expected acceptance only "
+                    "(pass --ddtree-budgets '')")
     return args
+
+
+def prompt_seed(seed: int, row_id: str) -> int:
+    """The torch seed of one prompt: the run's ``--seed`` and the prompt id."""
+    import hashlib
+    return int.from_bytes(hashlib.sha256(f"{seed}:{row_id}".encode()).digest()[:8], "big") & (2**63 - 1)
 
 
 # ----------------------------------------------------------------------------- output folder
@@ -141,21 +171,19 @@ def versions() -> dict:
 
 # ----------------------------------------------------------------------------- the run
 
+STOP_RULE = "generation_config.eos_token_id, else the tokenizer's eos_token_id (z-lab benchmark.py)"
+
+
 def stop_ids(tokenizer, target) -> list[int]:
-    ids = set()
-    eos = getattr(target.generation_config, "eos_token_id", None) or getattr(target.config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer is not None:
-        if tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        im_end = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else None
-        if im_end is not None:
-            ids.add(im_end)
-    return sorted(i for i in ids if i is not None)
+    """Stop tokens as z-lab's benchmark sets them (:data:`STOP_RULE`)."""
+    eos = getattr(target.generation_config, "eos_token_id", None) or (tokenizer.eos_token_id if tokenizer else None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
 def preflight(args) -> None:
-    from remote.inspect_cli import inspect
+    from remote.inspect import inspect
 
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
         if not Path(value).expanduser().is_dir():
@@ -197,7 +225,6 @@ def run(args) -> dict:
     import torch
     from remote.target import gdn_kernel_path, load_target
     from remote.checkpoint import load_drafter
-    torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", 2)
@@ -225,10 +252,12 @@ def run(args) -> dict:
            "suite": {"name": suite.name, "sha256": suite.sha256, "prompts": len(suite.rows),
                      "shard": args.shard, "ids": [r.id for r in rows_to_do]},
            "settings": {"mode": args.mode, "max_new_tokens": args.max_new_tokens, "max_blocks": args.max_blocks,
-                        "block_size": drafter.block_size, "enable_thinking": {"default": None, "on": True, "off": False}[args.thinking],
+                        "block_size": drafter.block_size, "verify_block": drafter.config.verify_block,
+                        "enable_thinking": THINKING[args.thinking], **args.sampling.describe(), "seed": args.seed,
+                        "sampling_seed": "per prompt: sha256('<seed>:<prompt id>'), first 8 bytes",
                         "ddtree_budgets": args.budgets if args.mode == "offline" else [],
                         "all_anchors": args.all_anchors, "reference": "sglang" if client else "local",
-                        "sglang_url": args.sglang, "stop_token_ids": stops},
+                        "sglang_url": args.sglang, "stop_token_ids": stops, "stop_rule": STOP_RULE},
            "seed": args.seed, "command": [sys.executable, "-m", "remote.worker", *sys.argv[1:]],
            "started_at": now(), "finished_at": None}
     (out / "env.json").write_text(json.dumps(env, indent=2))
@@ -245,15 +274,19 @@ def run(args) -> dict:
             results.flush()
             os.fsync(results.fileno())
             rows.append(result)
-            tau_running = sum(sum(r["acceptance_lengths"]) for r in rows) / max(1, sum(len(r["acceptance_lengths"]) for r in rows))
+            cycles = sum(len(r["acceptance_lengths"]) for r in rows)
+            tau_running = sum(sum(r["acceptance_lengths"]) for r in rows) / cycles if cycles else None
+            extra = {"expected_tau": result["expected"]["expected_tau"]} if "expected" in result else {}
             emit("prompt", id=row.id, index=index, done=len(rows), prompts=len(rows_to_do), cycles=result["cycles"],
-                 tau=result["tau"], tau_running=tau_running)
-            log(f"{row.id}: {result['cycles']} cycles, tau {result['tau']:.2f} ({time.perf_counter() - t0:.1f}s)")
+                 tau=result["tau"], tau_running=tau_running, **extra)
+            shown = result["tau"] if "expected" not in result else result["expected"]["expected_tau"]
+            log(f"{row.id}: {result['cycles']} cycles, {'expected ' if extra else ''}tau "
+                f"{'n/a' if shown is None else f'{shown:.2f}'} ({time.perf_counter() - t0:.1f}s)")
 
     from remote.metrics import summarize
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
-    summary = summarize(rows, drafter.block_size, args.mode)
+    summary = summarize(rows, drafter.block_size, args.mode, max_length=drafter.config.verify_block)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     env["finished_at"] = now()
     (out / "env.json").write_text(json.dumps(env, indent=2))
@@ -261,35 +294,41 @@ def run(args) -> dict:
     return summary
 
 
+THINKING = {"default": None, "on": True, "off": False}
+
+
 def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns) -> dict:
     """All turns of one prompt row -> one results row (docs/run-format.md)."""
     import torch
     from remote.metrics import row_stats
     from remote.offline import evaluate_offline
-    from remote.online import speculative_generate, target_greedy
+    from remote.online import speculative_generate, target_decode
 
     device = next(target.parameters()).device
-    thinking = {"default": None, "on": True, "off": False}[args.thinking]
+    sampling = args.sampling
     turn_stats: list[dict] = []
+    if not sampling.greedy:
+        torch.manual_seed(prompt_seed(args.seed, row.id))
 
     def complete(prompt_ids: list[int]) -> list[int]:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        if args.mode == "online":
-            spec = speculative_generate(target, drafter, ids, args.max_new_tokens, stops)
-            base = target_greedy(target, ids, args.max_new_tokens, stops)
+        if args.mode == "online":   # the baseline first, as z-lab's benchmark runs them
+            base = target_decode(target, ids, args.max_new_tokens, stops, sampling)
+            spec = speculative_generate(target, drafter, ids, args.max_new_tokens, stops, sampling)
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
-                               "target_wall_s": base.wall_s, "lossless": spec.output_ids == base.output_ids})
+                               "target_wall_s": base.wall_s,
+                               "lossless": spec.output_ids == base.output_ids if sampling.greedy else None})
             return spec.output_ids
         if client is not None:
-            return client.generate(prompt_ids, args.max_new_tokens, stops)
-        return target_greedy(target, ids, args.max_new_tokens, stops).output_ids
+            return client.generate(prompt_ids, args.max_new_tokens, stops, sampling)
+        return target_decode(target, ids, args.max_new_tokens, stops, sampling).output_ids
 
-    turns = reference_turns(row, tokenizer, complete, thinking)
+    turns = reference_turns(row, tokenizer, complete, THINKING[args.thinking])
     if args.mode == "offline":
         for turn in turns:
             turn_stats.append(evaluate_offline(drafter, target, turn.prompt_ids, turn.output_ids,
                                                max_blocks=args.max_blocks, budgets=args.budgets,
-                                               all_anchors=args.all_anchors))
+                                               all_anchors=args.all_anchors, sampling=sampling))
     acceptance = [n for s in turn_stats for n in s["acceptance_lengths"]]
     result = {"id": row.id, "category": row.category, "reference": "sglang" if client else "local",
               "prompt_ids": list(turns[-1].prompt_ids), "output_ids": list(turns[-1].output_ids),
@@ -306,11 +345,22 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
         if args.all_anchors:
             result["all_anchors"] = {k: [sum(v) for v in zip(*(s["all_anchors"][k] for s in turn_stats))]
                                      for k in ("correct", "count")}
+        if not sampling.greedy:
+            result["expected"] = merge_expected([s["expected"] for s in turn_stats])
     else:
         result["wall_s"] = sum(s["wall_s"] for s in turn_stats)
         result["target_wall_s"] = sum(s["target_wall_s"] for s in turn_stats)
-        result["lossless"] = all(s["lossless"] for s in turn_stats)
+        result["lossless"] = all(s["lossless"] for s in turn_stats) if sampling.greedy else None
     return result
+
+
+def merge_expected(parts: list[dict]) -> dict:
+    """The expected-acceptance sums of several turns as one row's."""
+    merged = {"alpha_sum": [sum(v) for v in zip(*(p["alpha_sum"] for p in parts))],
+              "count": [sum(v) for v in zip(*(p["count"] for p in parts))],
+              "tau_sum": sum(p["tau_sum"] for p in parts), "anchors": sum(p["anchors"] for p in parts)}
+    merged["expected_tau"] = merged["tau_sum"] / merged["anchors"] if merged["anchors"] else None
+    return merged
 
 
 def main(argv=None) -> int:

@@ -46,3 +46,16 @@ def walk_batches(kind: str = "qwen3", n: int = 72):
 
 def random_drafter(target, **kw):
     return tiny_drafter(tiny_drafter_config(target, **kw))
+
+
+@lru_cache(maxsize=None)
+def trained_drafter(kind: str = "qwen3", steps: int = 300):
+    """A drafter trained with the reference training step on ``walk_target(kind)``'s greedy walks
+    (real acceptance: partial and full accepts)."""
+    from remote.train import train
+
+    target = walk_target(kind)
+    cfg, batches = walk_batches(kind)
+    drafter = tiny_drafter(cfg, seed=0)
+    train(drafter, batches, target.get_input_embeddings(), target.get_output_embeddings(), steps=steps, lr=1e-2)
+    return freeze(drafter)

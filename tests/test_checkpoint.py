@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from remote.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
 from remote.compat import IncompatibleError, check_compatible, read_target_config
 from remote.drafter import SLIDING, block_input_ids
-from remote.inspect_cli import inspect
+from remote.inspect import inspect
 from remote.tiny import tiny_drafter, tiny_drafter_config
 from tests.models import random_target
 
@@ -49,7 +49,6 @@ def outputs(model, target):
 
 @pytest.mark.parametrize("fmt,prefix,file_name", [
     ("zlab", "", None),
-    ("speculators", "", None),
     ("state_dict", "module.", "drafter.pt"),
     ("state_dict", "model.", "step_200.safetensors"),
     ("state_dict", "_orig_mod.module.", "ckpt.bin"),
@@ -60,13 +59,6 @@ def test_round_trip_identical_outputs(tmp_path, drafter, target, fmt, prefix, fi
     assert ckpt.format == fmt
     assert ckpt.config == drafter.config
     torch.testing.assert_close(outputs(loaded, target), outputs(drafter, target), atol=0, rtol=0)
-
-
-def test_speculators_layer_ids_are_shifted_by_one(tmp_path, drafter):
-    save_drafter(drafter, tmp_path, fmt="speculators")
-    raw = json.loads((tmp_path / "config.json").read_text())
-    assert raw["aux_hidden_state_layer_ids"] == [i + 1 for i in drafter.config.target_layer_ids]
-    assert open_checkpoint(tmp_path).config.target_layer_ids == drafter.config.target_layer_ids
 
 
 def test_zlab_block_size_inside_dflash_config(tmp_path, drafter):
@@ -180,13 +172,16 @@ def test_incomplete_transfer_and_missing_folder(tmp_path, drafter):
 
 
 def test_inspect_cli(tmp_path, drafter, target_dir):
-    save_drafter(drafter, tmp_path / "d", fmt="speculators")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "remote.drafter", "inspect", *a],  # noqa: E731
+    save_drafter(drafter, tmp_path / "d")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "remote.inspect", *a],  # noqa: E731
                                     cwd=REPO, capture_output=True, text=True, timeout=120)
     ok = run(str(tmp_path / "d"), "--target", str(target_dir))
     assert ok.returncode == 0, ok.stderr
-    assert "format    speculators" in ok.stdout and "verdict   compatible" in ok.stdout
+    assert "format    zlab" in ok.stdout and "verdict   compatible" in ok.stdout
     assert f"{drafter.config.target_layer_ids}" in ok.stdout and SLIDING in ok.stdout
+    assert "variant   dflash   mask rule zlab   drafts per block 7" in ok.stdout
+    assert "layer 0   sliding_attention: causal, window 6 from the query" in ok.stdout
+    assert "layer 1   full_attention: bidirectional" in ok.stdout
     bad = run(str(tmp_path / "d"), "--target", str(target_dir), "--block-size", "16", "--json")
     assert bad.returncode == 1
     report = json.loads(bad.stdout)

@@ -92,11 +92,13 @@ def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
     assert record["shards"][0]["drafter_path"].endswith("/checkpoints/v9/step_100")
     env = json.loads((run_dir / "env.json").read_text())
     assert env["host"] == "eval"
-    # the same worker by hand, here, on the same files
+    # the same worker by hand, here, on the same files, with the settings eval passed
     by_hand = tmp_path / "by_hand"
+    thinking = {None: "default", True: "on", False: "off"}[env["settings"]["enable_thinking"]]
     subprocess.run([sys.executable, "-m", "remote.worker", "--target", str(setup["pair"] / "target"),
                     "--drafter", record["shards"][0]["drafter_path"], "--prompts", "3", "--max-new-tokens", "64",
-                    "--device", "cpu", "--out", str(by_hand)], cwd=REPO, check=True, capture_output=True, timeout=600)
+                    "--device", "cpu", "--out", str(by_hand), "--thinking", thinking],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
     keys = ("id", "prompt_ids", "output_ids", "acceptance_lengths", "ddtree")
     assert [{k: r[k] for k in keys} for r in results(run_dir)] == [{k: r[k] for k in keys} for r in results(by_hand)]
     # the worker code is content-addressed: a second eval ships nothing new

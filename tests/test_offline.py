@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from remote.metrics import per_position_acceptance, summarize, tau_summary
-from remote.offline import DraftTable, ddtree_depth, evaluate_offline, greedy_walk
+from remote.offline import DraftTable, ddtree_depth, evaluate_offline, greedy_walk, slot_children
 from remote.target import target_features
 from remote.tiny import tiny_drafter
 from remote.train import train
@@ -34,11 +34,24 @@ def test_walk_rule_on_hand_made_drafts():
 def test_ddtree_best_first_tree():
     logp = torch.log(torch.tensor([[0.9, 0.05], [0.9, 0.05], [0.9, 0.05]]))
     idx = torch.tensor([[10, 11], [20, 21], [30, 31]])
-    assert ddtree_depth(logp, idx, [10, 20, 30], budget=3) == 3        # the top-1 chain
-    assert ddtree_depth(logp, idx, [11, 20, 30], budget=3) == 0        # rank-1 root child not grown yet
-    assert ddtree_depth(logp, idx, [11, 20, 30], budget=4) == 1        # 4th node: sibling 11 (score log .05)
-    assert ddtree_depth(logp, idx, [10, 21, 30], budget=4) == 1
-    assert ddtree_depth(logp, idx, [10, 21, 30], budget=5) == 2
+    kids = slot_children(logp, idx)
+    assert ddtree_depth(kids, 3, [10, 20, 30], budget=3) == 3        # the top-1 chain
+    assert ddtree_depth(kids, 3, [11, 20, 30], budget=3) == 0        # rank-1 root child not grown yet
+    assert ddtree_depth(kids, 3, [11, 20, 30], budget=4) == 1        # 4th node: sibling 11 (score log .05)
+    assert ddtree_depth(kids, 3, [10, 21, 30], budget=4) == 1
+    assert ddtree_depth(kids, 3, [10, 21, 30], budget=5) == 2
+    assert ddtree_depth(kids, 2, [10, 20, 30], budget=5) == 2        # a cut last block: depth <= its drafts
+
+
+def test_ddtree_children_may_depend_on_the_path():
+    """DFlash2's tree: a node's children follow from its own token (here: the child ids are the
+    parent's id + 1 or + 2, with the first more likely), so the tree grows a chain per token."""
+    def kids(prefix):
+        last = prefix[-1] if prefix else 0
+        return [-0.1, -2.5], [last + 1, last + 2]
+    assert ddtree_depth(kids, 3, [1, 2, 3], budget=3) == 3
+    assert ddtree_depth(kids, 3, [2, 3, 4], budget=3) == 0
+    assert ddtree_depth(kids, 3, [2, 3, 4], budget=6) == 2       # 2 (-2.5), then 2-3 (-2.6)
 
 
 @torch.no_grad()
@@ -48,11 +61,12 @@ def test_batched_drafts_equal_per_anchor_drafts_along_a_reference(trained):
     ids = seq[0]
     _, th = target_features(target, seq[:, :-1], drafter.config.target_layer_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    table = DraftTable(drafter, th, ids, embed, head, chunk=7)
+    table = DraftTable(drafter, th, ids, embed.weight, head, chunk=7)
     from remote.drafter import block_input_ids
     for p in range(6, ids.numel() - 1):
-        noise = embed(block_input_ids(ids[p:p + 1], drafter.block_size, drafter.config.mask_token_id))[None]
-        single = head(drafter.draft(th, p, noise)[:, 1:]).argmax(-1)[0].tolist()
+        n = min(drafter.block_size, ids.numel() - p)      # the last blocks are cut to what is verified
+        noise = embed(block_input_ids(ids[p:p + 1], n, drafter.config.mask_token_id))[None]
+        single = head(drafter.draft(noise, p, th[:, :p])[0][:, 1:]).argmax(-1)[0].tolist()
         assert table[p] == single, p
 
 

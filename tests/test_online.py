@@ -7,10 +7,9 @@ import torch
 
 from remote import online
 from remote.online import (crop_attention, new_cache, restore_linear_states, snapshot_linear_states,
-                           speculative_generate, target_greedy)
-from remote.tiny import tiny_drafter, tiny_target, walk_batch
-from remote.train import train
-from tests.models import PROMPT_LEN, freeze, random_drafter, walk_batches, walk_target
+                           speculative_generate, target_decode)
+from remote.tiny import tiny_target, walk_batch
+from tests.models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
 
 KINDS = ["qwen3", "qwen3_5"]
 NEW = 48
@@ -38,11 +37,7 @@ def random_prompts(target, n: int, seed: int = 3) -> list[torch.Tensor]:
 @pytest.fixture(scope="module", params=KINDS)
 def trained(request):
     """(walk target, drafter trained on its greedy walks) per target kind, built once."""
-    target = walk_target(request.param)
-    cfg, batches = walk_batches(request.param)
-    drafter = tiny_drafter(cfg, seed=0)
-    train(drafter, batches, target.get_input_embeddings(), target.get_output_embeddings(), steps=300, lr=1e-2)
-    return request.param, target, drafter
+    return request.param, walk_target(request.param), trained_drafter(request.param)
 
 
 def check_counts(res, max_new_tokens, block_size):
@@ -64,14 +59,14 @@ def rollback_cycles(lengths, max_new_tokens, block_size):
 # ----------------------------------------------------------------------------- baseline
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_target_greedy_matches_hf_generate(kind):
+def test_target_decode_matches_hf_generate(kind):
     target = strong_target(kind)
     prompt = random_prompts(target, 1)[0]
     ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
                           pad_token_id=0)[0, PROMPT_LEN:].tolist()
-    assert target_greedy(target, prompt, 20).output_ids == ref
+    assert target_decode(target, prompt, 20).output_ids == ref
     stop = ref[7]
-    assert target_greedy(target, prompt, 20, [stop]).output_ids == ref[:ref.index(stop) + 1]
+    assert target_decode(target, prompt, 20, [stop]).output_ids == ref[:ref.index(stop) + 1]
 
 
 # ----------------------------------------------------------------------------- lossless
@@ -81,7 +76,7 @@ def test_lossless_with_random_drafter(kind):
     target = strong_target(kind)
     drafter = random_drafter(target)
     for prompt in random_prompts(target, 3):
-        greedy = target_greedy(target, prompt, NEW)
+        greedy = target_decode(target, prompt, NEW)
         spec = speculative_generate(target, drafter, prompt, NEW)
         assert spec.output_ids == greedy.output_ids
         assert len(spec.output_ids) == NEW and len(set(greedy.output_ids)) > 10
@@ -95,7 +90,7 @@ def test_lossless_with_trained_drafter_and_partial_accepts(trained):
     B = drafter.block_size
     all_lengths = []
     for prompt in walk_prompts(target, 4):
-        greedy = target_greedy(target, prompt, NEW)
+        greedy = target_decode(target, prompt, NEW)
         spec = speculative_generate(target, drafter, prompt, NEW)
         assert spec.output_ids == greedy.output_ids
         check_counts(spec, NEW, B)
@@ -112,10 +107,10 @@ def test_lossless_with_trained_drafter_and_partial_accepts(trained):
 def test_stop_token_mid_output(trained):
     _, target, drafter = trained
     for prompt in walk_prompts(target, 2, seed=21):
-        full = target_greedy(target, prompt, NEW).output_ids
+        full = target_decode(target, prompt, NEW).output_ids
         for stop in (full[17], full[0]):              # mid-output, and the very first token
             expected = full[:full.index(stop) + 1]
-            assert target_greedy(target, prompt, NEW, [stop]).output_ids == expected
+            assert target_decode(target, prompt, NEW, [stop]).output_ids == expected
             spec = speculative_generate(target, drafter, prompt, NEW, [stop, 10**9])
             assert spec.output_ids == expected
             assert len(spec.output_ids) == 1 + sum(spec.acceptance_lengths)
@@ -126,7 +121,7 @@ def test_budget_smaller_than_block(trained):
     _, target, drafter = trained
     B = drafter.block_size
     prompt = walk_prompts(target, 1, seed=5)[0]
-    full = target_greedy(target, prompt, 2 * B).output_ids
+    full = target_decode(target, prompt, 2 * B).output_ids
     for n in (1, 2, B - 1, B, B + 1, 2 * B):
         spec = speculative_generate(target, drafter, prompt, n)
         assert spec.output_ids == full[:n], n
@@ -199,7 +194,7 @@ def test_naive_cropping_breaks_losslessness_on_hybrid(monkeypatch):
     target = strong_target("qwen3_5")
     drafter = random_drafter(target)
     prompts = random_prompts(target, 2)
-    greedy = [target_greedy(target, p, 24).output_ids for p in prompts]
+    greedy = [target_decode(target, p, 24).output_ids for p in prompts]
     assert [speculative_generate(target, drafter, p, 24).output_ids for p in prompts] == greedy
     monkeypatch.setattr(online, "has_linear_layers", lambda cache: False)
     naive = [speculative_generate(target, drafter, p, 24).output_ids for p in prompts]

@@ -106,8 +106,11 @@ def test_multi_turn_rows_are_answered_turn_by_turn(embedded_pair, tmp_path):
     suite = tmp_path / "two.jsonl"
     suite.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["Say hello.", "Now again."]}) + "\n"
                      + json.dumps({"id": "ids", "input_ids": [1, 2, 3, 4, 5]}) + "\n")
+    # (thinking: the template's default; with thinking off a Qwen3-style template drops the earlier
+    # turns' empty think blocks from the history, so a turn's prompt is not a prefix of the next)
     worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--suite", suite,
-           "--out", tmp_path / "o", "--device", "cpu", "--max-new-tokens", 24, "--ddtree-budgets", "8")
+           "--out", tmp_path / "o", "--device", "cpu", "--max-new-tokens", 24, "--ddtree-budgets", "8",
+           "--thinking", "default")
     multi, raw = rows(tmp_path / "o")
     assert multi["id"] == "7" and multi["category"] == "writing" and len(multi["turns"]) == 2
     t1, t2 = multi["turns"]
@@ -115,6 +118,11 @@ def test_multi_turn_rows_are_answered_turn_by_turn(embedded_pair, tmp_path):
     assert len(t2["prompt_ids"]) > len(t1["prompt_ids"]) + len(t1["output_ids"]) - 2   # ... with the answer
     assert multi["acceptance_lengths"] == t1["acceptance_lengths"] + t2["acceptance_lengths"]
     assert raw["prompt_ids"] == [1, 2, 3, 4, 5] and "turns" not in raw
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    per_turn = [sum(t["acceptance_lengths"]) / len(t["acceptance_lengths"]) for t in multi["turns"]]
+    per_turn.append(raw["tau"])
+    assert summary["responses"] == 3                                          # z-lab / DDTree: one per turn
+    assert summary["tau_macro_turns"] == pytest.approx(sum(per_turn) / 3)
 
 
 def test_sglang_reference_path(embedded_pair, tmp_path):
@@ -166,3 +174,69 @@ def test_clear_errors_before_heavy_work(case, embedded_pair, tmp_path):
     assert proc.returncode == code, proc.stderr[-2000:]
     assert want in proc.stderr
     assert not (tmp_path / "o" / "results.jsonl").exists()
+
+
+def test_one_token_completions_do_not_crash(embedded_pair, tmp_path):
+    """A completion of one token (here --max-new-tokens 1; EOS first takes the same path) has no
+    cycle: tau is None in the row, the progress event and the log line, in both modes."""
+    for mode in ("offline", "online"):
+        proc = worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
+                      "--out", tmp_path / mode, "--device", "cpu", "--max-new-tokens", 1, "--mode", mode)
+        results = rows(tmp_path / mode)
+        assert [len(r["output_ids"]) for r in results] == [1, 1]
+        assert all(r["cycles"] == 0 and r["tau"] is None for r in results)
+        prompt_events = [e for e in events(proc) if e["event"] == "prompt"]
+        assert [e["tau"] for e in prompt_events] == [None, None] and prompt_events[-1]["tau_running"] is None
+        assert "tau n/a" in proc.stderr
+        summary = json.loads((tmp_path / mode / "summary.json").read_text())
+        assert summary["tau_pooled"] is None and summary["tau_sglang"] is None
+
+
+def test_sampled_online_run_records_settings_and_is_reproducible(embedded_pair, tmp_path):
+    common = ["--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
+              "--device", "cpu", "--max-new-tokens", 24, "--mode", "online", "--temperature", "1",
+              "--top-p", "0.95", "--top-k", "50", "--seed", "7"]
+    worker(*common, "--out", tmp_path / "a")
+    worker(*common, "--out", tmp_path / "b", "--shard", "1/2")          # prompt 2 alone: same numbers
+    a, b = rows(tmp_path / "a"), rows(tmp_path / "b")
+    assert (a[1]["output_ids"], a[1]["acceptance_lengths"]) == (b[0]["output_ids"], b[0]["acceptance_lengths"])
+    assert all(r["lossless"] is None for r in a)                         # not checkable per prompt at T > 0
+    env = json.loads((tmp_path / "a" / "env.json").read_text())
+    s = env["settings"]
+    assert (s["temperature"], s["top_p"], s["top_k"], s["seed"]) == (1.0, 0.95, 50, 7)
+    assert s["enable_thinking"] is False and s["ddtree_budgets"] == [] and s["verify_block"] == 8
+    assert s["stop_token_ids"] == [json.loads((Path(embedded_pair["target"]) / "generation_config.json")
+                                              .read_text())["eos_token_id"]] and "z-lab" in s["stop_rule"]
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["online"]["lossless"] is None
+    tokens = sum(len(r["output_ids"]) for r in a)
+    assert summary["tau_sglang"] == pytest.approx(tokens / summary["cycles"])   # completion_tokens / spec_verify_ct
+
+
+def test_sampled_offline_run_reports_the_expected_acceptance(embedded_pair, tmp_path):
+    worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
+           "--device", "cpu", "--max-new-tokens", 32, "--temperature", "1", "--out", tmp_path)
+    results = rows(tmp_path)
+    for r in results:
+        assert r["acceptance_lengths"] == [] and "ddtree" not in r
+        e = r["expected"]
+        assert e["anchors"] == len(r["output_ids"]) - 1 and e["count"][0] == e["anchors"]
+        assert 1.0 <= e["expected_tau"] <= 8 and all(0 <= a <= c for a, c in zip(e["alpha_sum"], e["count"]))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == summarize(results, 8, "offline")
+    assert summary["expected"]["label"].startswith("estimate") and 1.0 < summary["expected"]["tau"] <= 8
+    assert summary["tau_macro"] is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ddtree-budgets", "8,2048"], "each budget must be 1..1024"),
+    (["--temperature", "1", "--ddtree-budgets", "8"], "--ddtree-budgets at T > 0"),
+    (["--top-p", "0"], "0 < top_p <= 1"),
+    (["--temperature", "-1"], "temperature >= 0"),
+])
+def test_sampling_and_budget_usage_errors(args, message, tmp_path, capsys):
+    from remote.worker import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--target", str(tmp_path), "--drafter", str(tmp_path), "--out", str(tmp_path), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err

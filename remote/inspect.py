@@ -1,6 +1,8 @@
-"""``python -m remote.drafter inspect DRAFTER_DIR [--target TARGET_DIR] [--block-size N] [--json]``
+"""``python -m remote.inspect DRAFTER_DIR [--target TARGET_DIR] [--block-size N] [--verify-hashes] [--json]``
 
-Prints the detected format, the normalised config and, with a target, the compatibility verdict.
+Prints the detected format, the variant (DFlash / DFlash2) and the rules it was found to follow
+(mask rule per layer, RoPE, vocabulary, block layout, knobs), the normalised config and, with a
+target, the compatibility verdict.
 Exit status: 0 ok, 1 checkpoint or compatibility problem, 2 usage. Reads only configs and tensor
 headers (for safetensors), so it is cheap enough to run as a pre-flight check before GPU time.
 """
@@ -49,16 +51,14 @@ def inspect(drafter: str, target: str | None = None, block_size: int | None = No
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m remote.drafter", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("inspect", help="show a drafter checkpoint and check it against a target")
+    p = argparse.ArgumentParser(prog="python -m remote.inspect", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("drafter")
     p.add_argument("--target")
     p.add_argument("--block-size", type=int)
     p.add_argument("--verify-hashes", action="store_true", help="check weights against the sync manifest's sha256")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
+    args = p.parse_args(argv)
     report = inspect(args.drafter, args.target, args.block_size, args.verify_hashes)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -71,6 +71,17 @@ def main(argv=None) -> int:
             print(f"layers    {cfg['num_hidden_layers']} x hidden {cfg['hidden_size']}   types {cfg['layer_types']}"
                   + (f"   sliding_window {cfg['sliding_window']}" if cfg["sliding_window"] else ""))
             print(f"target layer ids (z-lab convention, feature = hidden_states[i+1]): {cfg['target_layer_ids']}")
+            v = cfg["variant"]
+            print(f"variant   {v['architecture']}   mask rule {v['mask_rule']}   drafts per block {v['drafts_per_block']}"
+                  + ("   (sample_from_anchor: slot k predicts token p+k+1)" if v["sample_from_anchor"] else ""))
+            for i, rule in enumerate(v["layers"]):
+                print(f"layer {i}   {cfg['layer_types'][i]}: {rule}")
+            print(f"rope      {v['rope']}")
+            print(f"vocab     {v['vocab']}")
+            print(f"knobs     {', '.join(f'{k}={x}' for k, x in v['knobs'].items())}")
+            if v["architecture"] == "dflash2":
+                print(f"dflash2   conv kernel {v['conv_kernel_size']} x group {v['conv_group_size']}, selector rank "
+                      f"{v['selector_rank']} top-{v['selector_top_k']}")
             for note in cfg["notes"]:
                 print(f"note      {note}")
         if "target" in report:

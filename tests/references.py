@@ -1,0 +1,186 @@
+"""Tiny drafters built with the references' own classes (z-lab ``dflash`` 0.1.0, ``speculators``
+0.9.0) and saved with their own ``save_pretrained``, plus the references' own forward passes, for
+the golden tests (tests/test_conformance.py). Nothing here is product code.
+
+Every drafter gets random weights with a large spread (N(0, 0.2); norms 1 + N(0, 0.1); DFlash2
+kernels and codebooks too), so that a wrong mask, position, window or head changes the logits by
+far more than the stated tolerance.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config
+
+from remote.target import guard_cpu_kernels
+
+guard_cpu_kernels("cpu")
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 64, 4, 2, 16
+
+
+def randomize(model: torch.nn.Module, seed: int = 0, std: float = 0.2, keep=("embed_tokens", "verifier")) -> None:
+    """Random weights, except parameters whose name contains one of ``keep`` (the verifier's)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if any(k in name for k in keep):
+                continue
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+def layer_config(target, layer_types, window=None, rope=None, **extra) -> Qwen3Config:
+    return Qwen3Config(vocab_size=target.config.vocab_size, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                       num_hidden_layers=len(layer_types), num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                       head_dim=HEAD_DIM, layer_types=list(layer_types), use_sliding_window=window is not None,
+                       sliding_window=window, max_position_embeddings=256,
+                       rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0}, **extra)
+
+
+def zlab_drafter(folder: Path, target, *, dflash2: bool = False, layer_types=("full_attention", "full_attention"),
+                 window: int | None = None, rope: dict | None = None, block_size: int = 8, knobs: dict | None = None,
+                 is_causal: bool | None = None, layer_ids=(0, 1, 2), seed: int = 0):
+    """A z-lab ``DFlashDraftModel`` / ``DFlash2DraftModel`` saved in ``folder``; returns the model."""
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel
+
+    dflash = {"mask_token_id": target.config.vocab_size - 1, "target_layer_ids": list(layer_ids), **(knobs or {})}
+    extra = {"is_causal": is_causal} if is_causal is not None else {}
+    if dflash2:
+        dflash.update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    cfg = layer_config(target, layer_types, window, rope, num_target_layers=target.config.num_hidden_layers,
+                       block_size=block_size, dflash_config=dflash, **extra)
+    cfg.architectures = ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"]
+    torch.manual_seed(seed)
+    model = (DFlash2DraftModel if dflash2 else DFlashDraftModel)(cfg)
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+def speculators_drafter(folder: Path, target, *, dflash2: bool = False, layer_types=("full_attention", "full_attention"),
+                        window: int | None = None, rope: dict | None = None, block_size: int = 8,
+                        draft_vocab: int | None = None, sample_from_anchor: bool = False,
+                        non_causal: bool | None = None, layer_ids=(0, 1, 2), seed: int = 0):
+    """A speculators ``DFlashDraftModel`` / ``DFlash2DraftModel`` saved in ``folder`` (full or reduced
+    draft vocabulary; verifier weights from ``target``); returns the model."""
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.models.dflash2 import DFlash2DraftModel, DFlash2SpeculatorConfig
+
+    V = target.config.vocab_size
+    lc = layer_config(target, layer_types, window, rope)
+    lc._attn_implementation = "sdpa"        # dense masks on CPU (flex_attention needs a GPU to be fast)
+    kwargs = dict(transformer_layer_config=lc, draft_vocab_size=draft_vocab or V, block_size=block_size,
+                  aux_hidden_state_layer_ids=[i + 1 for i in layer_ids], mask_token_id=V - 1,
+                  sample_from_anchor=sample_from_anchor)
+    if non_causal is not None:
+        kwargs["sliding_window_non_causal"] = non_causal
+    if dflash2:
+        cfg = DFlash2SpeculatorConfig(**kwargs, conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+        model = DFlash2DraftModel(cfg)
+    else:
+        model = DFlashDraftModel(DFlashSpeculatorConfig(**kwargs))
+    head = target.get_output_embeddings().weight.detach()
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        if draft_vocab:
+            picked = torch.randperm(V, generator=torch.Generator().manual_seed(seed + 1))[:draft_vocab].sort().values
+            t2d = torch.zeros(V, dtype=torch.bool)
+            t2d[picked] = True
+            model.load_vocab_mappings(t2d, picked - torch.arange(draft_vocab))
+            model.verifier_lm_head.weight.copy_(head[picked])
+        else:
+            model.lm_head.weight.copy_(head)
+            model.verifier_lm_head.weight.copy_(head)
+    randomize(model, seed, keep=("embed_tokens", "verifier") + (() if draft_vocab else ("lm_head",)))
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- reference forwards
+
+@torch.no_grad()
+def zlab_logits(model, target, target_hidden, ids, anchor: int, n_slots: int) -> torch.Tensor:
+    """z-lab's per-anchor forward (no cache, its own mask) and ``compute_logits``: ``[1, n, V]``."""
+    from dflash.model import _draft_value, _raw_input_embeddings
+
+    block = torch.full((1, n_slots), model.mask_token_id, dtype=torch.long)
+    block[0, 0] = ids[anchor]
+    noise = _raw_input_embeddings(target, block, float(_draft_value(model.config, "input_embedding_scale", 1.0)))
+    hidden = model(target_hidden=target_hidden[:, :anchor], noise_embedding=noise,
+                   position_ids=torch.arange(anchor + n_slots)[None])
+    return model.compute_logits(hidden, target.lm_head)
+
+
+@torch.no_grad()
+def speculators_logits(model, target_hidden, ids, n_anchors: int, seed: int = 0):
+    """speculators' training forward (its anchor-block mask, its own anchor choice) up to the
+    logits: ``(logits [1, n*B, V_draft], hidden [1, n*B, H], anchors [n])``."""
+    T = ids.shape[0]
+    torch.manual_seed(seed)
+    hidden, logits, _, _, block_idx = model._backbone_forward(
+        hidden_states=target_hidden, input_ids=ids[None], loss_mask=torch.ones(1, T, dtype=torch.long),
+        verifier_last_hidden_states=torch.zeros(1, T, HIDDEN), document_ids=torch.zeros(1, T, dtype=torch.long),
+        max_anchors=n_anchors)
+    return logits, hidden, block_idx[::model.block_size]
+
+
+def zlab_generate(model, target, prompt, max_new_tokens: int, stop=None, temperature=0.0, top_p=1.0, top_k=0):
+    """z-lab's ``dflash_generate`` on CPU (its timer calls ``torch.cuda.synchronize``): the
+    completion and the acceptance lengths."""
+    import dflash.model as zlab
+
+    timer = zlab._cuda_time
+    zlab._cuda_time = time.perf_counter
+    try:
+        out = zlab.dflash_generate(model, target, prompt, max_new_tokens, stop, temperature, top_p, top_k,
+                                   return_stats=True)
+    finally:
+        zlab._cuda_time = timer
+    return out.output_ids[0, prompt.shape[1]:].tolist(), list(out.acceptance_lengths)
+
+
+class RollbackTarget:
+    """A hybrid (Gated DeltaNet) target for z-lab's ``dflash_generate`` that rolls back correctly.
+
+    transformers' ``crop`` rewinds only the conv state of a linear-attention layer, not its
+    recurrent state, so ``dflash_generate`` is not lossless on hybrid targets. This shim keeps the
+    reference's loop as it is and makes its crop exact: every forward first clones the linear
+    layers' states; a crop that removes tokens restores them, crops the attention K/V to before that
+    forward and re-forwards the kept tokens."""
+
+    def __init__(self, target):
+        self.target, self.last = target, None
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, input_ids, position_ids=None, past_key_values=None, **kw):
+        cache = past_key_values
+        linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
+        saved = [({i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+                  {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None}) for layer in linear]
+        self.last = (cache, linear, saved, input_ids, position_ids)
+        return self.target(input_ids, position_ids=position_ids, past_key_values=cache, **kw)
+
+    def crop_to(self, cache, length: int) -> None:
+        """z-lab's ``_crop_to``, with the rollback described above when tokens are removed."""
+        remove = cache.get_seq_length() - length
+        if remove <= 0 or self.last is None or self.last[0] is not cache or not self.last[1]:
+            cache.crop(-remove)
+            return
+        _, linear, saved, ids, pos = self.last
+        for layer, (conv, rec) in zip(linear, saved):
+            layer.conv_states.update({i: s.clone() for i, s in conv.items()})
+            layer.recurrent_states.update({i: s.clone() for i, s in rec.items()})
+        for layer in cache.layers:
+            if layer not in linear:
+                layer.crop(-ids.shape[1])
+        keep = ids.shape[1] - remove
+        self.target(ids[:, :keep], position_ids=pos[:, :keep], past_key_values=cache, use_cache=True)
+        self.last = None
+        cache.crop(0)
