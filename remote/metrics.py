@@ -83,15 +83,14 @@ def category_summary(rows: list[dict]) -> dict[str, dict]:
     return {c: tau_summary(v) for c, v in sorted(groups.items())}
 
 
-def all_anchors_accuracy(rows: list[dict]) -> tuple[list[float], list[float]]:
+def all_anchors_accuracy(rows: list[dict], slots: int) -> tuple[list[float], list[float]]:
     """Teacher-forced per-slot accuracy with every completion position an anchor (rows'
-    ``all_anchors`` hit counts: slots 1..B-1, or 0..B-1 for a sample_from_anchor drafter), and its
-    cumulative product."""
-    hits = [r["all_anchors"] for r in rows if r.get("all_anchors")]
-    slots = max((len(h.get("correct") or []) for h in hits), default=0)
+    ``all_anchors`` hit counts for the ``slots`` drafted slots: B-1, or B for a sample_from_anchor
+    drafter; longer lists in a damaged file are cut), and its cumulative product."""
     correct, count = [0] * slots, [0] * slots
-    for h in hits:
-        for k, (c, n) in enumerate(zip(h.get("correct") or [], h.get("count") or [])):
+    for r in rows:
+        hits = r.get("all_anchors") or {}
+        for k, (c, n) in enumerate(zip(list(hits.get("correct") or [])[:slots], list(hits.get("count") or [])[:slots])):
             correct[k] += c
             count[k] += n
     acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
@@ -113,9 +112,9 @@ def online_summary(rows: list[dict]) -> dict:
     if target_wall:
         online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
                       speedup=target_wall / wall if wall else None)
-    if any("lossless" in r for r in rows):
-        checked = [r["lossless"] for r in rows if r.get("lossless") is not None]
-        online["lossless"] = all(c is True for c in checked) if checked else None
+    if any("lossless" in r for r in rows):   # a row that does not record it is not lossless;
+        checked = [r.get("lossless") for r in rows if "lossless" not in r or r["lossless"] is not None]
+        online["lossless"] = all(c is True for c in checked) if checked else None   # None: sampled
     return online
 
 
@@ -142,7 +141,7 @@ def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: i
             summary["ddtree"][b] = {"tau_macro": d["tau_macro"], "tau_pooled": d["tau_pooled"],
                                     "prompts": d["prompts"]}
     if any("all_anchors" in r for r in rows):
-        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows)
+        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows, longest - 1)
     if rows and all(r.get("wall_s") is not None for r in rows):
         summary["online"] = online_summary(rows)
     return summary
