@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -33,11 +35,27 @@ from orchestrator.sync import sync_checkpoint  # noqa: E402
 from remote.checkpoint import sha256_file as sha256  # noqa: E402
 
 
+def cpu_seconds(lab) -> float:
+    """CPU time used so far by this process, its children, and every process the lab's sshd
+    listeners forked and reaped (sessions and their commands; the hosts' side of every method)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                for f in ("ru_utime", "ru_stime"))
+    for h in lab.hosts.values():
+        try:
+            fields = Path(f"/proc/{h.sshd_pid()}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="size of the checkpoint file (MiB)")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--only", help="comma-separated subset of pipe,rsync,sync (while iterating)")
     args = ap.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="bench-sync-"))
@@ -73,6 +91,28 @@ def main() -> int:
                 raise SystemExit("raw pipe failed")
             return time.monotonic() - t
 
+        rsync_dst = lab.eval.root / "rsync-dst"
+        train_alias = "bench-train"
+        rsync_known = base / "rsync_known_hosts"
+        rsync_known.write_text(f"{train_alias} {lab.train.host_key_pub}\n")
+        tunnel_port = 20000 + os.getpid() % 20000
+
+        def rsync_tunnel() -> float:
+            """The best relay peer: the eval host pulls with rsync over ssh (aes128-gcm) through a
+            reverse tunnel (aes128-gcm) that this machine holds to the training host."""
+            shutil.rmtree(rsync_dst, ignore_errors=True)
+            rsync_dst.mkdir()
+            inner = (f"ssh -p {tunnel_port} -i {lab.client_key} -o BatchMode=yes -o HostKeyAlias={train_alias} "
+                     f"-o UserKnownHostsFile={rsync_known} -o StrictHostKeyChecking=yes "
+                     f"-c aes128-gcm@openssh.com -o Compression=no")
+            remote = ["rsync", "-a", "--whole-file", "-e", inner,
+                      f"{lab.train.user}@127.0.0.1:{big}", f"{rsync_dst}/"]
+            t = time.monotonic()
+            subprocess.run(ssh(lab.eval)[:-1] + ["-c", "aes128-gcm@openssh.com", "-o", "ExitOnForwardFailure=yes",
+                                                 "-R", f"127.0.0.1:{tunnel_port}:{lab.train.address}:{lab.train.port}",
+                                                 ssh(lab.eval)[-1], shlex.join(remote)], check=True)
+            return time.monotonic() - t
+
         def ours() -> float:
             shutil.rmtree(dest_root, ignore_errors=True)
             (ck / ".dflash-manifest.json").unlink(missing_ok=True)
@@ -82,20 +122,37 @@ def main() -> int:
             assert res.bytes_moved == size + (ck / "config.json").stat().st_size, res.bytes_moved
             return dt
 
-        pipe_t, sync_t = [], []
-        for i in range(args.reps):
-            pipe_t.append(raw())
-            sync_t.append(ours())
-            print(f"rep {i + 1}: pipe {args.mib / pipe_t[-1]:7.1f} MiB/s   sync {args.mib / sync_t[-1]:7.1f} MiB/s",
+        runs = {"pipe": raw, "rsync": rsync_tunnel, "sync": ours}
+        if args.only:
+            runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        for i in range(args.reps):  # interleaved, rotating the order: a busy machine hits all alike
+            order = list(runs)[i % 3:] + list(runs)[:i % 3]
+            for k in order:
+                c = cpu_seconds(lab)
+                times[k].append(runs[k]())
+                cpu[k].append(cpu_seconds(lab) - c)
+            print(f"rep {i + 1}: " + "   ".join(f"{k} {args.mib / times[k][-1]:7.1f} MiB/s" for k in runs),
                   flush=True)
-        ok = sha256(dest_root / "step_1000" / "model.safetensors") == want == sha256(raw_dst)
-        p, s = statistics.median(pipe_t), statistics.median(sync_t)
+        outputs = {"pipe": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
+        ok = all(sha256(outputs[k]) == want for k in runs)
+        if len(runs) < 3:
+            for k in runs:
+                print(f"{k}: {args.mib / statistics.median(times[k]):7.1f} MiB/s  "
+                      f"cpu {statistics.median(cpu[k]) / (args.mib / 1024):.2f} s/GiB  identical: {ok}")
+            return 0 if ok else 1
+        p, r, s = (statistics.median(times[k]) for k in runs)
         print(f"file {args.mib} MiB, {args.reps} reps (median), lab isolated={lab.isolated}, "
               f"cpus={os.cpu_count()}")
-        print(f"raw ssh cat | ssh cat  : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
-        print(f"sync-ckpt (sha256 in flight, verify, fsync, atomic rename): "
-              f"{args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
-        print(f"ratio sync/pipe: {p / s:.2f}x   byte-identical: {ok}")
+        print(f"raw ssh cat | ssh cat (default cipher)        : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
+        print(f"rsync via reverse tunnel (aes128-gcm, 2 legs)  : {args.mib / r:7.1f} MiB/s  ({r:.2f} s)")
+        print(f"sync-ckpt (sha256 both ends, fsync, rename)    : {args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
+        gib = args.mib / 1024
+        print("CPU seconds per GiB, all processes on both hosts and here (load-independent): " +
+              "   ".join(f"{k} {statistics.median(cpu[k]) / gib:.2f}" for k in runs))
+        print(f"ratio sync/pipe: {p / s:.2f}x (goal >= 1.5)   sync/rsync-tunnel: {r / s:.2f}x (goal >= 1.0)   "
+              f"rsync-tunnel/pipe: {p / r:.2f}x   byte-identical: {ok}")
         return 0 if ok else 1
     finally:
         lab.close()
