@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shlex
 import shutil
 import statistics
@@ -33,21 +32,6 @@ from orchestrator.catalog import parse_catalog  # noqa: E402
 from orchestrator.inventory import load_inventory  # noqa: E402
 from orchestrator.sync import sync_checkpoint  # noqa: E402
 from remote.checkpoint import sha256_file as sha256  # noqa: E402
-
-
-def cpu_seconds(lab) -> float:
-    """CPU time used so far by this process, its children, and every process the lab's sshd
-    listeners forked and reaped (sessions and their commands; the hosts' side of every method)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-                for f in ("ru_utime", "ru_stime"))
-    for h in lab.hosts.values():
-        try:
-            fields = Path(f"/proc/{h.sshd_pid()}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
-    return total
 
 
 def main() -> int:
@@ -81,11 +65,13 @@ def main() -> int:
                     "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-p", str(h.port),
                     f"{h.user}@{h.address}"]
 
-        def raw() -> float:
+        def raw(cipher: tuple[str, ...] = ()) -> float:
             raw_dst.unlink(missing_ok=True)
             t = time.monotonic()
-            a = subprocess.Popen(ssh(lab.train) + ["cat", str(big)], stdout=subprocess.PIPE)
-            b = subprocess.Popen(ssh(lab.eval) + [f"cat > {raw_dst}"], stdin=a.stdout)
+            a = subprocess.Popen(ssh(lab.train)[:1] + list(cipher) + ssh(lab.train)[1:] + ["cat", str(big)],
+                                 stdout=subprocess.PIPE)
+            b = subprocess.Popen(ssh(lab.eval)[:1] + list(cipher) + ssh(lab.eval)[1:] + [f"cat > {raw_dst}"],
+                                 stdin=a.stdout)
             a.stdout.close()
             if b.wait() or a.wait():
                 raise SystemExit("raw pipe failed")
@@ -122,25 +108,21 @@ def main() -> int:
             assert res.bytes_moved == size + (ck / "config.json").stat().st_size, res.bytes_moved
             return dt
 
-        runs = {"pipe": raw, "rsync": rsync_tunnel, "sync": ours}
-        if args.only:
-            runs = {k: v for k, v in runs.items() if k in args.only.split(",")}
+        runs = {"pipe": raw, "rsync": rsync_tunnel, "sync": ours,
+                "pipe-gcm": lambda: raw(("-c", "aes128-gcm@openssh.com"))}  # only with --only
+        runs = {k: v for k, v in runs.items() if k in (args.only or "pipe,rsync,sync").split(",")}
         times: dict[str, list[float]] = {k: [] for k in runs}
-        cpu: dict[str, list[float]] = {k: [] for k in runs}
         for i in range(args.reps):  # interleaved, rotating the order: a busy machine hits all alike
-            order = list(runs)[i % 3:] + list(runs)[:i % 3]
+            order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
             for k in order:
-                c = cpu_seconds(lab)
                 times[k].append(runs[k]())
-                cpu[k].append(cpu_seconds(lab) - c)
             print(f"rep {i + 1}: " + "   ".join(f"{k} {args.mib / times[k][-1]:7.1f} MiB/s" for k in runs),
                   flush=True)
-        outputs = {"pipe": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
+        outputs = {"pipe": raw_dst, "pipe-gcm": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
         ok = all(sha256(outputs[k]) == want for k in runs)
-        if len(runs) < 3:
+        if list(runs) != ["pipe", "rsync", "sync"]:
             for k in runs:
-                print(f"{k}: {args.mib / statistics.median(times[k]):7.1f} MiB/s  "
-                      f"cpu {statistics.median(cpu[k]) / (args.mib / 1024):.2f} s/GiB  identical: {ok}")
+                print(f"{k}: {args.mib / statistics.median(times[k]):7.1f} MiB/s  identical: {ok}")
             return 0 if ok else 1
         p, r, s = (statistics.median(times[k]) for k in runs)
         print(f"file {args.mib} MiB, {args.reps} reps (median), lab isolated={lab.isolated}, "
@@ -148,9 +130,6 @@ def main() -> int:
         print(f"raw ssh cat | ssh cat (default cipher)        : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
         print(f"rsync via reverse tunnel (aes128-gcm, 2 legs)  : {args.mib / r:7.1f} MiB/s  ({r:.2f} s)")
         print(f"sync-ckpt (sha256 both ends, fsync, rename)    : {args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
-        gib = args.mib / 1024
-        print("CPU seconds per GiB, all processes on both hosts and here (load-independent): " +
-              "   ".join(f"{k} {statistics.median(cpu[k]) / gib:.2f}" for k in runs))
         print(f"ratio sync/pipe: {p / s:.2f}x (goal >= 1.5)   sync/rsync-tunnel: {r / s:.2f}x (goal >= 1.0)   "
               f"rsync-tunnel/pipe: {p / r:.2f}x   byte-identical: {ok}")
         return 0 if ok else 1
