@@ -1,13 +1,23 @@
-"""sync-ckpt throughput vs a raw `ssh train cat FILE | ssh eval 'cat > FILE'` pipe, same file, same run.
+"""sync-ckpt throughput vs a raw `ssh cat | ssh cat` pipe and vs rsync through a reverse tunnel.
 
-    python benchmarks/bench_sync.py [--mib 1024] [--reps 2]
+    python benchmarks/bench_sync.py [--mib 1024] [--reps 3]     (root: the lab uses namespaces)
 
-Starts its own SSH lab (tests/sshlab.py: real sshd hosts in network namespaces; needs root), writes
-a checkpoint with one big file (a repeated 1 MiB random block: real bytes to hash and encrypt), then
-alternates: the raw pipe (plain `ssh`, default options) and a full `sync_checkpoint` (fresh: the
-destination and the source's manifest cache are removed first, so sha256 is computed in flight on
-both ends; every step counted: listing, manifest, lock, transfer, verify, fsync, rename).
-Prints MiB/s of both and the ratio sync/pipe (goal >= 1.0).
+Starts its own SSH lab (tests/sshlab.py: real sshd hosts in network namespaces, which cannot reach
+each other; needs root), writes a checkpoint with one big file (a repeated 1 MiB random block: real
+bytes to hash and encrypt) and a config.json, then runs, interleaved and in rotating order:
+
+- pipe: `ssh train cat FILE | ssh eval 'cat > FILE'`, plain `ssh`, default options (the default
+  cipher: chacha20-poly1305), no checksum;
+- rsync: the best relay peer measured on these machines: this machine holds `ssh -R` to the eval
+  host (aes128-gcm) and the eval host pulls with `rsync -a --whole-file` over ssh (aes128-gcm)
+  through that tunnel;
+- sync: a full `sync_checkpoint` (fresh: the destination and the source's manifest cache are
+  removed first, so sha256 is computed in flight on both ends; every step counted: listing,
+  manifest, lock, transfer, verify, fsync, rename).
+
+Prints MiB/s of each (median) and the ratios sync/pipe (goal >= 1.5) and sync/rsync (goal >= 1.0);
+every output is checked byte-identical. ``--only pipe,pipe-gcm`` (etc.) runs a subset, where
+pipe-gcm is the raw pipe with aes128-gcm on both legs.
 """
 from __future__ import annotations
 
@@ -37,7 +47,7 @@ from remote.checkpoint import sha256_file as sha256  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="size of the checkpoint file (MiB)")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--only", help="comma-separated subset of pipe,rsync,sync (while iterating)")
     args = ap.parse_args()
