@@ -44,6 +44,38 @@ from orchestrator.sync import sync_checkpoint  # noqa: E402
 from remote.checkpoint import sha256_file as sha256  # noqa: E402
 
 
+class CpuMeter:
+    """CPU seconds used by every process of the benchmark: this one, its children, and both lab
+    sshd trees (sessions and the commands they run), counted by the kernel in a cpuacct cgroup (v1)
+    they are moved into. Independent of what else the machine runs, unlike wall time. ``read()``
+    is None where no cgroup can be made (not root, no cpuacct hierarchy)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, pids: list[int]):
+        self.dir: Path | None = self.ROOT / f"dflash-bench-sync-{os.getpid()}"
+        try:
+            self.dir.mkdir()
+            for pid in pids:
+                (self.dir / "cgroup.procs").write_text(str(pid))
+        except OSError:
+            self.close()
+            self.dir = None
+
+    def read(self) -> float | None:
+        return int((self.dir / "cpuacct.usage").read_text()) / 1e9 if self.dir else None
+
+    def close(self) -> None:
+        """Back to the root group (call after the lab is gone), then remove the group."""
+        if self.dir is None:
+            return
+        try:
+            (self.ROOT / "cgroup.procs").write_text(str(os.getpid()))
+            self.dir.rmdir()
+        except OSError:
+            pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="size of the checkpoint file (MiB)")
@@ -54,6 +86,7 @@ def main() -> int:
 
     base = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     lab = sshlab.start_lab(base / "lab")
+    meter = CpuMeter([os.getpid(), *(h.sshd_pid() for h in lab.hosts.values())])
     try:
         inv = load_inventory(lab.write_inventory(base / "inventory.yaml"))
         cat = parse_catalog({"runs": {"bench": {"dir": "bench", "pattern": "step_{step}"}}}, base / "c.yaml")
@@ -122,17 +155,26 @@ def main() -> int:
                 "pipe-gcm": lambda: raw(("-c", "aes128-gcm@openssh.com"))}  # only with --only
         runs = {k: v for k, v in runs.items() if k in (args.only or "pipe,rsync,sync").split(",")}
         times: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
         for i in range(args.reps):  # interleaved, rotating the order: a busy machine hits all alike
             order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
             for k in order:
+                c = meter.read()
                 times[k].append(runs[k]())
-            print(f"rep {i + 1}: " + "   ".join(f"{k} {args.mib / times[k][-1]:7.1f} MiB/s" for k in runs),
-                  flush=True)
+                if c is not None:
+                    cpu[k].append(meter.read() - c)
+            print(f"rep {i + 1}: " + "   ".join(f"{k} {args.mib / times[k][-1]:7.1f} MiB/s" for k in runs) +
+                  ("   (cpu s: " + " ".join(f"{cpu[k][-1]:.1f}" for k in runs) + ")" if all(cpu.values()) else ""), flush=True)
         outputs = {"pipe": raw_dst, "pipe-gcm": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
         ok = all(sha256(outputs[k]) == want for k in runs)
+        gib = args.mib / 1024
+        cpu_line = ("CPU seconds per GiB, all processes of each method, both hosts and here (load-independent): " +
+                    "   ".join(f"{k} {statistics.median(cpu[k]) / gib:.2f}" for k in runs)) if all(cpu.values()) else \
+            "CPU seconds: not measured (no cpuacct cgroup)"
         if list(runs) != ["pipe", "rsync", "sync"]:
             for k in runs:
                 print(f"{k}: {args.mib / statistics.median(times[k]):7.1f} MiB/s  identical: {ok}")
+            print(cpu_line)
             return 0 if ok else 1
         p, r, s = (statistics.median(times[k]) for k in runs)
         print(f"file {args.mib} MiB, {args.reps} reps (median), lab isolated={lab.isolated}, "
@@ -140,11 +182,13 @@ def main() -> int:
         print(f"raw ssh cat | ssh cat (default cipher)        : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
         print(f"rsync via reverse tunnel (aes128-gcm, 2 legs)  : {args.mib / r:7.1f} MiB/s  ({r:.2f} s)")
         print(f"sync-ckpt (sha256 both ends, fsync, rename)    : {args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
+        print(cpu_line)
         print(f"ratio sync/pipe: {p / s:.2f}x (goal >= 1.5)   sync/rsync-tunnel: {r / s:.2f}x (goal >= 1.0)   "
               f"rsync-tunnel/pipe: {p / r:.2f}x   byte-identical: {ok}")
         return 0 if ok else 1
     finally:
         lab.close()
+        meter.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
