@@ -168,7 +168,7 @@ def main() -> int:
         outputs = {"pipe": raw_dst, "pipe-gcm": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
         ok = all(sha256(outputs[k]) == want for k in runs)
         gib = args.mib / 1024
-        cpu_line = ("CPU seconds per GiB, all processes of each method, both hosts and here (load-independent): " +
+        cpu_line = ("CPU seconds per GiB, all processes of each method, both hosts and here (kernel-counted; a busy VM inflates it too, compare within a run): " +
                     "   ".join(f"{k} {statistics.median(cpu[k]) / gib:.2f}" for k in runs)) if all(cpu.values()) else \
             "CPU seconds: not measured (no cpuacct cgroup)"
         if list(runs) != ["pipe", "rsync", "sync"]:
