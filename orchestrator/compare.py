@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .errors import DflashOpsError
 from .paths import shipped
@@ -88,29 +88,47 @@ def _prompt(row: dict):
     return tuple(row.get("prompt_ids") or [])
 
 
+@dataclass(frozen=True)
+class PairingKey:
+    """Something two runs must share to pair, read from their records alone (no results)."""
+    name: str
+    value: Callable[[EvalRun], object]
+    when_known: bool = False     # compared only when both runs record it
+
+
+# The keys in the order their mismatches are named; the decoding settings follow (every setting
+# in env.json except SETTINGS_IGNORED), then the prompts themselves (check_pair).
+PAIRING_KEYS: list[PairingKey] = [
+    PairingKey("target", lambda r: r.target),
+    PairingKey("suite", lambda r: r.suite),
+    PairingKey("mode", lambda r: r.mode),
+    PairingKey("block size", lambda r: r.block_size),
+    PairingKey("suite sha256 (prompt set)", lambda r: (_get(r.env, ("suite", "sha256")) or "")[:12] or None,
+               when_known=True),
+]
+
+
+def key_mismatches(a: EvalRun, b: EvalRun) -> list[Mismatch]:
+    """The pairing keys (and decoding settings) on which ``a`` and ``b`` differ."""
+    mm = []
+    for key in PAIRING_KEYS:
+        va, vb = key.value(a), key.value(b)
+        if va != vb and not (key.when_known and (va is None or vb is None)):
+            mm.append(Mismatch(key.name, a.id, b.id, _short(va), _short(vb)))
+    for k in sorted((set(a.settings) | set(b.settings)) - SETTINGS_IGNORED):
+        va, vb = a.settings.get(k), b.settings.get(k)
+        if va != vb:
+            mm.append(Mismatch(f"decoding setting {k}", a.id, b.id, _short(va), _short(vb)))
+    return mm
+
+
 def check_pair(a: EvalRun, b: EvalRun) -> tuple[list[Mismatch], list[str]]:
     """Mismatches that make the pairing invalid, and warnings that do not."""
-    mm: list[Mismatch] = []
+    mm: list[Mismatch] = key_mismatches(a, b)
     warn: list[str] = []
 
     def add(field, va, vb, detail="", plural=False):
         mm.append(Mismatch(field, a.id, b.id, _short(va), _short(vb), detail, plural))
-
-    if a.target != b.target:
-        add("target", a.target, b.target)
-    if a.suite != b.suite:
-        add("suite", a.suite, b.suite)
-    sa, sb = _get(a.env, ("suite", "sha256")), _get(b.env, ("suite", "sha256"))
-    if sa and sb and sa != sb and a.suite == b.suite:
-        add("suite sha256 (prompt set)", sa[:12], sb[:12])
-    if a.mode != b.mode:
-        add("mode", a.mode, b.mode)
-    if a.block_size != b.block_size:
-        add("block size", a.block_size, b.block_size)
-    for k in sorted((set(a.settings) | set(b.settings)) - SETTINGS_IGNORED):
-        va, vb = a.settings.get(k), b.settings.get(k)
-        if va != vb:
-            add(f"decoding setting {k}", va, vb)
 
     rows_a = {r.get("id"): r for r in a.results}
     rows_b = {r.get("id"): r for r in b.results}
@@ -473,23 +491,85 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     return doc.write(out_dir, "compare")
 
 
-def compare_labels(labels: Sequence[str], runs_root: Path, *, force: bool = False, resamples: int = 10000,
-                   seed: int = 0, published: Optional[str] = None, use_published: bool = True,
-                   out: Optional[Path] = None) -> dict:
-    """Resolve run labels in ``runs_root`` and compare them; unless refused, write compare.md/.html
-    (default folder: ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
-    from .runs import list_runs, resolve
+# --------------------------------------------------------------------------- picking runs
 
+@dataclass
+class Picked:
+    """The runs ``compare`` compares, one per label, and why each; ``paired`` False when no
+    choice pairs (then the newest of each, and the closest candidate pairs)."""
+    runs: list[EvalRun]
+    why: list[str]
+    paired: bool
+    closest: list[dict]
+
+
+def _mismatch_names(a: EvalRun, b: EvalRun) -> list[str]:
+    keys = key_mismatches(a, b)
+    return [m.field for m in (keys or check_pair(a, b)[0])]
+
+
+def pick_runs(labels: Sequence[str], candidates: Sequence[list[EvalRun]]) -> Picked:
+    """For each label, of the runs it may mean (``candidates``, from the resolver), the newest
+    that pair with each other: the newest baseline run that has a pairing run of every other
+    label, and each other label's newest run pairing with it. Finished runs are preferred."""
+    pools = [sorted([r for r in c if r.status == "done"] or list(c), key=EvalRun.sort_key, reverse=True)
+             for c in candidates]
+    for base in pools[0]:
+        partners = [next((r for r in pool if r.id != base.id and not check_pair(base, r)[0]), None)
+                    for pool in pools[1:]]
+        if all(partners):
+            runs = [base, *partners]
+            why = [_why(label, run, pool, base if i else None) for i, (label, run, pool)
+                   in enumerate(zip(labels, runs, pools))]
+            return Picked(runs, why, True, [])
+    runs = [pool[0] for pool in pools]
+    why = [f"{label} → {r.id} (the newest {label} run; no {label} run pairs with runs of the other labels)"
+           for label, r in zip(labels, runs)]
+    closest = []
+    for label, pool in zip(labels[1:], pools[1:]):
+        pairs = [(a, b, _mismatch_names(a, b)) for a in pools[0][:20] for b in pool[:20] if a.id != b.id]
+        pairs.sort(key=lambda p: len(p[2]))      # fewest mismatches first; stable: newest first among equals
+        closest += [{"label": label, "runs": [a.id, b.id], "mismatches": m, "why": _differ(m)}
+                    for a, b, m in pairs[:3]]
+    return Picked(runs, why, False, closest)
+
+
+def _differ(fields: list[str]) -> str:
+    return f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''}" if fields else "the same run"
+
+
+def _why(label: str, run: EvalRun, pool: list[EvalRun], base: Optional[EvalRun]) -> str:
+    """``v5 → ID (the newest v5 run that pairs with ...; skipped 2 newer: ID (mode), ...)``."""
+    if label == run.id:
+        return f"{label} → {run.id} (named by its id)"
+    newer = [r for r in pool if r.sort_key() > run.sort_key()]
+    if not newer:
+        return f"{label} → {run.id} (the newest {label} run)"
+    if base is None:
+        return f"{label} → {run.id} (the newest {label} run with a pairing run of every other label; " \
+               f"{len(newer)} newer one(s) have none)"
+    skipped = ", ".join(f"{r.id} ({_differ(_mismatch_names(base, r))})" for r in newer[:3])
+    more = f" and {len(newer) - 3} more" if len(newer) > 3 else ""
+    return f"{label} → {run.id} (the newest {label} run that pairs with {base.id}; skipped newer: {skipped}{more})"
+
+
+def compare_labels(labels: Sequence[str], candidates: Sequence[list[EvalRun]], runs_root: Path, *,
+                   force: bool = False, resamples: int = 10000, seed: int = 0, published: Optional[str] = None,
+                   use_published: bool = True, out: Optional[Path] = None) -> dict:
+    """Pick the runs for ``labels`` (:func:`pick_runs`; ``candidates``: every run each label may
+    mean) and compare them; unless refused, write compare.md/.html (default folder:
+    ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
     if len(labels) < 2:
         raise CompareError("compare needs at least two runs (A is the baseline)")
     if resamples < 100:
         raise CompareError("--resamples must be at least 100")
-    all_runs = list_runs(runs_root)
-    runs = [resolve(lb, runs_root, runs=all_runs) for lb in labels]
-    result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
+    picked = pick_runs(labels, candidates)
+    result = compare_runs(picked.runs, force=force, resamples=resamples, seed=seed, published=published,
                           use_published=use_published)
+    result["picked"] = [{"label": lb, "id": r.id, "why": w} for lb, r, w in zip(labels, picked.runs, picked.why)]
+    result["closest"] = picked.closest
     if not result["refused"]:
-        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in runs]))
+        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in picked.runs]))
         result["outputs"] = {"md": str(md_path), "html": str(html_path)}
     return result
 
