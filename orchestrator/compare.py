@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -503,9 +503,23 @@ class Picked:
     closest: list[dict]
 
 
+def _prompt_count(r: EvalRun):
+    return len(r.results) or r.meta.get("prompts")
+
+
 def _mismatch_names(a: EvalRun, b: EvalRun) -> list[str]:
-    keys = key_mismatches(a, b)
-    return [m.field for m in (keys or check_pair(a, b)[0])]
+    """Why ``b`` does not pair with ``a``, briefly, ``b``'s value first: ``mode online vs
+    offline``, ``prompts 12 vs 2`` (a different prompt count is said as such, not as the hash of
+    the prompt set it changes), ``max_new_tokens 32 vs 256``."""
+    out = []
+    for m in key_mismatches(a, b) or check_pair(a, b)[0]:
+        name = m.field.removeprefix("decoding setting ")
+        if m.field.startswith(("suite sha256", "prompt ids")) and _prompt_count(a) != _prompt_count(b):
+            name, m = "prompts", replace(m, value=str(_prompt_count(b)), baseline_value=str(_prompt_count(a)))
+        text = f"{name} {m.value} vs {m.baseline_value}"
+        if text not in out:
+            out.append(text)
+    return out
 
 
 def pick_runs(labels: Sequence[str], candidates: Sequence[list[EvalRun]]) -> Picked:
@@ -535,7 +549,7 @@ def pick_runs(labels: Sequence[str], candidates: Sequence[list[EvalRun]]) -> Pic
 
 
 def _differ(fields: list[str]) -> str:
-    return f"{', '.join(fields)} differ{'s' if len(fields) == 1 else ''}" if fields else "the same run"
+    return ", ".join(fields) if fields else "the same run"
 
 
 def _why(label: str, run: EvalRun, pool: list[EvalRun], base: Optional[EvalRun]) -> str:

@@ -22,9 +22,10 @@ class _Progress:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.record = record
-        self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(),
-                             MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}  {task.fields[last]}"),
-                             TimeElapsedColumn(), console=out, transient=False)
+        # the prompt just finished comes last: on a narrow terminal it is what gets cut
+        self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(bar_width=12),
+                             MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}"), TimeElapsedColumn(),
+                             TextColumn("{task.fields[last]}"), console=out, transient=False)
         self.tasks = {s.index: self.bars.add_task("", total=None, host=s.host, phase="waiting", tau="-", last="")
                       for s in record.shards if not s.fetched}
         self.taus: dict[int, list[float]] = {i: [] for i in self.tasks}

@@ -47,8 +47,8 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
 
     if typed:
         out.print(escape(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
-    out.print(console.table(f"{plan.src.name}:{plan.src_dir} → {plan.dst.name}:{plan.dst_final}",
-                            ["file", "size", "action", "from"],
+    out.print(escape(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
+    out.print(console.table(None, ["file", "size", "action", "from"],
                             [[f.path, human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
                              for f in plan.files], right=("size", "from")))
     if plan.up_to_date:
@@ -77,7 +77,7 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
     p = result.plan
     moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
     extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
-    out.print(f"[green]✔[/] {p.run}/{p.checkpoint} on {p.dst.name}:{escape(p.dst_final)}: {moved}; "
+    out.print(f"[green]✔[/] {p.run}:{p.checkpoint} on {p.dst.name}: {moved}; "
               f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
     return result
 
