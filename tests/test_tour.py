@@ -50,7 +50,7 @@ def project(ssh_lab, embedded_pair, tmp_path_factory):
     return folder
 
 
-def dflash_ops(project: Path, *args: str) -> subprocess.CompletedProcess:
+def dflash_ops(project: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
     """The command as typed in the project folder (no flag, no environment variable for the files)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_OPS_")}
     env.update(COLUMNS="80", OMP_NUM_THREADS="2")
@@ -61,7 +61,7 @@ def dflash_ops(project: Path, *args: str) -> subprocess.CompletedProcess:
         with open(keep, "a") as f:
             f.write(f"$ dflash-ops {' '.join(args)}\n{proc.stdout}{proc.stderr}(exit {proc.returncode})\n\n")
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == 0, f"dflash-ops {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == expect, f"dflash-ops {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
 
 
@@ -85,9 +85,10 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
     (v5,) = runs(project).values()
     assert (v5["drafter"], v5["checkpoint"], v5["step"], v5["mode"]) == ("v5", "step_20000", 20000, "offline")
     assert v5["shards"][0]["drafter_path"].endswith("/checkpoints/v5/step_20000")
-    assert v5["request"]["device"] is None                              # `gpus: 0` ran it on CPU by itself
-    env = json.loads((project / "runs" / v5["id"] / "env.json").read_text())
-    assert env["settings"]["device"].startswith("cpu") if "device" in env["settings"] else True
+    # no --device: `gpus: 0` in the inventory ran the worker on CPU (pre-flight asked for no GPU)
+    assert v5["request"]["device"] is None
+    cmd = json.loads((ssh_lab.eval.root / "workdir" / "runs" / v5["id"] / "cmd.json").read_text())["argv"]
+    assert cmd[cmd.index("--device") + 1] == "cpu"
 
     out = dflash_ops(project, "eval", "--host", "ct129", "--drafter", "zlab", "--prompts", "2").stdout
     assert "zlab → zlab" in out
@@ -113,3 +114,13 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
     for rid in runs(project):
         assert rid in listing, (rid, listing)
     assert "online" in listing and "offline" in listing
+
+    # a checkpoint on the training host only: refused with the way to sync it, then --sync syncs and runs it
+    err = flat(dflash_ops(project, "eval", "--host", "ct129", "--drafter", "v5:step10k", expect=2).stderr)
+    assert err == ("error: v5:step_10000 is on ct200 but not on ct129: add --sync to copy it first, or run "
+                   "`dflash-ops sync-ckpt v5:step_10000 --to ct129`"), err
+    out = flat(dflash_ops(project, "eval", "--host", "ct129", "--drafter", "v5:step10k", "--sync", "--prompts", "1",
+                          "--max-new-tokens", "16", "--ddtree", "").stdout)
+    assert "v5:step10k → v5:step_10000 (ct200 → ct129)" in out and "2 file(s) verified" in out, out
+    assert "v5:step10k → v5:step_10000 on ct129" in out, out
+    assert {r["step"] for r in runs(project).values() if r["drafter"] == "v5"} == {10000, 20000}

@@ -63,7 +63,9 @@ class _Progress:
         running = [s for s in shards if not s.fetched and s.index not in self.ended]
         unfetched = [s for s in shards if not s.fetched and s.index in self.ended]
         if running:
-            where = ", ".join(f"{s.host} ({self.done.get(s.index, 0)} prompts done)" for s in running)
+            done = {s.index: self.done.get(s.index, 0) for s in running}
+            where = ", ".join(f"{s.host} ({done[s.index]} prompt{'' if done[s.index] == 1 else 's'} done)"
+                              for s in running)
             return (f"Detached. The worker keeps running on {where}. Re-attach with: [bold]dflash-ops attach {rid}[/]"
                     f"  (cancel with: dflash-ops cancel {rid})")
         if unfetched:
