@@ -170,3 +170,23 @@ def test_output_fits_80_columns_with_ids_whole(project, args):
     for rid in IDS:
         if args[0] == "runs" or rid in args or (args[0] == "compare" and rid in (ZLAB, V5)):
             assert re.search(rf"(^|[\s(]){re.escape(rid)}([\s)]|$)", res.stdout), (rid, res.stdout)
+
+
+def test_eval_default_drafter_from_the_catalog(project):
+    from orchestrator.resolve import Resolver
+
+    names = Resolver()
+    ct129 = names.host("ct129", role="eval")
+    choice = names.drafter(None, ct129)          # no `default:`: the catalog's one training run, located later
+    assert (choice.label, choice.run.name, choice.checkpoint) == ("v5", "v5", None)
+    assert choice.why == "no --drafter: the newest synced checkpoint of training run v5"
+    assert names.drafter(None, names.host("local")).label == "embedded"
+    cat = project / "configs" / "drafters.yaml"
+    cat.write_text(cat.read_text() + "default: zlab\n")
+    choice = Resolver().drafter(None, ct129)
+    assert (choice.label, choice.path, choice.target, choice.why) == ("zlab", "/models/zlab", "tiny",
+                                                                      "the catalog's default")
+    assert choice.statement("ct129") == "zlab → zlab (/models/zlab) on ct129, target tiny (the catalog's default)"
+    cat.write_text(cat.read_text().replace("default: zlab", "default: v6"))
+    code, line = error_line("eval", "--host", "ct129")
+    assert code == 2 and "configs/drafters.yaml: default: unknown drafter 'v6'" in line, line
