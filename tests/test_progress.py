@@ -46,3 +46,14 @@ def test_ctrl_c_says_what_is_true(tmp_path):
     for i in (0, 1):
         record.shards[i].fetched = True
     assert p.interrupted().startswith(f"Interrupted after the results were fetched into {record.folder}")
+
+
+def test_the_progress_line_fits_80_columns(tmp_path):
+    record, p = progress(tmp_path)
+    p.on_event(0, {"event": "start", "prompts": 12, "done": 0})
+    p.on_event(0, {"event": "prompt", "id": "a-rather-long-prompt-id-from-a-suite", "done": 12, "cycles": 10,
+                   "tau": 2.0})
+    with p.bars:
+        pass
+    line = p.bars.console.file.getvalue().strip()
+    assert len(line) <= 80 and "12/12" in line and "τ macro 2.00" in line and "0:00:0" in line, line

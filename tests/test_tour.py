@@ -80,6 +80,9 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
     assert (ssh_lab.eval.root / "checkpoints" / "v5" / "step_20000" / "model.safetensors").exists()
     assert "nothing to move" in dflash_ops(project, "sync-ckpt", "step20k").stdout     # a rerun moves nothing
 
+    out = dflash_ops(project, "hosts", "check").stdout                 # readable at 80 columns
+    assert "ct200" in out and "ct129" in out and all(len(line.rstrip()) <= 80 for line in out.splitlines()), out
+
     out = dflash_ops(project, "eval", "--host", "ct129", "--prompts", "2").stdout
     assert "v5 → v5:step_20000" in out and "on ct129" in out, out     # the default drafter, said
     (v5,) = runs(project).values()

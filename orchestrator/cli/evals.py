@@ -20,12 +20,14 @@ class _Progress:
 
     def __init__(self, record, out):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Column
 
         self.record = record
-        # the prompt just finished comes last: on a narrow terminal it is what gets cut
+        # the prompt just finished comes last, in what width is left: on a narrow terminal it is cut
+        last = Column(max_width=max(10, out.width - 58), no_wrap=True, overflow="ellipsis")
         self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(bar_width=12),
                              MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}"), TimeElapsedColumn(),
-                             TextColumn("{task.fields[last]}"), console=out, transient=False)
+                             TextColumn("{task.fields[last]}", table_column=last), console=out, transient=False)
         self.tasks = {s.index: self.bars.add_task("", total=None, host=s.host, phase="waiting", tau="-", last="")
                       for s in record.shards if not s.fetched}
         self.taus: dict[int, list[float]] = {i: [] for i in self.tasks}
