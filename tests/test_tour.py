@@ -95,7 +95,7 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
 
     out = dflash_ops(project, "eval", "--host", "ct129", "--drafter", "zlab", "--prompts", "2").stdout
     assert "zlab → zlab" in out
-    out = flat(dflash_ops(project, "compare", "zlab", "v5", "--resamples", "200").stdout)
+    out = flat(dflash_ops(project, "compare", "zlab", "v5").stdout)
     zlab = next(r for r in runs(project).values() if r["drafter"] == "zlab")
     assert f"zlab → {zlab['id']} (the newest zlab run)" in out and f"v5 → {v5['id']} (the newest v5 run)" in out, out
 
@@ -109,7 +109,7 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
     (online,) = set(runs(project)) - before
     dflash_ops(project, "eval", "--host", "ct129", "--prompts", "12", "--max-new-tokens", "32")
     (twelve,) = set(runs(project)) - before - {online}
-    out = flat(dflash_ops(project, "compare", "zlab", "v5", "--resamples", "200").stdout)
+    out = flat(dflash_ops(project, "compare", "zlab", "v5").stdout)
     assert (f"v5 → {v5['id']} (the newest v5 run that pairs with {zlab['id']}; skipped newer: "
             f"{twelve} (prompts 12 vs 2, max_new_tokens 32 vs 256), {online} (mode online vs offline))") in out, out
     listing = dflash_ops(project, "runs").stdout
