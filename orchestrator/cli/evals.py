@@ -137,7 +137,7 @@ def _located(names, choice, host, sync: bool, out, err):
     if not sync:
         raise NotSynced(f"{what} is on {src.name} but not on {host.name}: add --sync to copy it first, or run "
                         f"`dflash-ops sync-ckpt {what} --to {host.name}`")
-    run_sync(names, choice.checkpoint, run=choice.run.name, src=src.name, dst=host.name, typed=what)
+    run_sync(names, choice.checkpoint, run=choice.run.name, src=src.name, dst=host.name, typed=choice.typed or what)
     choice.synced, choice.source = True, None
     return choice
 
