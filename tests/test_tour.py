@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,7 @@ def dflash_ops(project: Path, *args: str, expect: int = 0) -> subprocess.Complet
     keep = os.environ.get("DFLASH_OPS_TOUR_OUT")
     if keep:
         with open(keep, "a") as f:
-            f.write(f"$ dflash-ops {' '.join(args)}\n{proc.stdout}{proc.stderr}(exit {proc.returncode})\n\n")
+            f.write(f"$ dflash-ops {shlex.join(args)}\n{proc.stdout}{proc.stderr}(exit {proc.returncode})\n\n")
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == expect, f"dflash-ops {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
