@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -564,23 +564,99 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     return doc.write(out_dir, "compare")
 
 
-def compare_labels(labels: Sequence[str], runs_root: Path, *, force: bool = False, resamples: int = 10000,
-                   seed: int = 0, published: Optional[str] = None, use_published: bool = True,
-                   out: Optional[Path] = None) -> dict:
-    """Resolve run labels in ``runs_root`` and compare them; unless refused, write compare.md/.html
-    (default folder: ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
-    from .runs import list_runs, resolve
+# --------------------------------------------------------------------------- picking runs
 
+@dataclass
+class Picked:
+    """The runs ``compare`` compares, one per label, and why each; ``paired`` False when no
+    choice pairs (then the newest of each, and the closest candidate pairs)."""
+    runs: list[EvalRun]
+    why: list[str]
+    paired: bool
+    closest: list[dict]
+
+
+def _prompt_count(r: EvalRun):
+    return len(r.results) or r.meta.get("prompts")
+
+
+def _mismatch_names(a: EvalRun, b: EvalRun) -> list[str]:
+    """Why ``b`` does not pair with ``a``, briefly, ``b``'s value first: ``mode online vs
+    offline``, ``prompts 12 vs 2`` (a different prompt count is said as such, not as the hash of
+    the prompt set it changes), ``max_new_tokens 32 vs 256``."""
+    out = []
+    for m in key_mismatches(a, b) or check_pair(a, b)[0]:
+        name = m.field.removeprefix("decoding setting ")
+        if m.field.startswith(("suite sha256", "prompt ids")) and _prompt_count(a) != _prompt_count(b):
+            name, m = "prompts", replace(m, value=str(_prompt_count(b)), baseline_value=str(_prompt_count(a)))
+        text = f"{name} {m.value} vs {m.baseline_value}"
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def pick_runs(labels: Sequence[str], candidates: Sequence[list[EvalRun]]) -> Picked:
+    """For each label, of the runs it may mean (``candidates``, from the resolver), the newest
+    that pair with each other: the newest baseline run that has a pairing run of every other
+    label, and each other label's newest run pairing with it. Finished runs are preferred."""
+    pools = [sorted([r for r in c if r.status == "done"] or list(c), key=EvalRun.sort_key, reverse=True)
+             for c in candidates]
+    for base in pools[0]:
+        partners = [next((r for r in pool if r.id != base.id and not check_pair(base, r)[0]), None)
+                    for pool in pools[1:]]
+        if all(partners):
+            runs = [base, *partners]
+            why = [_why(label, run, pool, base if i else None) for i, (label, run, pool)
+                   in enumerate(zip(labels, runs, pools))]
+            return Picked(runs, why, True, [])
+    runs = [pool[0] for pool in pools]
+    why = [f"{label} → {r.id} (the newest {label} run; no {label} run pairs with runs of the other labels)"
+           for label, r in zip(labels, runs)]
+    closest = []
+    for label, pool in zip(labels[1:], pools[1:]):
+        pairs = [(a, b, _mismatch_names(a, b)) for a in pools[0][:20] for b in pool[:20] if a.id != b.id]
+        pairs.sort(key=lambda p: len(p[2]))      # fewest mismatches first; stable: newest first among equals
+        closest += [{"label": label, "runs": [a.id, b.id], "mismatches": m, "why": _differ(m)}
+                    for a, b, m in pairs[:3]]
+    return Picked(runs, why, False, closest)
+
+
+def _differ(fields: list[str]) -> str:
+    return ", ".join(fields) if fields else "the same run"
+
+
+def _why(label: str, run: EvalRun, pool: list[EvalRun], base: Optional[EvalRun]) -> str:
+    """``v5 → ID (the newest v5 run that pairs with ...; skipped 2 newer: ID (mode), ...)``."""
+    if label == run.id:
+        return f"{label} → {run.id} (named by its id)"
+    newer = [r for r in pool if r.sort_key() > run.sort_key()]
+    if not newer:
+        return f"{label} → {run.id} (the newest {label} run)"
+    if base is None:
+        return f"{label} → {run.id} (the newest {label} run with a pairing run of every other label; " \
+               f"{len(newer)} newer one(s) have none)"
+    skipped = ", ".join(f"{r.id} ({_differ(_mismatch_names(base, r))})" for r in newer[:3])
+    more = f" and {len(newer) - 3} more" if len(newer) > 3 else ""
+    return f"{label} → {run.id} (the newest {label} run that pairs with {base.id}; skipped newer: {skipped}{more})"
+
+
+def compare_labels(labels: Sequence[str], candidates: Sequence[list[EvalRun]], runs_root: Path, *,
+                   force: bool = False, resamples: int = 10000, seed: int = 0, published: Optional[str] = None,
+                   use_published: bool = True, out: Optional[Path] = None) -> dict:
+    """Pick the runs for ``labels`` (:func:`pick_runs`; ``candidates``: every run each label may
+    mean) and compare them; unless refused, write compare.md/.html (default folder:
+    ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
     if len(labels) < 2:
         raise CompareError("compare needs at least two runs (A is the baseline)")
     if resamples < 100:
         raise CompareError("--resamples must be at least 100")
-    all_runs = list_runs(runs_root)
-    runs = [resolve(lb, runs_root, runs=all_runs) for lb in labels]
-    result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
+    picked = pick_runs(labels, candidates)
+    result = compare_runs(picked.runs, force=force, resamples=resamples, seed=seed, published=published,
                           use_published=use_published)
+    result["picked"] = [{"label": lb, "id": r.id, "why": w} for lb, r, w in zip(labels, picked.runs, picked.why)]
+    result["closest"] = picked.closest
     if not result["refused"]:
-        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in runs]))
+        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in picked.runs]))
         result["outputs"] = {"md": str(md_path), "html": str(html_path)}
     return result
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = [
     ["orchestrator.cli"],
     ["orchestrator.evaluate", "orchestrator.parity", "orchestrator.sync", "orchestrator.compare",
-     "orchestrator.report", "orchestrator.hostcheck"],
+     "orchestrator.report", "orchestrator.hostcheck", "orchestrator.resolve"],
     ["orchestrator.jobs", "orchestrator.ship", "orchestrator.runs", "orchestrator.runrecord",
      "orchestrator.run_metrics", "orchestrator.stats", "orchestrator.render", "orchestrator.plots"],
     ["orchestrator.transport"],

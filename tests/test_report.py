@@ -119,7 +119,7 @@ def test_runs_command_lists_and_filters(runs):
     assert res.exit_code == 0, res.output
     for rid in ("20261201-1000-zlab-ct129", "20261202-2041-v5-step20k-ct129", "20261203-0900-v6-step20k-ct129"):
         assert rid in res.output
-    for col in ("drafter", "checkpoint", "target", "suite", "prompts", "τ", "host", "date", "status"):
+    for col in ("drafter", "target", "mode", "suite", "prompts", "settings", "τ", "host", "date", "status"):
         assert col in res.output
     res = invoke("runs", "--runs-dir", str(runs), "--drafter", "v5", "--json")
     rows = json.loads(res.output)
