@@ -1,0 +1,81 @@
+"""`dflash-ops watch`: evaluate a training run's checkpoints as they appear (orchestrator/watch/)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+from rich.markup import escape
+
+from . import console
+from .context import RUNS_DIR_HELP, inventory
+
+ALARM_EXIT = 6
+COLOUR = {"info": "", "warn": "yellow", "alarm": "bold red"}
+
+
+def _say(level: str, message: str) -> None:
+    from datetime import datetime
+
+    colour = COLOUR.get(level, "")
+    text = f"{datetime.now():%H:%M:%S} {escape(message)}"
+    console.err().print(f"[{colour}]{text}[/]" if colour else text)
+
+
+def watch_cmd(
+    ctx: typer.Context,
+    run: str = typer.Argument(..., help="Training run (configs/drafters.yaml), or a drafter label of one."),
+    every: Optional[int] = typer.Option(None, "--every", metavar="STEPS", min=1,
+                                        help="One checkpoint per STEPS training steps (default: every checkpoint)."),
+    once: bool = typer.Option(False, "--once", help="One pass, then exit (for cron / systemd timers)."),
+    interval: float = typer.Option(300.0, "--interval", metavar="S", min=1.0, help="Seconds between polls."),
+    host: List[str] = typer.Option([], "--host", "-H", help="Eval host(s), one eval at a time each (default: by role)."),
+    src: Optional[str] = typer.Option(None, "--from", metavar="HOST", help="Training host (default: by role)."),
+    baseline: Optional[str] = typer.Option(None, "--baseline", metavar="LABEL",
+                                           help="A drafter evaluated once with the same settings, drawn as a band."),
+    alarm_ratio: Optional[float] = typer.Option(None, "--alarm-ratio", metavar="R", min=1.0,
+                                                help="Alarm (exit 6 under --once) when eval τ and the training "
+                                                     "run's tau_metric are more than R× apart."),
+    max_attempts: int = typer.Option(3, "--max-attempts", min=1, help="Tries per checkpoint before giving up."),
+    suite: str = typer.Option("default", "--suite", help="Built-in suite name or a JSONL path on the host."),
+    prompts: Optional[int] = typer.Option(2, "--prompts", "-n", help="First N prompts (0 = all)."),
+    mode: str = typer.Option("offline", "--mode", help="offline | online."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    max_blocks: Optional[int] = typer.Option(None, "--max-blocks"),
+    device: Optional[str] = typer.Option(None, "--device"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    sglang: str = typer.Option("auto", "--sglang"),
+    thinking: str = typer.Option("default", "--thinking"),
+    ddtree: str = typer.Option("8,16,32,64", "--ddtree", help="DDTree budgets ('' to skip)."),
+    runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
+):
+    """Evaluate a training run as it trains: poll the training host, sync each new complete
+    checkpoint, evaluate it with the same settings every time, append it to the trajectory
+    (runs/watch-RUN/trajectory.html)."""
+    from ..catalog import load_catalog
+    from ..errors import InputError
+    from ..runs import runs_dir as find_runs_dir
+    from ..watch import WatchOptions, Watcher
+
+    if mode not in ("offline", "online"):
+        raise InputError(f"--mode must be offline or online, not {mode!r}")
+    inv = inventory(ctx)
+    hosts = [inv.get(h).name for h in host] or [inv.pick("eval", None).name]
+    settings = dict(suite=suite, prompts=prompts or None, mode=mode, max_new_tokens=max_new_tokens,
+                    max_blocks=max_blocks, device=device, dtype=dtype, sglang=sglang, thinking=thinking,
+                    ddtree_budgets=ddtree, all_anchors=False)
+    opts = WatchOptions(run=run, hosts=hosts, settings=settings, every=every, baseline=baseline,
+                        alarm_ratio=alarm_ratio, max_attempts=max_attempts, src=src)
+    watcher = Watcher(inv, load_catalog(), opts, find_runs_dir(runs_dir), _say)
+    _say("info", f"watching run {watcher.run.name} (drafter {watcher.label}) → {', '.join(hosts)}; "
+                 f"trajectory: {watcher.folder / 'trajectory.html'}")
+    result = watcher.watch(once=once, every_s=interval)
+    out = console.out()
+    out.print(f"trajectory: {escape(str(watcher.folder / 'trajectory.html'))}")
+    if result.alarms:
+        raise typer.Exit(ALARM_EXIT)
+    if result.failed:
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("watch")(watch_cmd)
