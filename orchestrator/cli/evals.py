@@ -106,6 +106,8 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
     verify_weights: bool = typer.Option(False, "--verify-weights",
                                         help="Pre-flight: check the weights' sha256 against the sync manifest."),
+    log_to: List[str] = typer.Option([], "--log-to", help="Also log the run to mlflow | tensorboard | wandb "
+                                                         "(optional extras; see README)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
@@ -121,6 +123,9 @@ def eval_cmd(
         raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
+    from ..tracking import check_trackers
+
+    trackers = check_trackers(log_to)
     if resume:
         record = _open_run(resume, runs_dir)
     else:
@@ -154,6 +159,11 @@ def eval_cmd(
     out.print(f"run [bold]{record.id}[/] started on {record.host}")
     _follow(record, jobs, out)
     _finish(record, jobs, out)
+    if trackers:
+        from ..tracking import log_run
+
+        for where in log_run(trackers, record.folder, record.folder.parent):
+            out.print(f"logged to {escape(where)}")
 
 
 def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),

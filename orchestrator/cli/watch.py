@@ -46,6 +46,8 @@ def watch_cmd(
     sglang: str = typer.Option("auto", "--sglang"),
     thinking: str = typer.Option("default", "--thinking"),
     ddtree: str = typer.Option("8,16,32,64", "--ddtree", help="DDTree budgets ('' to skip)."),
+    log_to: List[str] = typer.Option([], "--log-to", help="Also log each point to mlflow | tensorboard | wandb "
+                                                         "(optional extras; see README)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Evaluate a training run as it trains: poll the training host, sync each new complete
@@ -54,6 +56,7 @@ def watch_cmd(
     from ..catalog import load_catalog
     from ..errors import InputError
     from ..runs import runs_dir as find_runs_dir
+    from ..tracking import check_trackers
     from ..watch import WatchOptions, Watcher
 
     if mode not in ("offline", "online"):
@@ -64,7 +67,7 @@ def watch_cmd(
                     max_blocks=max_blocks, device=device, dtype=dtype, sglang=sglang, thinking=thinking,
                     ddtree_budgets=ddtree, all_anchors=False)
     opts = WatchOptions(run=run, hosts=hosts, settings=settings, every=every, baseline=baseline,
-                        alarm_ratio=alarm_ratio, max_attempts=max_attempts, src=src)
+                        alarm_ratio=alarm_ratio, max_attempts=max_attempts, src=src, log_to=check_trackers(log_to))
     watcher = Watcher(inv, load_catalog(), opts, find_runs_dir(runs_dir), _say)
     _say("info", f"watching run {watcher.run.name} (drafter {watcher.label}) → {', '.join(hosts)}; "
                  f"trajectory: {watcher.folder / 'trajectory.html'}")

@@ -40,6 +40,7 @@ class WatchOptions:
     alarm_ratio: float | None = None  # eval τ vs the training metric, either way
     max_attempts: int = MAX_ATTEMPTS
     src: str | None = None            # training host (default: by role)
+    log_to: list[str] = field(default_factory=list)  # experiment trackers (orchestrator/tracking.py)
 
 
 @dataclass
@@ -189,10 +190,24 @@ class Watcher:
             return False
         with self.lock:
             self.state.mark(p, "done", summary=headline(summary), reason=None)
+        self._track(p.eval_run, step)
         tau = summary.get("tau_macro")
         self.say("info", f"{name} (step {step}): τ {tau:.3f}" if tau is not None else f"{name}: done")
         self.write_report()
         return True
+
+    def _track(self, eval_run: str | None, step: int) -> None:
+        """The point's eval run into the experiment trackers (a failure there is a warning)."""
+        if not self.opts.log_to or not eval_run:
+            return
+        from .. import tracking
+
+        try:
+            for where in tracking.log_run(self.opts.log_to, self.runs_root / eval_run, self.runs_root, step=step,
+                                          group=self.run.name):
+                self.say("info", f"logged {eval_run} to {where}")
+        except Exception as e:  # noqa: BLE001 — a tracker's own failure must not lose the point
+            self.say("warn", f"logging {eval_run} to {', '.join(self.opts.log_to)} failed: {e}")
 
     def _mark(self, p: Point, status: str, **fields) -> None:
         with self.lock:
