@@ -9,7 +9,6 @@ from rich.markup import escape
 from . import console
 from .context import RUNS_DIR_HELP, inventory
 
-ALARM_EXIT = 6
 COLOUR = {"info": "", "warn": "yellow", "alarm": "bold red"}
 
 
@@ -74,10 +73,7 @@ def watch_cmd(
     result = watcher.watch(once=once, every_s=interval)
     out = console.out()
     out.print(f"trajectory: {escape(str(watcher.folder / 'trajectory.html'))}")
-    if result.alarms:
-        raise typer.Exit(ALARM_EXIT)
-    if result.failed:
-        raise typer.Exit(1)
+    result.raise_for_outcome(watcher.folder / "trajectory.html")
 
 
 def register(app: typer.Typer) -> None:

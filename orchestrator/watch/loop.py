@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..catalog import Catalog, CatalogError, TrainingRun
-from ..errors import DflashOpsError
+from ..errors import DflashOpsError, OperationFailed
 from ..inventory import Inventory
 from ..runrecord import EvalRequest, RunRecord
 from .state import MAX_ATTEMPTS, Point, RunLock, WatchState
@@ -28,6 +28,16 @@ Say = Callable[[str, str], None]  # (level: info|warn|alarm, message)
 # the eval settings that must be the same for every point of a trajectory
 SETTING_KEYS = ("suite", "prompts", "mode", "max_new_tokens", "max_blocks", "device", "dtype", "sglang",
                 "thinking", "ddtree_budgets", "all_anchors")
+
+
+class WatchAlarm(OperationFailed):
+    """Eval τ departs from the training run's own τ metric by more than --alarm-ratio."""
+
+    exit_code = 6
+
+
+class PassFailed(OperationFailed):
+    """Some checkpoint of the pass failed (recorded in the state; retried on a later pass)."""
 
 
 @dataclass
@@ -49,6 +59,13 @@ class PassResult:
     failed: list[str] = field(default_factory=list)
     waiting: list[tuple[str, str]] = field(default_factory=list)   # (checkpoint, why not complete)
     alarms: list[str] = field(default_factory=list)
+
+    def raise_for_outcome(self, report: Path) -> None:
+        """``--once``'s exit: the alarm (6) first, then failed checkpoints (1)."""
+        if self.alarms:
+            raise WatchAlarm(f"{self.alarms[-1]}; see {report}")
+        if self.failed:
+            raise PassFailed(f"failed this pass (recorded, retried later): {', '.join(self.failed)}; see {report}")
 
 
 def drafter_for(catalog: Catalog, name: str) -> tuple[TrainingRun, str]:
@@ -309,6 +326,8 @@ class Watcher:
         with RunLock(self.folder, self.run.name):
             self.state = WatchState.open(self.folder, self.run.name, settings)
             self.state.save()
+            if self.state.points:
+                self.write_report()  # as the state says, whatever stopped the last watch
             while True:
                 result = self.run_pass()
                 if once or stop.wait(every_s):
