@@ -109,18 +109,19 @@ def _tensorboard(params, metrics, artifacts, runs_root: Path, step, group) -> st
 def _wandb(params, metrics, artifacts, runs_root: Path, step, group) -> str:
     import wandb
 
-    os.environ.setdefault("WANDB_MODE", "offline")
+    mode = os.environ.get("WANDB_MODE", "offline")
     folder = runs_root / "wandb"
     folder.mkdir(parents=True, exist_ok=True)
     run = wandb.init(project=f"dflash-ops-{group}" if group else "dflash-ops", name=params["run_id"],
-                     config=params, dir=str(folder), reinit=True)
+                     config=params, dir=str(folder), mode=mode,
+                     reinit="create_new")
     try:
         run.log({f"eval/{k}": v for k, v in metrics.items()}, step=step or 0)
         for a in artifacts:
             run.save(str(a), base_path=str(a.parent), policy="now")
     finally:
         run.finish()
-    return f"wandb ({os.environ['WANDB_MODE']}) {folder}"
+    return f"wandb ({mode}) {folder}"
 
 
 _LOGGERS = {"mlflow": _mlflow, "tensorboard": _tensorboard, "wandb": _wandb}

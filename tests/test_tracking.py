@@ -78,3 +78,22 @@ def test_unknown_or_missing_tracker_is_one_clear_error():
     with pytest.raises(tracking.TrackingError, match="choose from mlflow, tensorboard, wandb"):
         tracking.check_trackers(["neptune"])
     assert tracking.check_trackers([]) == []
+
+
+def test_wandb_offline_run_holds_the_metrics_and_the_artifacts(run_dir, monkeypatch):
+    """W&B in offline mode (nothing leaves the machine): the run's own log file carries every
+    metric (wandb 0.31 has no python reader for it, so its protobuf bytes are searched)."""
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs = run_dir.parent
+    [where] = tracking.log_run(["wandb"], run_dir, runs, step=100, group="v5")
+    assert where.startswith("wandb (offline)")
+    [log] = (runs / "wandb").rglob("offline-run-*/run-*.wandb")
+    data = log.read_bytes()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert b"eval/tau_macro" in data and b"eval/acceptance_1" in data
+    assert repr(summary["tau_macro"]).encode()[:8] in data
+    files = log.parent / "files"
+    assert json.loads((files / "summary.json").read_text()) == summary
+    assert (files / "report.html").exists() and (files / "report.md").exists()
