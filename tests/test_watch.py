@@ -66,6 +66,28 @@ def test_training_jsonl_log_is_read_with_a_torn_last_line():
     assert value_at(s["eval/acc_len"], 250) == 3.6 and value_at(s["eval/acc_len"], 50) is None
 
 
+def test_live_view_shows_each_hosts_work_and_the_newest_points(tmp_path):
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from orchestrator.cli.watch import LiveView
+
+    term = Console(file=io.StringIO(), force_terminal=True, width=100)
+    view = LiveView(term)
+    st = WatchState(run="r", settings={}, path=tmp_path / "state.json")
+    st.mark(st.point("step_100", 100), "done", summary={"tau_macro": 2.5})
+    view.watcher = SimpleNamespace(state=st)
+    view.on_event("ct129", {"event": "sync", "checkpoint": "step_200"})
+    view.on_event("ct130", {"event": "prompt", "done": 3, "prompts": 10, "tau_running": 3.14})
+    out = Console(file=io.StringIO(), width=100)
+    out.print(view.render())
+    text = out.file.getvalue()
+    assert "syncing step_200" in text and "eval: 3/10 prompts, τ 3.14" in text
+    assert "step_100" in text and "2.500" in text
+
+
 # --------------------------------------------------------------------------- on the SSH lab
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,56 @@ from .context import RUNS_DIR_HELP, inventory
 COLOUR = {"info": "", "warn": "yellow", "alarm": "bold red"}
 
 
-def _say(level: str, message: str) -> None:
+def _line(level: str, message: str) -> str:
     from datetime import datetime
 
     colour = COLOUR.get(level, "")
     text = f"{datetime.now():%H:%M:%S} {escape(message)}"
-    console.err().print(f"[{colour}]{text}[/]" if colour else text)
+    return f"[{colour}]{text}[/]" if colour else text
+
+
+def _say(level: str, message: str) -> None:
+    console.err().print(_line(level, message))
+
+
+class LiveView:
+    """The terminal view while watching: what each eval host is doing (sync, eval progress with
+    the running τ) and the newest points of the trajectory; log lines scroll above it."""
+
+    def __init__(self, err):
+        from rich.live import Live
+
+        self.hosts: dict[str, str] = {}
+        self.watcher = None
+        self.live = Live(self.render(), console=err, refresh_per_second=4, transient=False)
+
+    def render(self):
+        from rich.console import Group
+
+        hosts = console.table("eval hosts", ["host", "now"], [[h, a] for h, a in sorted(self.hosts.items())]
+                              or [["-", "idle"]], markup=True)
+        points = []
+        state = self.watcher.state if self.watcher else None
+        if state is not None:
+            points = [[str(p.step), p.name, f"{p.summary.get('tau_macro') or 0:.3f}"] for p in state.done_points()[-5:]]
+        return Group(hosts, console.table("newest points", ["step", "checkpoint", "τ macro"], points or [["-", "-", "-"]],
+                                          right=("step", "τ macro")))
+
+    def on_event(self, host: str, ev: dict) -> None:
+        kind = ev.get("event")
+        if kind == "sync":
+            self.hosts[host] = f"syncing {escape(ev['checkpoint'])}"
+        elif kind == "start":
+            self.hosts[host] = f"eval: 0/{ev.get('prompts')} prompts"
+        elif kind == "prompt":
+            self.hosts[host] = f"eval: {ev['done']}/{ev.get('prompts', '?')} prompts, τ {ev['tau_running']:.2f}"
+        elif kind == "exit":
+            self.hosts[host] = "idle"
+        self.live.update(self.render())
+
+    def say(self, level: str, message: str) -> None:
+        self.live.console.print(_line(level, message))
+        self.live.update(self.render())
 
 
 def watch_cmd(
@@ -67,10 +111,18 @@ def watch_cmd(
                     ddtree_budgets=ddtree, all_anchors=False)
     opts = WatchOptions(run=run, hosts=hosts, settings=settings, every=every, baseline=baseline,
                         alarm_ratio=alarm_ratio, max_attempts=max_attempts, src=src, log_to=check_trackers(log_to))
-    watcher = Watcher(inv, load_catalog(), opts, find_runs_dir(runs_dir), _say)
+    err = console.err()
+    view = LiveView(err) if err.is_terminal else None
+    watcher = Watcher(inv, load_catalog(), opts, find_runs_dir(runs_dir), view.say if view else _say,
+                      on_event=view.on_event if view else None)
     _say("info", f"watching run {watcher.run.name} (drafter {watcher.label}) → {', '.join(hosts)}; "
                  f"trajectory: {watcher.folder / 'trajectory.html'}")
-    result = watcher.watch(once=once, every_s=interval)
+    if view:
+        view.watcher = watcher
+        with view.live:
+            result = watcher.watch(once=once, every_s=interval)
+    else:
+        result = watcher.watch(once=once, every_s=interval)
     out = console.out()
     out.print(f"trajectory: {escape(str(watcher.folder / 'trajectory.html'))}")
     result.raise_for_outcome(watcher.folder / "trajectory.html")
