@@ -136,7 +136,8 @@ class Watcher:
                 result.waiting.append((c["name"], c["verdict"].reason))
         for name, why in result.waiting:
             self.say("info", f"{name}: not complete yet ({why}); later")
-        if self.opts.baseline and self.state.baseline.get("status") != "done":
+        b = self.state.baseline
+        if self.opts.baseline and b.get("status") != "done" and b.get("attempts", 0) < self.opts.max_attempts:
             self._baseline()
         todo = select(info["checkpoints"], self.state, self.opts.every)
         if todo:
@@ -280,7 +281,7 @@ class Watcher:
                 summary = self._evaluate(None, label, self.opts.hosts[0],
                                          lambda rid: self._set_baseline(label=label, status="evaluating", eval_run=rid))
         except DflashOpsError as e:
-            self._set_baseline(label=label, status="failed", reason=str(e))
+            self._set_baseline(label=label, status="failed", reason=str(e), attempts=b.get("attempts", 0) + 1)
             self.say("warn", f"baseline {label}: failed: {e}")
             return
         self._set_baseline(label=label, status="done", summary=headline(summary), reason=None)
