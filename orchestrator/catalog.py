@@ -31,6 +31,7 @@ FORMATS = ("zlab", "speculators", "state_dict")
 TOP_KEYS = ("runs", "drafters", "targets", "default")
 DEFAULT_PATTERN = "step_{step}"
 EMBEDDED = "embedded"   # the demo pair every host can build (remote/embedded.py), a drafter and a target
+DEFAULT_SETTLE = 60.0
 
 
 class CatalogError(InputError):
@@ -102,6 +103,11 @@ class TrainingRun:
     dir: str
     pattern: str = DEFAULT_PATTERN
     direct: bool = False  # the eval host can reach the training host itself (see sync-ckpt --direct)
+    settle: float = DEFAULT_SETTLE  # a checkpoint counts as complete once quiet this long (sync/complete.py)
+    marker: str | None = None  # a file training writes last; when set, it is what "complete" means
+    log: str | None = None  # training metrics (JSONL file or TensorBoard folder), relative to `dir`
+    metrics: tuple[str, ...] = ()  # tags of `log` plotted beside eval τ (watch's trajectory)
+    tau_metric: str | None = None  # the tag eval τ is checked against (watch --alarm-ratio)
 
     @property
     def regex(self) -> re.Pattern:
@@ -240,7 +246,9 @@ def _fields(path: Path, where: str, entry: Any, allowed: dict[str, type]) -> dic
             raise CatalogError(f"{path}: {where}: unknown field '{key}'"
                                f"{f' (did you mean {near[0]!r}?)' if near else ''}")
         if value is not None and not isinstance(value, allowed[key]):
-            raise CatalogError(f"{path}: {where}: field '{key}' must be {allowed[key].__name__}, got {value!r}")
+            kind = allowed[key]
+            name = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+            raise CatalogError(f"{path}: {where}: field '{key}' must be {name}, got {value!r}")
     return entry
 
 
@@ -255,7 +263,14 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
         name = str(name)
         where = f"run '{name}'"
         check_name(name, f"{where}: name")
-        e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool})
+        e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool, "settle": (int, float),
+                                         "marker": str, "log": str, "metrics": list, "tau_metric": str})
+        if e.get("settle") is not None and (isinstance(e["settle"], bool) or e["settle"] < 0):
+            raise CatalogError(f"{path}: {where}: settle must be a number of seconds >= 0")
+        if e.get("marker"):
+            check_name(e["marker"], f"{where}: marker")
+        if e.get("log") and ".." in PurePosixPath(e["log"]).parts:
+            raise CatalogError(f"{path}: {where}: log {e['log']!r} must not contain '..'")
         d = e.get("dir") or name
         if not PurePosixPath(d).is_absolute() and ".." in PurePosixPath(d).parts:
             raise CatalogError(f"{path}: {where}: dir {d!r} must not contain '..'")
@@ -263,7 +278,11 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
         if len(re.findall(r"\{step(?::0?\d+d)?\}", pattern)) != 1 or "/" in pattern or \
                 pattern.replace("{step}", "").count("{"):
             raise CatalogError(f"{path}: {where}: pattern {pattern!r} needs exactly one {{step}} and no '/'")
-        cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")))
+        metrics = tuple(str(t) for t in e.get("metrics") or ())
+        cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")),
+                                     settle=float(DEFAULT_SETTLE if e.get("settle") is None else e["settle"]),
+                                     marker=e.get("marker"), log=e.get("log"), metrics=metrics,
+                                     tau_metric=e.get("tau_metric") or (metrics[0] if metrics else None))
     for label, entry in _mapping(path, "targets", data.get("targets")).items():
         e = _fields(path, f"target '{label}'", entry, {"path": str})
         if not e.get("path"):

@@ -171,9 +171,10 @@ def cmd_list(args: list) -> None:
                 "size": sum(st.st_size for _, st in files), "files": len(files),
                 "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
                 "complete": os.path.exists(os.path.join(full, MANIFEST)),
+                "paths": [rel for rel, _ in files][:1000],
             })
         runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
-    out(json.dumps({"runs": runs}))
+    out(json.dumps({"runs": runs, "now": time.time()}))
 
 
 def sha256_file(path: str, limit: int | None = None, h=None):
@@ -259,7 +260,7 @@ def manifest(d: str, compute: bool) -> dict:
     data = {"files": files}
     if hashed:
         _cache_update(d, files)
-    return dict(data, hashed=hashed)
+    return dict(data, hashed=hashed, now=time.time())
 
 
 def cmd_manifest(args: list) -> None:

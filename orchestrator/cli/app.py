@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from . import config, evals, hosts, runs, sync
+from . import config, evals, hosts, runs, sync, watch
 from .context import options
 from .guard import GuardedGroup
 
@@ -44,7 +44,7 @@ def main_options(
     options(ctx).inventory_path = inventory
 
 
-for group in (hosts, runs, evals, sync, config):
+for group in (hosts, runs, evals, sync, config, watch):
     group.register(app)
 
 

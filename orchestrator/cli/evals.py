@@ -181,6 +181,8 @@ def eval_cmd(
     verify_weights: bool = typer.Option(False, "--verify-weights",
                                         help="Pre-flight: check the weights' sha256 against the sync manifest."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
+    log_to: List[str] = typer.Option([], "--log-to", help="Also log the run to mlflow | tensorboard | wandb "
+                                                         "(optional extras; see README)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
@@ -195,6 +197,9 @@ def eval_cmd(
         raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
+    from ..tracking import check_trackers
+
+    trackers = check_trackers(log_to)
     if resume:
         record = names.run_record(resume, prefer=("running", "failed", "cancelled"))
     else:
@@ -231,6 +236,11 @@ def eval_cmd(
         return
     out.print(f"run [bold]{record.id}[/] started on {record.host}")
     _follow_and_finish(record, jobs, out)
+    if trackers:
+        from ..tracking import log_run
+
+        for where in log_run(trackers, record.folder, record.folder.parent):
+            out.print(f"logged to {escape(where)}")
 
 
 RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its newest run), or latest."

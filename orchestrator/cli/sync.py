@@ -51,6 +51,8 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
     out.print(console.table(None, ["file", "size", "action", "from"],
                             [[f.path, human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
                              for f in plan.files], right=("size", "from")))
+    if plan.incomplete:
+        out.print(f"[yellow]not complete yet on {escape(plan.src.name)}: {escape(plan.incomplete)}; a sync now is refused[/]")
     if plan.up_to_date:
         out.print("[green]already on the destination and verified: nothing to move[/]")
     elif plan.final_exists:
