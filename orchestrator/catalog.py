@@ -21,11 +21,12 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import InputError
-from .paths import find_config, shipped
+from .paths import find_config, read_config_text, shipped
 
 ENV_VAR = "DFLASH_OPS_CATALOG"
 FORMATS = ("zlab", "speculators", "state_dict")
 DEFAULT_PATTERN = "step_{step}"
+STEP_FIELD = r"\{step(?::0?\d+d)?\}"   # {step}, or zero-padded: {step:08d}
 
 
 class CatalogError(InputError):
@@ -240,8 +241,7 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
         if not PurePosixPath(d).is_absolute() and ".." in PurePosixPath(d).parts:
             raise CatalogError(f"{path}: {where}: dir {d!r} must not contain '..'")
         pattern = e.get("pattern") or DEFAULT_PATTERN
-        if len(re.findall(r"\{step(?::0?\d+d)?\}", pattern)) != 1 or "/" in pattern or \
-                pattern.replace("{step}", "").count("{"):
+        if len(re.findall(STEP_FIELD, pattern)) != 1 or "/" in pattern or "{" in re.sub(STEP_FIELD, "", pattern):
             raise CatalogError(f"{path}: {where}: pattern {pattern!r} needs exactly one {{step}} and no '/'")
         cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")))
     for label, entry in _mapping(path, "targets", data.get("targets")).items():
@@ -275,10 +275,7 @@ def load_catalog(path: str | os.PathLike | None = None) -> Catalog:
     resolved = Path(path).expanduser() if path else default_catalog_path()
     if resolved is None:
         return Catalog()
-    try:
-        text = resolved.read_text()
-    except OSError as e:
-        raise CatalogError(f"{resolved}: cannot read the catalog: {e.strerror or e}") from None
+    text = read_config_text(resolved, CatalogError, "the catalog")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from .errors import InputError
-from .paths import find_config, local_home
+from .paths import find_config, local_home, read_config_text
 
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -157,10 +157,7 @@ def _duplicates(node: yaml.Node, path: Path, owner: str | None) -> None:
 
 
 def _read_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise InventoryError(f"{path}: cannot read inventory: {e.strerror or e}") from None
+    text = read_config_text(path, InventoryError, "the inventory")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
@@ -266,7 +263,30 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
             raise InventoryError(f"{path}: host name {name!r} must be a non-empty string")
         base = inv.hosts["local"] if name == "local" else None
         inv.hosts[name] = _host_from_entry(path, name, entry, base, ssh_config_path)
+    for host in inv:
+        _check_jump(path, host, inv)
     return inv
+
+
+def _check_jump(path: Path, host: Host, inv: Inventory) -> None:
+    """Every hop of ``jump`` is an SSH host of the inventory or ``[user@]addr[:port]``."""
+    if not host.jump or host.is_local:
+        return
+    from .sshconfig import parse_jump
+
+    field_ = "field 'jump'" if "jump" in host.ssh_set else "ProxyJump (from ssh_config)"
+    for hop in host.jump.split(","):
+        hop = hop.strip()
+        if hop in inv.hosts:
+            if inv.hosts[hop].is_local:
+                raise InventoryError(f"{path}: host '{host.name}': {field_}: '{hop}' is the local machine, "
+                                     f"not an SSH host")
+            continue
+        try:
+            parse_jump(hop)
+        except ValueError as e:
+            raise InventoryError(f"{path}: host '{host.name}': {field_}: bad hop {hop!r}: {e} "
+                                 f"(a hop is an inventory host or [user@]address[:port])") from None
 
 
 def resolve_inventory_path(path: str | os.PathLike | None = None) -> Path | None:

@@ -152,23 +152,14 @@ class HostKeyPolicy:
 # --- resolution ------------------------------------------------------------------------------
 
 
-def parse_jump_spec(spec: str, default_user: str | None,
-                    default_port: int | None = 22) -> tuple[str | None, str, int | None]:
-    """``[user@]host[:port]`` (``[v6addr]:port`` too) -> (user, host, port)."""
-    user = default_user
-    if "@" in spec:
-        user, spec = spec.rsplit("@", 1)
-    port = default_port
-    if spec.startswith("["):
-        addr, _, rest = spec[1:].partition("]")
-        if rest.startswith(":"):
-            port = int(rest[1:])
-    elif spec.count(":") == 1:
-        addr, p = spec.split(":")
-        port = int(p)
-    else:
-        addr = spec
-    return user, addr, port
+def parse_jump_spec(spec: str, default_user: str | None, default_port: int | None = 22,
+                    owner: str | None = None) -> tuple[str | None, str, int | None]:
+    """``[user@]host[:port]`` (``[v6addr]:port`` too) -> (user, host, port); a bad hop (from
+    ssh_config: the inventory refuses its own when it is loaded) is a :class:`TransportError`."""
+    try:
+        return sshconfig.parse_jump(spec, default_user, default_port)
+    except ValueError as e:
+        raise TransportError(f"{f'host {owner}: ' if owner else ''}jump host {spec!r}: {e}") from None
 
 
 def _overrides(host: "Host", base: sshconfig.ResolvedConfig) -> dict[str, str]:
@@ -234,7 +225,7 @@ def _hop(spec: str, host: "Host", inventory: "Inventory | None", previous: SSHEn
             raise TransportError(f"host {host.name}: jump host {spec!r} is not an SSH host")
         ep = endpoint_for(jhost, inventory, chain)
     else:
-        user, addr, port = parse_jump_spec(spec, host.user, default_port=None)
+        user, addr, port = parse_jump_spec(spec, host.user, default_port=None, owner=host.name)
         inherited = {"identity", "known_hosts"} & host.ssh_set
         jhost = replace(host, name=spec, address=addr, port=port or 22, user=user, jump=None, ssh_config=None,
                         ssh_set=frozenset(inherited | ({"port"} if port else set())))
