@@ -23,3 +23,8 @@ class OperationFailed(DflashOpsError):
     """The operation ran and failed: a host, a transfer, a worker."""
 
     exit_code = 1
+
+
+class DflashOpsWarning(UserWarning):
+    """Something the user should know that does not stop the command (the CLI shows it as one
+    yellow line on stderr)."""
