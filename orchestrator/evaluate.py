@@ -152,8 +152,9 @@ def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventor
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
     check_host_ready(host, inventory, req)
     runner = runner_for(host, inventory)
+    host = host.on_host(runner.expand_home)
     code_dir = ship(runner, host.python, host.workdir)
-    drafter_path, target_path = resolve_models(host, runner, code_dir, req)
+    drafter_path, target_path = map(runner.expand_home, resolve_models(host, runner, code_dir, req))
     flags = ["--verify-hashes"] if req.verify_weights else []
     report, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
                                "--json", *flags, timeout=1800)

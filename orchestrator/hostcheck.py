@@ -87,13 +87,14 @@ def _fill(report: HostReport, host: Host, data: dict) -> None:
 def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = None) -> HostReport:
     report = HostReport(name=host.name, endpoint=host.endpoint)
     start = time.monotonic()
-    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
-    for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
-                        ("--sglang", host.sglang)):
-        if value:
-            argv += [flag, value]
     try:
         with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
+            host = host.on_host(runner.expand_home)
+            argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+            for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
+                                ("--sglang", host.sglang)):
+                if value:
+                    argv += [flag, value]
             result = runner.run(argv, input=probe_source(), timeout=timeout)
         report.reachable = True
         if result.returncode in (126, 127):

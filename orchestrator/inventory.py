@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -51,6 +51,12 @@ class Host:
     def endpoint(self) -> str:
         return "local" if self.is_local else f"{self.address}:{self.port}"
 
+    def on_host(self, expand_home: Callable[[str | None], str | None]) -> "Host":
+        """This host with ``~`` in its paths (workdir, checkpoints, python) expanded on the host
+        (``expand_home``: its runner's :meth:`~orchestrator.transport.Runner.expand_home`)."""
+        values = {k: expand_home(getattr(self, k)) for k in HOME_PATHS}
+        return self if all(values[k] == getattr(self, k) for k in values) else replace(self, **values)
+
     def to_dict(self) -> dict:
         """The inventory's view of the host (what `hosts --json` prints)."""
         return {f.name: (list(v) if isinstance(v, tuple) else v) for f in fields(self) if f.repr
@@ -75,6 +81,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "gpus": ((int,), "an integer"),
 }
 _LOCAL_ONLY_IGNORED = {"is_local"}
+HOME_PATHS = ("workdir", "checkpoints", "python")   # paths on the host: a leading ~ is expanded there
 
 
 def builtin_local() -> Host:
@@ -217,6 +224,11 @@ def _host_from_entry(
         ok = isinstance(value, types) and not (bool not in types and isinstance(value, bool))
         if not ok:
             raise InventoryError(f"{where}: field '{key}' must be {human}, got {value!r}")
+    for key in HOME_PATHS:
+        value = entry.get(key)
+        if isinstance(value, str) and value.startswith("~") and value != "~" and not value.startswith("~/"):
+            raise InventoryError(f"{where}: field '{key}': {value!r}: only '~' and '~/...' (the login user's home "
+                                 f"on the host) are expanded; write the path out")
     if "port" in entry and entry["port"] is not None and not 0 < entry["port"] < 65536:
         raise InventoryError(f"{where}: field 'port' must be between 1 and 65535, got {entry['port']}")
     if "gpus" in entry and entry["gpus"] is not None and entry["gpus"] < 0:

@@ -43,17 +43,18 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
     src, dst = inv.pick("train", src_name), inv.pick("eval", dst_name)
     with runner_for(src, inv) as srun, runner_for(dst, inv) as drun, ThreadPoolExecutor(2) as bg:
         started = time.monotonic()
-        dconn = bg.submit(drun.connect)  # both control connections come up at once
+        dconn = bg.submit(lambda: drun.connect() and dst.on_host(drun.expand_home))  # both come up at once
+        src = src.on_host(srun.expand_home)
         r, info = pick_run(catalog, run, lambda runs: list_runs(
             srun, src, runs, lambda x: x.source_dir(src.checkpoints)))
         ckpt = resolve_name(name, r, info, src)
+        dst = dconn.result()
         direct = r.direct if direct is None else direct
         plan = SyncPlan(run=r.name, checkpoint=ckpt, src=src, dst=dst,
                         src_dir=str(PurePosixPath(info["dir"]) / ckpt), dst_rundir=dest_rundir(dst, r))
         if src.name == dst.name and plan.src_dir == plan.dst_final:
             raise SyncError(f"source and destination are the same folder: {plan.src_dir}")
         manifest_f = bg.submit(run_tool, srun, src, "manifest", plan.src_dir, timeout=600)
-        dconn.result()
         if dry_run:
             st = run_tool(drun, dst, "state", plan.dst_rundir, ckpt, timeout=120)
             src_files = manifest_f.result()["files"]

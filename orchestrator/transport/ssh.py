@@ -66,6 +66,7 @@ class SSHRunner(Runner):
         self._conn = None   # fabric.Connection, open
         self._lock = threading.Lock()
         self.host_key = None   # the key the open connection accepted (paramiko PKey)
+        self._home: str | None = None
 
     # connection ---------------------------------------------------------------------------
 
@@ -140,6 +141,15 @@ class SSHRunner(Runner):
     def connect(self) -> "SSHRunner":
         self.connection()
         return self
+
+    def home(self) -> str:
+        if self._home is None:
+            res = self.run(["sh", "-c", 'printf %s "$HOME"'], timeout=30)
+            if not res.ok or not res.stdout.startswith("/"):
+                raise TransportError(f"{self._where()}: cannot tell the login user's home directory (for '~' in "
+                                     f"the inventory or catalog): {res.stderr.strip() or res.stdout.strip()}")
+            self._home = res.stdout
+        return self._home
 
     def pin_lines(self) -> str:
         """known_hosts lines of the keys this connection and its jump hops accepted (connecting
