@@ -9,12 +9,15 @@ Ctrl-C or a lost connection leaves it running (``dflash-ops attach RUN`` picks i
 from __future__ import annotations
 
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from .errors import OperationFailed
+from remote.sglang import AUTH_ENV, split_credentials
+
+from .errors import InputError, OperationFailed
 from .inventory import Host, Inventory
 from .jobs import HostJob
 from .runrecord import EvalRequest, RunRecord, Shard
@@ -41,6 +44,30 @@ def split_drafter(spec: str | None) -> tuple[str | None, str | None]:
         label, ckpt = spec.split(":", 1)
         return label, ckpt or None
     return spec, None
+
+
+def check_sglang_option(value: str) -> None:
+    """``--sglang`` is auto, off or a URL without credentials: a password typed there would be in the
+    shell history and the run's files; it belongs in the inventory's URL or in $DFLASH_OPS_SGLANG_AUTH."""
+    if value in ("auto", "off"):
+        return
+    try:
+        _, auth = split_credentials(value)
+    except ValueError as e:
+        raise InputError(f"--sglang: not a valid URL ({e})") from None
+    if auth is not None:
+        raise InputError(f"--sglang: the URL holds credentials; give the URL without them and set "
+                         f"{AUTH_ENV}=user:password, or put the URL in the host's inventory entry")
+
+
+def reference_sglang(req: EvalRequest, host: Host) -> tuple[str | None, str | None]:
+    """(the SGLang URL the worker asks for reference completions, or None for local greedy;
+    its credentials ``user:password`` or None)."""
+    if req.sglang == "off" or (req.sglang == "auto" and req.mode != "offline"):
+        return None, None
+    if req.sglang == "auto":
+        return host.sglang, host.sglang_auth
+    return req.sglang, os.environ.get(AUTH_ENV) or None
 
 
 def parallel(fn, items) -> list:
@@ -181,7 +208,7 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
         args += ["--device", device]
     if req.dtype:
         args += ["--dtype", req.dtype]
-    sglang = host.sglang if req.sglang == "auto" and req.mode == "offline" else (None if req.sglang in ("auto", "off") else req.sglang)
+    sglang, _ = reference_sglang(req, host)
     if sglang:
         args += ["--sglang", sglang]
     if req.all_anchors:
@@ -206,7 +233,9 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     jobs = dict(enumerate(parallel(prepare, list(range(len(record.shards))))))
     req = record.eval_request
     for i, job in jobs.items():
-        job.start(worker_args(req, record.shards[i], hosts[i], resume=resume))
+        _, auth = reference_sglang(req, hosts[i])
+        job.start(worker_args(req, record.shards[i], hosts[i], resume=resume),
+                  secrets={AUTH_ENV: auth} if auth else None)
     label, _ = split_drafter(req.drafter)
     resolved = None if req.target else (EMBEDDED if label == EMBEDDED else record.shards[0].target_path)
     record.started(resolved_target=resolved)

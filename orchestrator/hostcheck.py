@@ -16,8 +16,16 @@ class HostCheckFailed(OperationFailed):
     """Some host failed its check (unreachable, python or torch missing)."""
 
 
-def probe_source() -> str:
-    return resources.files("remote").joinpath("probe.py").read_text()
+AUTH_LINE = "\nSGLANG_AUTH = None "
+
+
+def probe_source(sglang_auth: str | None = None) -> str:
+    """The probe's source, piped to the host's python; SGLang credentials ride in it (stdin), not argv."""
+    source = resources.files("remote").joinpath("probe.py").read_text()
+    if sglang_auth:
+        assert AUTH_LINE in source, "remote/probe.py lost its SGLANG_AUTH line"
+        source = source.replace(AUTH_LINE, f"\nSGLANG_AUTH = {sglang_auth!r} ", 1)
+    return source
 
 
 @dataclass
@@ -95,7 +103,7 @@ def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = 
                                 ("--sglang", host.sglang)):
                 if value:
                     argv += [flag, value]
-            result = runner.run(argv, input=probe_source(), timeout=timeout)
+            result = runner.run(argv, input=probe_source(host.sglang_auth), timeout=timeout)
         report.reachable = True
         if result.returncode in (126, 127):
             report.errors.append(f"python not found or not executable: {host.python}")

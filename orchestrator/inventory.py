@@ -40,12 +40,14 @@ class Host:
     python: str = "python3"
     workdir: str | None = None
     checkpoints: str | None = None
-    sglang: str | None = None
+    sglang: str | None = None       # the URL without credentials (what is shown and recorded)
     gpus: int | None = None
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     ssh_config_file: str | None = field(default=None, compare=False, repr=False)  # `-F` (tests)
+    # `user:password` from the inventory's sglang URL: sent to the host on stdin, never shown or recorded
+    sglang_auth: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -244,6 +246,12 @@ def _host_from_entry(
     values: dict[str, Any] = {k: v for k, v in entry.items() if v is not None}
     if "roles" in values:
         values["roles"] = tuple(values["roles"])
+    if "sglang" in values:
+        from remote.sglang import split_credentials
+        try:
+            values["sglang"], values["sglang_auth"] = split_credentials(values["sglang"])
+        except ValueError as e:
+            raise InventoryError(f"{where}: field 'sglang': not a valid URL ({e})") from None
 
     if base is not None:  # overriding the built-in local host
         return replace(base, **values)

@@ -111,7 +111,7 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..evaluate import EMBEDDED, split_drafter, start
+    from ..evaluate import EMBEDDED, check_sglang_option, split_drafter, start
     from ..runrecord import EvalRequest, RunRecord
     from ..runs import runs_dir as find_runs_dir
 
@@ -121,6 +121,7 @@ def eval_cmd(
         raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
+    check_sglang_option(sglang)
     if resume:
         record = _open_run(resume, runs_dir)
     else:
