@@ -234,8 +234,11 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
             raise CatalogError(f"{path}: unknown top-level key '{key}'; expected runs, drafters, targets")
     for name, entry in _mapping(path, "runs", data.get("runs")).items():
         name = str(name)
-        where = f"run '{name}'"
-        check_name(name, f"{where}: name")
+        where = f"run {name!r}"
+        try:
+            check_name(name, "name")
+        except CatalogError as e:
+            raise CatalogError(f"{path}: {where}: {e}") from None
         e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool})
         d = e.get("dir") or name
         if not PurePosixPath(d).is_absolute() and ".." in PurePosixPath(d).parts:

@@ -285,6 +285,10 @@ def validate_config(cfg: DrafterConfig, where: str) -> None:
     if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
         raise CheckpointError(f"{where}: RoPE type {kind!r} is not one transformers knows "
                               f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    theta = cfg.rope_parameters.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"{where}: field 'rope_theta' (or rope_parameters.rope_theta) must be a positive "
+                              f"number, got {json.dumps(theta)[:60]}")
     try:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
         Qwen3RotaryEmbedding(cfg.transformers_config())
