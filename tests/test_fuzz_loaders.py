@@ -83,18 +83,24 @@ def load_inventory_file(path: Path):
     return load_inventory(path, ssh_config_path=path.parent / "no-ssh-config")
 
 
+def fuzz_yaml(tmp_path_factory, data, doc: dict, paths: list[tuple], name: str, load) -> None:
+    """Load ``doc`` with one field broken, written as YAML to ``name``; only an InputError naming the
+    file and the field may come out."""
+    from orchestrator.errors import InputError
+
+    doc, fields_ = mutate(doc, paths, data)
+    path = tmp_path_factory.mktemp("yaml") / name
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    try:
+        load(path)
+    except InputError as e:
+        check_error(str(e), path, fields_)
+
+
 @FUZZ
 @given(data=st.data())
 def test_inventory_fuzz(tmp_path_factory, data):
-    from orchestrator.errors import InputError
-
-    doc, field = mutate(INVENTORY, INVENTORY_FIELDS, data)
-    path = tmp_path_factory.mktemp("inv") / "inventory.yaml"
-    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
-    try:
-        load_inventory_file(path)
-    except InputError as e:
-        check_error(str(e), path, field)
+    fuzz_yaml(tmp_path_factory, data, INVENTORY, INVENTORY_FIELDS, "inventory.yaml", load_inventory_file)
 
 
 # ----------------------------------------------------------------------------- catalog
@@ -113,15 +119,8 @@ CATALOG_FIELDS = [("runs",), ("targets",), ("drafters",), ("runs", "v5"), ("targ
 @given(data=st.data())
 def test_catalog_fuzz(tmp_path_factory, data):
     from orchestrator.catalog import load_catalog
-    from orchestrator.errors import InputError
 
-    doc, field = mutate(CATALOG, CATALOG_FIELDS, data)
-    path = tmp_path_factory.mktemp("cat") / "drafters.yaml"
-    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
-    try:
-        load_catalog(path)
-    except InputError as e:
-        check_error(str(e), path, field)
+    fuzz_yaml(tmp_path_factory, data, CATALOG, CATALOG_FIELDS, "drafters.yaml", load_catalog)
 
 
 # ----------------------------------------------------------------------------- prompt suite
