@@ -223,8 +223,8 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
 def start(record: RunRecord, inventory: Inventory, resume: bool = False,
           on_preflight: Callable[[str], None] | None = None) -> dict[int, HostJob]:
     """Pre-flight every shard's host (in parallel), then start every worker detached. Resuming, a
-    worker still running (its follower was cut off: a killed CLI, a dropped link) is followed, not
-    started twice."""
+    worker still running or finished (its follower was cut off: a killed CLI, a dropped link) is
+    followed and fetched, not started twice."""
     hosts = [inventory.get(s.host) for s in record.shards]
 
     def prepare(i: int) -> HostJob:
@@ -235,8 +235,8 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     jobs = dict(enumerate(parallel(prepare, list(range(len(record.shards))))))
     req = record.eval_request
     for i, job in jobs.items():
-        if resume and job.status().get("state") == "running":
-            continue
+        if resume and job.status().get("state") in ("running", "done"):
+            continue        # still going, or finished and not yet fetched: followed, not redone
         _, auth = reference_sglang(req, hosts[i])
         job.start(worker_args(req, record.shards[i], hosts[i], resume=resume),
                   secrets={AUTH_ENV: auth} if auth else None)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faulttable import collect_table, wait_for
 from test_eval import cli, remote_run_dir, results, setup  # noqa: F401 (setup: the module's fixture)
 
 FAULTS = ("kill-local", "kill-remote", "link-down")
@@ -38,26 +39,10 @@ def worker_pid(rdir: Path) -> int | None:
         return None
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def table(request):
-    rows: list[tuple[str, ...]] = []
-    yield rows
-    if not rows:
-        return
-    head = ("fault", "point", "rows at fault", "faulty run", "rerun", "prompts once")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    text = "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print("\n--- eval fault injection (fault x point -> outcome)\n" + text, flush=True)
+    yield from collect_table(request, "eval fault injection",
+                             ("fault", "point", "rows at fault", "faulty run", "rerun", "prompts once"))
 
 
 def last_line(text: str) -> str:
@@ -87,8 +72,7 @@ def test_eval_fault_then_resume_has_every_prompt_once(setup, tmp_path, table, fa
             wait_for(lambda: rows_on_host(rdir) >= 1, 240, "the first prompt")
         os.kill(pid, signal.SIGSTOP)
         at_fault = rows_on_host(rdir)
-        if point == "loading":
-            assert at_fault == 0
+        assert at_fault == 0 if point == "loading" else 0 < at_fault < N_PROMPTS, at_fault
         if fault == "kill-local":
             proc.kill()
         elif fault == "kill-remote":
@@ -111,7 +95,8 @@ def test_eval_fault_then_resume_has_every_prompt_once(setup, tmp_path, table, fa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    faulty = "killed" if fault == "kill-local" else (f"exit {proc.returncode}: {last_line(out)}")
+    faulty = ("killed" if fault == "kill-local" else "completed" if proc.returncode == 0
+              else f"exit {proc.returncode}: {last_line(out)}")
     done = json.loads((runs / run_id / "run.json").read_text())["status"] == "done"
     rerun = "-"
     if not done:
