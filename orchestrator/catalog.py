@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import InputError, did_you_mean
-from .paths import CATALOG, ConfigFile, locate
+from .paths import CATALOG, ConfigFile, locate, read_config_text
 
 ENV_VAR = "DFLASH_OPS_CATALOG"
 FORMATS = ("zlab", "speculators", "state_dict")
@@ -32,6 +32,7 @@ TOP_KEYS = ("runs", "drafters", "targets", "default")
 DEFAULT_PATTERN = "step_{step}"
 EMBEDDED = "embedded"   # the demo pair every host can build (remote/embedded.py), a drafter and a target
 DEFAULT_SETTLE = 60.0
+STEP_FIELD = r"\{step(?::0?\d+d)?\}"   # {step}, or zero-padded: {step:08d}
 
 
 class CatalogError(InputError):
@@ -261,22 +262,24 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
                                f"expected {', '.join(TOP_KEYS)}")
     for name, entry in _mapping(path, "runs", data.get("runs")).items():
         name = str(name)
-        where = f"run '{name}'"
-        check_name(name, f"{where}: name")
+        where = f"run {name!r}"
+        try:
+            check_name(name, "name")
+            if isinstance(entry, dict) and isinstance(entry.get("marker"), str) and entry["marker"]:
+                check_name(entry["marker"], "marker")
+        except CatalogError as e:
+            raise CatalogError(f"{path}: {where}: {e}") from None
         e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool, "settle": (int, float),
                                          "marker": str, "log": str, "metrics": list, "tau_metric": str})
         if e.get("settle") is not None and (isinstance(e["settle"], bool) or e["settle"] < 0):
             raise CatalogError(f"{path}: {where}: settle must be a number of seconds >= 0")
-        if e.get("marker"):
-            check_name(e["marker"], f"{where}: marker")
         if e.get("log") and ".." in PurePosixPath(e["log"]).parts:
             raise CatalogError(f"{path}: {where}: log {e['log']!r} must not contain '..'")
         d = e.get("dir") or name
         if not PurePosixPath(d).is_absolute() and ".." in PurePosixPath(d).parts:
             raise CatalogError(f"{path}: {where}: dir {d!r} must not contain '..'")
         pattern = e.get("pattern") or DEFAULT_PATTERN
-        if len(re.findall(r"\{step(?::0?\d+d)?\}", pattern)) != 1 or "/" in pattern or \
-                pattern.replace("{step}", "").count("{"):
+        if len(re.findall(STEP_FIELD, pattern)) != 1 or "/" in pattern or "{" in re.sub(STEP_FIELD, "", pattern):
             raise CatalogError(f"{path}: {where}: pattern {pattern!r} needs exactly one {{step}} and no '/'")
         metrics = tuple(str(t) for t in e.get("metrics") or ())
         cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")),
@@ -325,10 +328,7 @@ def load_catalog(path: "str | os.PathLike | ConfigFile | None" = None) -> Catalo
     resolved = found.path
     if resolved is None:
         return Catalog(found=found)
-    try:
-        text = resolved.read_text()
-    except OSError as e:
-        raise CatalogError(f"{resolved}: cannot read the catalog: {e.strerror or e}") from None
+    text = read_config_text(resolved, CatalogError, "the catalog")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

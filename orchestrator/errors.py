@@ -36,3 +36,6 @@ def did_you_mean(word: str, choices) -> str:
     """`` (did you mean 'x'?)`` or ``''``."""
     near = nearest(word, choices, 1)
     return f" (did you mean '{near[0]}'?)" if near else ""
+class DflashOpsWarning(UserWarning):
+    """Something the user should know that does not stop the command (the CLI shows it as one
+    yellow line on stderr)."""

@@ -9,10 +9,13 @@ Ctrl-C or a lost connection leaves it running (``dflash-ops attach RUN`` picks i
 from __future__ import annotations
 
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
+
+from remote.sglang import AUTH_ENV, split_credentials
 
 from .catalog import EMBEDDED
 from .errors import InputError, OperationFailed
@@ -41,6 +44,30 @@ def default_device(host: Host, req: EvalRequest) -> str | None:
     """``--device``, else CPU on ``local`` and on a host whose inventory says ``gpus: 0``, else
     the worker's default (CUDA)."""
     return req.device or ("cpu" if host.is_local or host.gpus == 0 else None)
+
+
+def check_sglang_option(value: str) -> None:
+    """``--sglang`` is auto, off or a URL without credentials: a password typed there would be in the
+    shell history and the run's files; it belongs in the inventory's URL or in $DFLASH_OPS_SGLANG_AUTH."""
+    if value in ("auto", "off"):
+        return
+    try:
+        _, auth = split_credentials(value)
+    except ValueError as e:
+        raise InputError(f"--sglang: not a valid URL ({e})") from None
+    if auth is not None:
+        raise InputError(f"--sglang: the URL holds credentials; give the URL without them and set "
+                         f"{AUTH_ENV}=user:password, or put the URL in the host's inventory entry")
+
+
+def reference_sglang(req: EvalRequest, host: Host) -> tuple[str | None, str | None]:
+    """(the SGLang URL the worker asks for reference completions, or None for local greedy;
+    its credentials ``user:password`` or None)."""
+    if req.sglang == "off" or (req.sglang == "auto" and req.mode != "offline"):
+        return None, None
+    if req.sglang == "auto":
+        return host.sglang, host.sglang_auth
+    return req.sglang, os.environ.get(AUTH_ENV) or None
 
 
 def parallel(fn, items) -> list:
@@ -161,8 +188,9 @@ def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventor
     check_host_ready(host, inventory, req)
     phase("pre-flight: shipping the worker, checking drafter and target")
     runner = runner_for(host, inventory)
+    host = host.on_host(runner.expand_home)
     code_dir = ship(runner, host.python, host.workdir)
-    drafter_path, target_path = resolve_models(host, runner, code_dir, req)
+    drafter_path, target_path = map(runner.expand_home, resolve_models(host, runner, code_dir, req))
     flags = ["--verify-hashes"] if req.verify_weights else []
     report, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
                                "--json", *flags, timeout=1800)
@@ -192,7 +220,7 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
         args += ["--device", device]
     if req.dtype:
         args += ["--dtype", req.dtype]
-    sglang = host.sglang if req.sglang == "auto" and req.mode == "offline" else (None if req.sglang in ("auto", "off") else req.sglang)
+    sglang, _ = reference_sglang(req, host)
     if sglang:
         args += ["--sglang", sglang]
     if req.all_anchors:
@@ -207,7 +235,9 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
 def start(record: RunRecord, inventory: Inventory, resume: bool = False,
           on_phase: Callable[[str, str], None] | None = None) -> dict[int, HostJob]:
     """Pre-flight every shard's host (in parallel), then start every worker detached.
-    ``on_phase(host, phase)`` hears each step: connecting, pre-flight, starting the worker."""
+    ``on_phase(host, phase)`` hears each step: connecting, pre-flight, starting the worker. Resuming,
+    a worker still running or finished (its follower was cut off: a killed CLI, a dropped link) is
+    followed and fetched, not started twice."""
     hosts = [inventory.get(s.host) for s in record.shards]
 
     def prepare(i: int) -> HostJob:
@@ -217,9 +247,13 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     jobs = dict(enumerate(parallel(prepare, list(range(len(record.shards))))))
     req = record.eval_request
     for i, job in jobs.items():
+        if resume and job.status().get("state") in ("running", "done"):
+            continue        # still going, or finished and not yet fetched: followed, not redone
         if on_phase:
             on_phase(hosts[i].name, "starting the worker")
-        job.start(worker_args(req, record.shards[i], hosts[i], resume=resume))
+        _, auth = reference_sglang(req, hosts[i])
+        job.start(worker_args(req, record.shards[i], hosts[i], resume=resume),
+                  secrets={AUTH_ENV: auth} if auth else None)
     record.started()
     return jobs
 

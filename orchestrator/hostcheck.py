@@ -16,8 +16,16 @@ class HostCheckFailed(OperationFailed):
     """Some host failed its check (unreachable, python or torch missing)."""
 
 
-def probe_source() -> str:
-    return resources.files("remote").joinpath("probe.py").read_text()
+AUTH_LINE = "\nSGLANG_AUTH = None "
+
+
+def probe_source(sglang_auth: str | None = None) -> str:
+    """The probe's source, piped to the host's python; SGLang credentials ride in it (stdin), not argv."""
+    source = resources.files("remote").joinpath("probe.py").read_text()
+    if sglang_auth:
+        assert AUTH_LINE in source, "remote/probe.py lost its SGLANG_AUTH line"
+        source = source.replace(AUTH_LINE, f"\nSGLANG_AUTH = {sglang_auth!r} ", 1)
+    return source
 
 
 @dataclass
@@ -87,14 +95,15 @@ def _fill(report: HostReport, host: Host, data: dict) -> None:
 def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = None) -> HostReport:
     report = HostReport(name=host.name, endpoint=host.endpoint)
     start = time.monotonic()
-    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
-    for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
-                        ("--sglang", host.sglang)):
-        if value:
-            argv += [flag, value]
     try:
         with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
-            result = runner.run(argv, input=probe_source(), timeout=timeout)
+            host = host.on_host(runner.expand_home)
+            argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+            for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
+                                ("--sglang", host.sglang)):
+                if value:
+                    argv += [flag, value]
+            result = runner.run(argv, input=probe_source(host.sglang_auth), timeout=timeout)
         report.reachable = True
         if result.returncode in (126, 127):
             report.errors.append(f"python not found or not executable: {host.python}")

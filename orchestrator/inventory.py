@@ -10,12 +10,12 @@ import os
 import sys
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
 from .errors import InputError
-from .paths import find_config, local_home
+from .paths import find_config, local_home, read_config_text
 
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -40,16 +40,24 @@ class Host:
     python: str = "python3"
     workdir: str | None = None
     checkpoints: str | None = None
-    sglang: str | None = None
+    sglang: str | None = None       # the URL without credentials (what is shown and recorded)
     gpus: int | None = None
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     ssh_config_file: str | None = field(default=None, compare=False, repr=False)  # `-F` (tests)
+    # `user:password` from the inventory's sglang URL: sent to the host on stdin, never shown or recorded
+    sglang_auth: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def endpoint(self) -> str:
         return "local" if self.is_local else f"{self.address}:{self.port}"
+
+    def on_host(self, expand_home: Callable[[str | None], str | None]) -> "Host":
+        """This host with ``~`` in its paths (workdir, checkpoints, python) expanded on the host
+        (``expand_home``: its runner's :meth:`~orchestrator.transport.Runner.expand_home`)."""
+        values = {k: expand_home(getattr(self, k)) for k in HOME_PATHS}
+        return self if all(values[k] == getattr(self, k) for k in values) else replace(self, **values)
 
     def to_dict(self) -> dict:
         """The inventory's view of the host (what `hosts --json` prints)."""
@@ -75,6 +83,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "gpus": ((int,), "an integer"),
 }
 _LOCAL_ONLY_IGNORED = {"is_local"}
+HOME_PATHS = ("workdir", "checkpoints", "python")   # paths on the host: a leading ~ is expanded there
 
 
 def builtin_local() -> Host:
@@ -157,10 +166,7 @@ def _duplicates(node: yaml.Node, path: Path, owner: str | None) -> None:
 
 
 def _read_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise InventoryError(f"{path}: cannot read inventory: {e.strerror or e}") from None
+    text = read_config_text(path, InventoryError, "the inventory")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:
@@ -220,6 +226,11 @@ def _host_from_entry(
         ok = isinstance(value, types) and not (bool not in types and isinstance(value, bool))
         if not ok:
             raise InventoryError(f"{where}: field '{key}' must be {human}, got {value!r}")
+    for key in HOME_PATHS:
+        value = entry.get(key)
+        if isinstance(value, str) and value.startswith("~") and value != "~" and not value.startswith("~/"):
+            raise InventoryError(f"{where}: field '{key}': {value!r}: only '~' and '~/...' (the login user's home "
+                                 f"on the host) are expanded; write the path out")
     if "port" in entry and entry["port"] is not None and not 0 < entry["port"] < 65536:
         raise InventoryError(f"{where}: field 'port' must be between 1 and 65535, got {entry['port']}")
     if "gpus" in entry and entry["gpus"] is not None and entry["gpus"] < 0:
@@ -235,6 +246,12 @@ def _host_from_entry(
     values: dict[str, Any] = {k: v for k, v in entry.items() if v is not None}
     if "roles" in values:
         values["roles"] = tuple(values["roles"])
+    if "sglang" in values:
+        from remote.sglang import split_credentials
+        try:
+            values["sglang"], values["sglang_auth"] = split_credentials(values["sglang"])
+        except ValueError as e:
+            raise InventoryError(f"{where}: field 'sglang': not a valid URL ({e})") from None
 
     if base is not None:  # overriding the built-in local host
         return replace(base, **values)
@@ -266,7 +283,30 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
             raise InventoryError(f"{path}: host name {name!r} must be a non-empty string")
         base = inv.hosts["local"] if name == "local" else None
         inv.hosts[name] = _host_from_entry(path, name, entry, base, ssh_config_path)
+    for host in inv:
+        _check_jump(path, host, inv)
     return inv
+
+
+def _check_jump(path: Path, host: Host, inv: Inventory) -> None:
+    """Every hop of ``jump`` is an SSH host of the inventory or ``[user@]addr[:port]``."""
+    if not host.jump or host.is_local:
+        return
+    from .sshconfig import parse_jump
+
+    field_ = "field 'jump'" if "jump" in host.ssh_set else "ProxyJump (from ssh_config)"
+    for hop in host.jump.split(","):
+        hop = hop.strip()
+        if hop in inv.hosts:
+            if inv.hosts[hop].is_local:
+                raise InventoryError(f"{path}: host '{host.name}': {field_}: '{hop}' is the local machine, "
+                                     f"not an SSH host")
+            continue
+        try:
+            parse_jump(hop)
+        except ValueError as e:
+            raise InventoryError(f"{path}: host '{host.name}': {field_}: bad hop {hop!r}: {e} "
+                                 f"(a hop is an inventory host or [user@]address[:port])") from None
 
 
 def resolve_inventory_path(path: str | os.PathLike | None = None) -> Path | None:

@@ -26,13 +26,16 @@ class HostJob:
     def out_dir(self) -> str:
         return f"{self.run_dir}/out"
 
-    def _launch(self, *args: str, timeout: float | None = 60):
-        return self.runner.run([self.python, "-m", "remote.launch", *args], timeout=timeout,
+    def _launch(self, *args: str, timeout: float | None = 60, input: str | None = None):
+        return self.runner.run([self.python, "-m", "remote.launch", *args], timeout=timeout, input=input,
                                env={"PYTHONPATH": self.code_dir}, cwd=self.code_dir)
 
-    def start(self, worker_args: list[str]) -> int:
+    def start(self, worker_args: list[str], secrets: dict[str, str] | None = None) -> int:
+        """Start the worker detached; ``secrets`` (environment variables) travel on stdin, never argv."""
         argv = [self.python, "-m", "remote.worker", *worker_args]
-        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, "--", *argv)
+        env = ("--env-stdin",) if secrets else ()
+        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, *env, "--", *argv,
+                           input=json.dumps(secrets) if secrets else None)
         if not res.ok:
             raise TransportError(f"could not start the worker: {res.stderr.strip()[-500:]}")
         return json.loads(res.stdout.strip().splitlines()[-1])["pid"]

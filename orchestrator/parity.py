@@ -23,6 +23,7 @@ def run_parity(record: RunRecord, inventory: Inventory, max_anchors: int = 2000)
     host = inventory.get(shard.host)
     runner = runner_for(host, inventory)
     with runner:
+        host = host.on_host(runner.expand_home)
         code_dir = ship(runner, host.python, host.workdir)
         remote_in, remote_out = f"{shard.run_dir}/parity-input.jsonl", f"{shard.run_dir}/parity.json"
         runner.put_file(record.folder / "results.jsonl", remote_in)

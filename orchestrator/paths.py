@@ -96,6 +96,22 @@ def find_config(explicit: str | os.PathLike | None, env_var: str, here: str, use
     return locate(ConfigKind("config", "", env_var, here, user_name), explicit).path
 
 
+def read_config_text(path: Path, error: type[Exception], what: str) -> str:
+    """The text of a config file (UTF-8); ``error`` with one line naming the file otherwise: it
+    cannot be read, or a byte is not UTF-8 (with its line and column)."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise error(f"{path}: line {line}, column {column}: not UTF-8 text (byte 0x{data[e.start]:02x}); "
+                    f"save {what} as UTF-8") from None
+
+
 def shipped(name: str) -> Path:
     """A default file shipped in the package (``orchestrator/configs/NAME``)."""
     return SHIPPED / name

@@ -19,8 +19,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .catalog import parse_step, step_name
+from .errors import InputError
 
 RUN_FILE = "run.json"
+
+
+class RunRecordError(InputError):
+    """A run.json that cannot be read as a run record (the message names the file)."""
 
 
 @dataclass
@@ -122,9 +127,25 @@ class RunRecord:
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunRecord":
-        raw = json.loads((Path(run_dir) / RUN_FILE).read_text())
-        raw["shards"] = [Shard(**s) for s in raw.get("shards", [])]
-        return cls(**raw, folder=Path(run_dir))
+        path = Path(run_dir) / RUN_FILE
+        try:
+            raw = json.loads(path.read_bytes().decode("utf-8"))
+            if not isinstance(raw, dict):
+                raise TypeError(f"a JSON object was expected, not {type(raw).__name__}")
+            shards = raw.get("shards", [])
+            if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+                raise TypeError("'shards' is not a list of objects")
+            raw["shards"] = [Shard(**s) for s in shards]
+            record = cls(**raw, folder=Path(run_dir))
+            if not isinstance(record.request, dict):
+                raise TypeError("'request' is not an object")
+            record.eval_request
+        except OSError as e:
+            raise RunRecordError(f"{path}: cannot read the run record: {e.strerror or e}") from None
+        except (ValueError, TypeError) as e:   # JSON, UTF-8, missing or unknown fields
+            raise RunRecordError(f"{path}: not a valid run record ({e}); the run cannot be followed, cancelled "
+                                 f"or resumed from it") from None
+        return record
 
     @property
     def eval_request(self) -> EvalRequest:

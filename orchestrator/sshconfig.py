@@ -78,8 +78,10 @@ def _ssh_G(destination: str, options: tuple[tuple[str, str], ...], config_file: 
     proc = subprocess.run([*argv, "--", destination], capture_output=True, text=True, timeout=30,
                           stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
-        why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        raise SSHConfigError(f"ssh -G {destination}: {why}")
+        lines = [ln.strip() for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        # "FILE line 3: Bad port 'abc'." says what is wrong; "terminating, 1 bad ..." only that it is
+        why = [ln for ln in lines if " line " in ln] or lines[-1:] or [f"exit {proc.returncode}"]
+        raise SSHConfigError(f"ssh -G {destination}: {'; '.join(why)}")
     out = ResolvedConfig()
     for line in proc.stdout.splitlines():
         key, _, value = line.partition(" ")
@@ -96,6 +98,36 @@ def resolve(destination: str, options: dict[str, str] | None = None,
         raise SSHConfigError(f"bad SSH destination {destination!r}")
     return _ssh_G(destination, tuple(sorted((options or {}).items())), user_config_file(config_file),
                   os.environ.get("HOME", ""))
+
+
+def parse_jump(spec: str, default_user: str | None = None,
+               default_port: int | None = 22) -> tuple[str | None, str, int | None]:
+    """One ProxyJump hop, ``[user@]host[:port]`` (``[v6addr]:port`` too) -> (user, host, port);
+    ValueError (saying what is wrong) for anything else."""
+    user = default_user
+    if "@" in spec:
+        user, spec = spec.rsplit("@", 1)
+        if not user:
+            raise ValueError("an empty user before '@'")
+    port: int | str | None = default_port
+    if spec.startswith("["):
+        addr, _, rest = spec[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{rest!r} after ']' (expected ':PORT')")
+        port = rest[1:] if rest else default_port
+    elif spec.count(":") == 1:
+        addr, port = spec.split(":")
+    else:
+        addr = spec
+    if not addr or any(c.isspace() for c in addr) or addr.startswith("-"):
+        raise ValueError("no host" if not addr else f"{addr!r} is not a host name or address")
+    if isinstance(port, str):
+        if not port.isdigit():
+            raise ValueError(f"{port!r} is not a port")
+        if not 0 < int(port) < 65536:
+            raise ValueError(f"port {port} is out of range (1-65535)")
+        port = int(port)
+    return user, addr, port
 
 
 @lru_cache(maxsize=1)

@@ -70,9 +70,75 @@ ZLAB_ARCHITECTURES = {"DFlashDraftModel": DFLASH, "DFlash2DraftModel": DFLASH2}
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+# The fields this module reads itself, with the JSON type each must have (transformers checks the
+# fields of its own config classes). A null counts as absent only where the reader allows it.
+INT, NUM, BOOL, STR, INTS, STRS, OBJ = ("an integer", "a number", "true or false", "a string",
+                                        "a list of integers", "a list of strings", "an object")
+_DFLASH_FIELDS = {"mask_token_id": INT, "target_layer_ids": INTS, "block_size": INT, "input_embedding_scale": NUM,
+                  "output_multiplier": NUM, "final_logit_softcapping": NUM, "conv_kernel_size": INT,
+                  "conv_group_size": INT, "selector_rank": INT, "selector_top_k": INT}
+_ZLAB_FIELDS = {**_DFLASH_FIELDS, "architectures": STRS, "vocab_size": INT, "num_target_layers": INT,
+                "target_hidden_size": INT, "dflash_config": OBJ, "is_causal": BOOL}
+_SPECULATORS_FIELDS = {**_DFLASH_FIELDS, "speculators_model_type": STR, "transformer_layer_config": OBJ,
+                       "aux_hidden_state_layer_ids": INTS, "draft_vocab_size": INT, "num_target_layers": INT,
+                       "target_hidden_size": INT, "sliding_window_non_causal": BOOL, "sample_from_anchor": BOOL}
+_NULLABLE = {"final_logit_softcapping", "num_target_layers", "target_hidden_size", "is_causal", "sliding_window",
+             "draft_vocab_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
+_ANNOTATION_KINDS = {"int": INT, "float": NUM, "bool": BOOL, "str": STR, "list[int]": INTS, "list[str]": STRS,
+                     "dict": OBJ}
+
+
+def _is_kind(value, kind: str) -> bool:
+    integer = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    return {INT: integer, NUM: lambda v: integer(v) or isinstance(v, float), BOOL: lambda v: isinstance(v, bool),
+            STR: lambda v: isinstance(v, str), OBJ: lambda v: isinstance(v, dict),
+            INTS: lambda v: isinstance(v, list) and all(map(integer, v)),
+            STRS: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)}[kind](value)
+
+
+def _check_types(raw: dict, kinds: dict[str, str], where: str, section: str | None = None) -> None:
+    """Refuse a field of ``raw`` whose JSON type is not ``kinds[field]``, naming the file and the field."""
+    for name, kind in kinds.items():
+        value = raw.get(name)
+        if name not in raw or (value is None and name in _NULLABLE) or _is_kind(value, kind):
+            continue
+        shown = json.dumps(value)
+        raise CheckpointError(f"{where}: field {name!r}{f' in {section}' if section else ''} must be {kind}, "
+                              f"got {shown if len(shown) <= 60 else shown[:57] + '...'}")
+
+
+def _flat_kinds() -> dict[str, str]:
+    kinds = {}
+    for f in fields(DrafterConfig):
+        base = str(f.type).replace(" | None", "")
+        if base in _ANNOTATION_KINDS:
+            kinds[f.name] = _ANNOTATION_KINDS[base]
+            if "None" in str(f.type):
+                _NULLABLE.add(f.name)
+    return {**kinds, "rope_theta": NUM}
+
+
+def check_config_types(raw: dict, fmt: str, where: str) -> None:
+    """The JSON types of the fields the ``fmt`` reader takes from ``raw`` (see the kinds above)."""
+    if fmt == "zlab":
+        _check_types(raw, _ZLAB_FIELDS, where)
+        _check_types(raw.get("dflash_config") or {}, _DFLASH_FIELDS, where, "dflash_config")
+    elif fmt == "speculators":
+        _check_types(raw, _SPECULATORS_FIELDS, where)
+    else:
+        _check_types(raw, _flat_kinds(), where)
 
 
 def _require(value, name: str, where: str):
@@ -219,6 +285,10 @@ def validate_config(cfg: DrafterConfig, where: str) -> None:
     if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
         raise CheckpointError(f"{where}: RoPE type {kind!r} is not one transformers knows "
                               f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    theta = cfg.rope_parameters.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise CheckpointError(f"{where}: field 'rope_theta' (or rope_parameters.rope_theta) must be a positive "
+                              f"number, got {json.dumps(theta)[:60]}")
     try:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
         Qwen3RotaryEmbedding(cfg.transformers_config())
@@ -255,7 +325,10 @@ def detect_format(raw: dict) -> str:
 def _weight_files(folder: Path, fmt: str) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        weight_map = _read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: field 'weight_map' must be an object of tensor name -> file name")
+        shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).exists()]
         if missing:
             raise CheckpointError(f"{folder}: shards listed in model.safetensors.index.json are missing: {missing}")
@@ -282,10 +355,18 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     if not cfg_path.exists():
         raise CheckpointError(f"{folder}: no {CONFIG_NAME} next to the drafter weights")
     raw = _read_json(cfg_path)
-    fmt = detect_format(raw)
     where = str(cfg_path)
-    cfg = {"zlab": _zlab_config, "speculators": _speculators_config, "state_dict": _flat_config}[fmt](raw, where)
-    validate_config(cfg, where)
+    if not isinstance(raw.get("architectures") or [], list) or not isinstance(raw.get("dflash_config") or {}, dict):
+        check_config_types(raw, "zlab", where)   # detect_format reads these two
+    fmt = detect_format(raw)
+    check_config_types(raw, fmt, where)
+    try:
+        cfg = {"zlab": _zlab_config, "speculators": _speculators_config, "state_dict": _flat_config}[fmt](raw, where)
+        validate_config(cfg, where)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:   # a value the checks above let by
+        raise CheckpointError(f"{where}: cannot read the drafter config ({type(e).__name__}: {e})") from None
     files = [path] if path.is_file() else _weight_files(folder, fmt)
     if len(files) > 1 and fmt == "state_dict":
         raise CheckpointError(f"{folder}: several state-dict files {[p.name for p in files]}: name one")

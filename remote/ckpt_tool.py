@@ -10,7 +10,6 @@ Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...
   cache ``.dflash-manifest.json`` when none of size, mtime, inode, ctime changed; ``--hash``
   computes missing ones). Refused when the folder holds symbolic links (never followed: they can
   point anywhere on the host) or unfinished ``*.part`` files
-* ``save-manifest DIR``  (stdin: JSON) caches a manifest if the files still match it
 * ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
 * ``send FILE SIZE MTIME_NS OFFSET [--hash] [--cache DIR]``  bytes [OFFSET, SIZE) on stdout, then a
   trailer ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on
@@ -266,24 +265,6 @@ def manifest(d: str, compute: bool) -> dict:
 def cmd_manifest(args: list) -> None:
     (d,), opts = parse(args, ("DIR",), {"--hash": 0})
     out(json.dumps(manifest(d, "--hash" in opts)))
-
-
-def cmd_save_manifest(args: list) -> None:
-    """Cache the manifest of a finished sync, if every file is still the one that was listed
-    (size and mtime; inode and ctime too where the entry carries them)."""
-    (d,), _ = parse(args, ("DIR",), {})
-    data = json.loads(sys.stdin.read())
-    current = dict(Walk(d).files)
-    files = []
-    for e in data["files"]:
-        st = current.get(e["path"])
-        keys = ["size", "mtime_ns"] + [k for k in ("ino", "ctime_ns") if k in e]
-        if st is None or not _matches(e, st, keys) or not e.get("sha256"):
-            out(json.dumps({"saved": False, "why": f"{e['path']} changed"}))
-            return
-        files.append({**e, **_ident(st)})
-    _write_json_atomic(os.path.join(d, MANIFEST), {"files": files})
-    out(json.dumps({"saved": True}))
 
 
 def cmd_send(args: list) -> None:
@@ -706,7 +687,7 @@ def parse(args: list, names: tuple, flags: dict) -> tuple[list, dict]:
     return pos, opts
 
 
-COMMANDS = {"list": cmd_list, "manifest": cmd_manifest, "save-manifest": cmd_save_manifest,
+COMMANDS = {"list": cmd_list, "manifest": cmd_manifest,
             "state": cmd_state, "send": cmd_send, "recv": cmd_recv, "hold": cmd_hold}
 
 

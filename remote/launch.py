@@ -6,6 +6,10 @@ A run folder holds: ``cmd.json`` (argv), ``pid``, ``events.jsonl`` (the job's st
 own session and process group with stdin from /dev/null, so a dropped SSH connection or a Ctrl-C on
 the user's machine does not touch it; ``cancel`` signals that whole group.
 
+Secrets (e.g. SGLang credentials) never go in the argv (``ps`` shows it, ``cmd.json`` records it):
+``start --env-stdin`` reads a JSON object of environment variables on stdin and gives them to the
+job's environment only.
+
 ``pid`` is one line ``JOB SUPERVISOR JOB_START SUPERVISOR_START BOOT_ID``: a pid names a process
 only together with its start time (``/proc/PID/stat`` field 22) and the boot it belongs to, since
 after a reboot or a container restart the same number can be any process. A process counts as the
@@ -31,8 +35,9 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def start(run_dir: Path, argv: list[str], cwd: str | None = None) -> int:
-    """Double-fork a supervisor that runs ``argv`` and records its exit code; returns the job pid."""
+def start(run_dir: Path, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None) -> int:
+    """Double-fork a supervisor that runs ``argv`` (with ``env`` added to its environment) and
+    records its exit code; returns the job pid."""
     run_dir.mkdir(parents=True, exist_ok=True)
     st = state(run_dir)
     if st["state"] == "running":
@@ -59,7 +64,8 @@ def start(run_dir: Path, argv: list[str], cwd: str | None = None) -> int:
     events = open(run_dir / "events.jsonl", "ab")
     log = open(run_dir / "worker.log", "ab")
     try:                           # its own process group, so cancel reaches the job's children too
-        proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd, start_new_session=True,
+                                env={**os.environ, **env} if env else None)
     except OSError as e:
         log.write(f"cannot start {argv[0]}: {e}\n".encode())
         log.flush()
@@ -230,12 +236,24 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     return state(run_dir)
 
 
+def _env_from_stdin() -> dict[str, str]:
+    try:
+        env = json.loads(sys.stdin.read() or "{}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--env-stdin: stdin is not JSON ({e})") from None
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise SystemExit("--env-stdin: stdin must be a JSON object of strings")
+    return env
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote.launch", description=__doc__)
     p.add_argument("action", choices=("start", "follow", "status", "cancel"))
     p.add_argument("run_dir")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--cwd", default=None)
+    p.add_argument("--env-stdin", action="store_true", help="start: a JSON object of environment variables "
+                                                             "for the job on stdin (secrets: never argv)")
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -243,7 +261,8 @@ def main(argv=None) -> int:
     if args.action == "start":
         if not cmd:
             p.error("start needs -- COMMAND ...")
-        pid = start(run_dir, cmd, args.cwd)
+        env = _env_from_stdin() if args.env_stdin else None
+        pid = start(run_dir, cmd, args.cwd, env)
         if not pid:
             print(f"could not start {cmd[0]} in {run_dir} (see {run_dir / 'worker.log'})", file=sys.stderr)
             return 1

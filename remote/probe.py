@@ -4,10 +4,14 @@ Shipped by piping this file into the host's interpreter (``python - ARGS``), so 
 installing. Package versions come from ``importlib.metadata`` (no imports); CUDA availability needs
 ``import torch``, done in a child process with a timeout. ``fla`` is never imported (it can crash on
 CPU-only hosts); its distribution version is enough.
+
+SGLang credentials never go on the command line (``ps`` shows it): `hosts check` writes them into
+the ``SGLANG_AUTH = None`` line of the source it pipes in (see ``orchestrator/hostcheck.py``).
 """
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import platform
@@ -16,6 +20,8 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+
+SGLANG_AUTH = None  # "user:password" for an SGLang behind basic auth; filled in by `hosts check`
 
 DISTRIBUTIONS = {
     "torch": "torch",
@@ -96,7 +102,8 @@ def disk(path: str | None) -> dict | None:
 
 
 def _get_json(url: str, timeout: float):
-    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (URL from the inventory)
+    headers = {"Authorization": "Basic " + base64.b64encode(SGLANG_AUTH.encode()).decode()} if SGLANG_AUTH else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:  # noqa: S310
         body = r.read(1 << 20)
         status = r.status
     try:

@@ -80,9 +80,10 @@ def parse_row(obj, where: str, default_id: str) -> PromptRow:
     """One JSON value -> a PromptRow; ``where`` (``file:line``) goes into every error."""
     if not isinstance(obj, dict):
         raise PromptError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    rid = next((obj[k] for k in ("id", "question_id", "task_id") if obj.get(k) is not None), default_id)
+    id_key = next((k for k in ("id", "question_id", "task_id") if obj.get(k) is not None), None)
+    rid = obj[id_key] if id_key else default_id
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise PromptError(f"{where}: the id must be a string or an integer, got {rid!r}")
+        raise PromptError(f"{where}: '{id_key}' (the row's id) must be a string or an integer, got {rid!r}")
     category = obj.get("category")
     if category is not None and not isinstance(category, str):
         raise PromptError(f"{where}: 'category' must be a string, got {category!r}")
@@ -92,20 +93,17 @@ def parse_row(obj, where: str, default_id: str) -> PromptRow:
                 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
             raise PromptError(f"{where}: 'input_ids' must be a non-empty list of non-negative integers")
         return PromptRow(str(rid), category, None, list(ids))
-    if obj.get("turns") is not None:
-        turns = obj["turns"]
-        if isinstance(turns, str):
-            turns = [turns]
-    elif obj.get("prompt") is not None:  # a string, or a list of turns (HF mt_bench_prompts)
-        turns = obj["prompt"] if isinstance(obj["prompt"], list) else [obj["prompt"]]
-    elif obj.get("question") is not None:
+    text_key = next((k for k in ("turns", "prompt", "question") if obj.get(k) is not None), None)
+    if text_key in ("turns", "prompt"):  # a string, or a list of turns (HF mt_bench_prompts' prompt)
+        turns = obj[text_key] if isinstance(obj[text_key], list) else [obj[text_key]]
+    elif text_key == "question":
         turns = [obj["question"]]
     else:
         raise PromptError(f"{where}: the row has none of 'input_ids', 'turns', 'prompt', 'question' "
                           f"(keys: {', '.join(sorted(obj)) or 'none'})")
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-        raise PromptError(f"{where}: the prompt text must be a non-empty string (or 'turns' a non-empty "
-                          f"list of them)")
+        raise PromptError(f"{where}: '{text_key}' must be a non-empty string" +
+                          (" or a non-empty list of them" if text_key != "question" else ""))
     return PromptRow(str(rid), category, list(turns), None)
 
 

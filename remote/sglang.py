@@ -2,8 +2,9 @@
 
 ``SGLangClient(url).generate(input_ids, max_new_tokens, stop_token_ids, sampling)`` posts to
 ``/generate`` with ``temperature: 0`` (or the sampling settings) and returns the completion's token
-ids. Credentials in the URL (``user:pass@``) are
-sent as HTTP basic auth and an ``api_key`` as a bearer token; neither ever appears in a message.
+ids. Credentials (``auth="user:pass"``, or ``user:pass@`` in the URL) are sent as HTTP basic auth
+and an ``api_key`` as a bearer token; neither ever appears in a message. A worker started by the
+orchestrator gets them in the environment (``DFLASH_OPS_SGLANG_AUTH``), never on its command line.
 Proxies from the environment are not used: the server is on this host or behind an SSH tunnel.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import urllib.parse
 import urllib.request
 
 CONNECT_TIMEOUT = 5.0  # seconds to open a TCP connection; reads then wait up to the client's timeout
+AUTH_ENV = "DFLASH_OPS_SGLANG_AUTH"  # ``user:password`` for an SGLang behind basic auth
 
 
 class SGLangError(Exception):
@@ -66,9 +68,20 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
 
 
+def split_credentials(url: str) -> tuple[str, str | None]:
+    """``(url without credentials, "user:password" or None)``. A URL without ``user@`` comes back
+    unchanged; one with it comes back as :func:`redact` writes it. ValueError: a bad port."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, None
+    parts.port  # noqa: B018 -- raises ValueError for a bad one
+    user = urllib.parse.unquote(parts.username)
+    return redact(url), f"{user}:{urllib.parse.unquote(parts.password or '')}"
+
+
 class SGLangClient:
     def __init__(self, url: str, timeout: float = 600, api_key: str | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT):
+                 connect_timeout: float = CONNECT_TIMEOUT, auth: str | None = None):
         parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise SGLangError(f"not an http(s) URL for SGLang: {parts.scheme}://{parts.hostname or ''}...")
@@ -80,11 +93,10 @@ class SGLangClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        if parts.username is not None:
-            user = urllib.parse.unquote(parts.username)
-            password = urllib.parse.unquote(parts.password or "")
-            token = base64.b64encode(f"{user}:{password}".encode()).decode()
-            self._headers["Authorization"] = f"Basic {token}"
+        if parts.username is not None and auth is None:
+            auth = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        if auth:
+            self._headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._opener = _opener(connect_timeout)

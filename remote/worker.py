@@ -206,9 +206,8 @@ def run(args) -> dict:
     rows_to_do = suite.rows[args.shard_index::args.shard_count]
     client = None
     if args.sglang:
-        from remote.sglang import SGLangClient
-        from remote.sglang import SGLangError
-        client = SGLangClient(args.sglang)
+        from remote.sglang import AUTH_ENV, SGLangClient, SGLangError
+        client = SGLangClient(args.sglang, auth=os.environ.pop(AUTH_ENV, None))
         try:
             client.health()
         except SGLangError as e:
@@ -258,8 +257,9 @@ def run(args) -> dict:
                         "sampling_seed": "per prompt: sha256('<seed>:<prompt id>'), first 8 bytes",
                         "ddtree_budgets": args.budgets if args.mode == "offline" else [],
                         "all_anchors": args.all_anchors, "reference": "sglang" if client else "local",
-                        "sglang_url": args.sglang, "stop_token_ids": stops, "stop_rule": STOP_RULE},
-           "seed": args.seed, "command": [sys.executable, "-m", "remote.worker", *sys.argv[1:]],
+                        "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE},
+           "seed": args.seed, "command": [sys.executable, "-m", "remote.worker",
+                                          *(client.display if client and a == args.sglang else a for a in sys.argv[1:])],
            "started_at": now(), "finished_at": None}
     (out / "env.json").write_text(json.dumps(env, indent=2))
 

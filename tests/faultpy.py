@@ -9,6 +9,10 @@ NAME once N bytes are out (the sender sends 256 KiB per call, so N is exact), or
 ``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder just before it renames
 the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
 ``D/release`` (60 s at most), then goes on.
+
+``{"impostor": {"file": NAME, "with": PATH}}`` makes the sender of NAME send PATH instead (same size
+and mtime, other bytes, a trailer that matches them): what a host answering the data path in the
+training host's place would do.
 """
 import json
 import os
@@ -28,9 +32,14 @@ def pause(spec: dict, what: str) -> None:
         time.sleep(0.02)
 
 
-def plant(spec: dict, tool_args: list) -> None:
-    if tool_args[:1] == ["--idle"]:
-        tool_args = tool_args[2:]
+def plant(spec: dict, args: list) -> None:
+    """Plant the spec's pause or impostor in the tool run with ``args`` (the blob, then its arguments;
+    changed in place)."""
+    first = 3 if args[1:2] == ["--idle"] else 1
+    tool_args = args[first:]
+    imp = spec.get("impostor")
+    if imp and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == imp["file"]:
+        args[first + 1] = imp["with"]
     p = spec.get("pause") or {}
     if p.get("at") == "send" and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == p["file"]:
         real, sent, done = os.sendfile, [int(tool_args[4])], []
@@ -62,7 +71,7 @@ def main() -> None:
     if argv[0] != "-c":
         raise SystemExit("faultpy: expected SPEC [-S] -c CODE ARGS")
     code, args = argv[1], argv[2:]
-    plant(spec, args[1:])            # args[0] is the tool itself (ckpt_tool's bootstrap pops it)
+    plant(spec, args)                # args[0] is the tool itself (ckpt_tool's bootstrap pops it)
     sys.argv = ["-c", *args]
     exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
 

@@ -9,10 +9,12 @@
   "finish_reason": {"type": "length"|"stop", "matched"?}}}`` (a list in, a list out), by greedy decoding.
 
 Greedy only (temperature 0); like SGLang, a matched stop token is the last id of ``output_ids``.
+With ``auth`` every request needs HTTP basic auth (as behind an authenticating proxy).
 A model failure (e.g. an id outside the embedding) answers HTTP 500 with the error's message.
 """
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from contextlib import contextmanager
@@ -59,8 +61,9 @@ def _answer(model, tokenizer, lock, req: dict) -> dict:
                           "finish_reason": finish}}
 
 
-def make_handler(model, tokenizer, model_info_path: str):
+def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None, hits: list | None = None):
     lock = threading.Lock()
+    want = "Basic " + base64.b64encode(auth.encode()).decode() if auth else None
     model_path = getattr(model.config, "_name_or_path", "") or f"tiny-{model.config.model_type}"
 
     class Handler(BaseHTTPRequestHandler):
@@ -77,7 +80,17 @@ def make_handler(model, tokenizer, model_info_path: str):
             self.end_headers()
             self.wfile.write(raw)
 
+        def _authorized(self) -> bool:
+            ok = want is None or self.headers.get("Authorization") == want
+            if hits is not None:
+                hits.append((self.command, self.path, ok))
+            if not ok:
+                self._send(401, {"detail": "Unauthorized"})
+            return ok
+
         def do_GET(self):
+            if not self._authorized():
+                return
             if self.path == "/health":
                 self._send(200, None)
             elif self.path == model_info_path:
@@ -87,6 +100,8 @@ def make_handler(model, tokenizer, model_info_path: str):
 
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
+            if not self._authorized():
+                return
             try:
                 req = json.loads(self.rfile.read(length) or b"null")
             except json.JSONDecodeError as e:
@@ -111,14 +126,17 @@ def make_handler(model, tokenizer, model_info_path: str):
 
 
 @contextmanager
-def serve_sglang(model, tokenizer=None, model_info_path: str = "/get_model_info"):
-    """Serve ``model`` over SGLang's protocol on 127.0.0.1; yields the base URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(model, tokenizer, model_info_path))
+def serve_sglang(model, tokenizer=None, model_info_path: str = "/get_model_info", host: str = "127.0.0.1",
+                 auth: str | None = None, hits: list | None = None):
+    """Serve ``model`` over SGLang's protocol on ``host``; yields the base URL. ``auth``
+    (``user:password``): HTTP basic auth required (401 otherwise); ``hits`` collects
+    (method, path, authorized) per request."""
+    server = ThreadingHTTPServer((host, 0), make_handler(model, tokenizer, model_info_path, auth, hits))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://{host}:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

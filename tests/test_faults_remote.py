@@ -17,10 +17,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from faulttable import collect_table, wait_for
 from test_sync import MiB, Env, sha
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,13 +107,6 @@ def tool_pids(marker: str) -> list[int]:
     return pids
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def small_disk(ssh_lab, tmp_path_factory):
     """A 96 MiB tmpfs as the eval host's checkpoints root for the disk-full cases (mounted in the
@@ -127,17 +120,8 @@ def small_disk(ssh_lab, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def table(request):
-    rows: list[tuple[str, ...]] = []
-    yield rows
-    if not rows:
-        return
-    head = ("fault", "point", "faulty run", "rerun sent", "of not yet verified", "identical")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    text = "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        print("\n--- sync fault injection (fault x point -> outcome)\n" + text, flush=True)
+    yield from collect_table(request, "sync fault injection",
+                             ("fault", "point", "faulty run", "rerun sent", "of not yet verified", "identical"))
 
 
 class Case:

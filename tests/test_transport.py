@@ -233,19 +233,26 @@ def test_jump_host(ssh_lab, lab_hosts):
 # --- one endpoint, two paths: the Fabric control connection and the OpenSSH data path ----------
 
 
-def _data_path(host, inventory=None):
+def _data_path(host, inventory=None, endpoint=None):
     from orchestrator.transport import endpoint_for
 
-    argv = endpoint_for(host, inventory).argv(["echo", "data-ok"], ("ConnectTimeout=10",))
+    ep = endpoint or endpoint_for(host, inventory)
+    argv = ep.argv(["echo", "data-ok"], ("ConnectTimeout=10",))
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 
-def _control_path(host, inventory=None):
+def _control_path(host, inventory=None, pin=None):
+    """The control connection's answer, and (with ``pin``: a file to write) its endpoint pinned
+    to the keys it accepted, as sync builds the data path."""
     try:
         with runner_for(host, inventory) as r:
-            return r.run(["echo", "control-ok"]).stdout.strip()
+            answer = r.run(["echo", "control-ok"]).stdout.strip()
+            if pin is None:
+                return answer, None
+            pin.write_text(r.pin_lines())
+            return answer, r.endpoint.pinned_to(str(pin))
     except HostKeyError as e:
-        return f"HostKeyError: {e}"
+        return f"HostKeyError: {e}", None
 
 
 @pytest.mark.parametrize("case", ["unknown", "unknown-trusted", "changed-trusted", "known"])
@@ -257,13 +264,19 @@ def test_both_paths_check_host_keys_the_same_way(ssh_lab, lab_hosts, tmp_path, c
                    "known": f"{ev.known_hosts_name} {ev.host_key_pub}\n"}[case])
     before = kh.read_text()
     host = replace(lab_hosts.get("eval"), known_hosts=str(kh), trust_host_key=case.endswith("trusted"))
-    data, control = _data_path(host), _control_path(host)
+    control, pinned = _control_path(host, pin=tmp_path / "pinned")
+    data = _data_path(host, endpoint=pinned)
     if case in ("unknown-trusted", "known"):
         assert (data.returncode, data.stdout.strip(), control) == (0, "data-ok", "control-ok"), data.stderr
     else:
         assert data.returncode == 255 and "Host key verification failed" in data.stderr
         assert control.startswith("HostKeyError") and ("MISMATCH" in control) == (case == "changed-trusted")
     assert kh.read_text() == before          # nothing is ever written to known_hosts
+    if case == "unknown-trusted":            # the data path takes the key the control connection took, no other
+        assert "StrictHostKeyChecking=yes" in pinned.argv(["true"]) and _data_path(host).returncode == 255
+        (tmp_path / "pinned").write_text(f"{ev.known_hosts_name} {ssh_lab.train.host_key_pub}\n")
+        other = _data_path(host, endpoint=pinned)
+        assert other.returncode == 255 and "Host key verification failed" in other.stderr, other.stderr
 
 
 def test_jump_chain_serves_both_paths(ssh_lab, lab_hosts):
@@ -273,7 +286,7 @@ def test_jump_chain_serves_both_paths(ssh_lab, lab_hosts):
 
     ep = endpoint_for(via, inv)
     assert ep.jump is not None and ep.jump.name == "train" and ep.jump.known_hosts == ep.known_hosts
-    assert _control_path(via, inv) == "control-ok"
+    assert _control_path(via, inv)[0] == "control-ok"
     res = _data_path(via, inv)
     assert res.returncode == 0 and res.stdout.strip() == "data-ok", res.stderr
     assert "ProxyCommand=ssh -F /dev/null" in " ".join(endpoint_for(via, inv).argv(["true"]))

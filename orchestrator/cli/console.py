@@ -42,6 +42,10 @@ def error_line(message: str) -> None:
     err().print(f"[bold red]error:[/] [red]{escape(message)}[/]", soft_wrap=True)
 
 
+def warning_line(message: str) -> None:
+    err().print(f"[bold yellow]warning:[/] [yellow]{escape(message)}[/]")
+
+
 def print_json(data) -> None:
     print(json.dumps(data, indent=2, default=str))
 

@@ -188,7 +188,7 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..evaluate import check_request, start
+    from ..evaluate import check_request, check_sglang_option, start
     from ..runrecord import EvalRequest, RunRecord
 
     out, err = console.out(), console.err()
@@ -200,6 +200,7 @@ def eval_cmd(
     from ..tracking import check_trackers
 
     trackers = check_trackers(log_to)
+    check_sglang_option(sglang)
     if resume:
         record = names.run_record(resume, prefer=("running", "failed", "cancelled"))
     else:

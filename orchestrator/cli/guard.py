@@ -1,21 +1,38 @@
 """The one error guard: every command runs inside it. An expected failure (any
 orchestrator.errors.DflashOpsError) becomes one red line on stderr and its ``exit_code``;
-Ctrl-C becomes exit 130; anything else is a bug and keeps its traceback."""
+Ctrl-C becomes exit 130; anything else is a bug and keeps its traceback. A DflashOpsWarning
+becomes one yellow line."""
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import typer
 from typer.core import TyperGroup
 
-from ..errors import DflashOpsError
-from .console import error_line
+from ..errors import DflashOpsError, DflashOpsWarning
+from .console import error_line, warning_line
 
 INTERRUPTED = 130
 
 
 @contextmanager
 def guard():
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kwargs):
+            if issubclass(category, DflashOpsWarning):
+                warning_line(str(message))
+            else:
+                shown(message, category, *args, **kwargs)
+        warnings.showwarning = show
+        with _errors():
+            yield
+
+
+@contextmanager
+def _errors():
     try:
         yield
     except DflashOpsError as e:

@@ -13,10 +13,11 @@ from .tool import SyncError, run_tool
 
 
 def list_runs(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
-    """The tool's listing of each run's checkpoint folders under ``root_for(run)`` on ``host``."""
+    """The tool's listing of each run's checkpoint folders under ``root_for(run)`` on ``host``
+    (``host``'s paths already expanded there: :meth:`Host.on_host`)."""
     args: list[str] = ["list", host.checkpoints or "/"]
     for r in runs:
-        args += ["--run", r.name, root_for(r), r.pattern]
+        args += ["--run", r.name, runner.expand_home(root_for(r)), r.pattern]
     answer = run_tool(runner, host, *args, timeout=120)
     for info in answer["runs"].values():
         info["now"] = answer["now"]  # the host's clock, for the completeness rule
@@ -44,12 +45,14 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
         raise CatalogError(f"no training runs in the catalog ({catalog.path or 'none found'})")
     warnings: list[str] = []
     with runner_for(src, inv) as srun:
+        src = src.on_host(srun.expand_home)
         listing = list_runs(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
     there: dict | None = None
     try:
         dst = inv.pick("eval", dst_name)
         if dst.checkpoints:
             with runner_for(dst, inv, connect_timeout=10) as drun:
+                dst = dst.on_host(drun.expand_home)
                 there = list_runs(drun, dst, runs, lambda r: dest_rundir(dst, r))
     except (InventoryError, TransportError, SyncError) as e:
         warnings.append(f"eval host: {e}")

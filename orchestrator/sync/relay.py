@@ -21,12 +21,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Callable
 
-from ..inventory import Host, Inventory
+from ..inventory import Host
 from ..render import human_bytes
-from ..transport import CONNECT_TIMEOUT, command_line, endpoint_for
+from ..transport import CONNECT_TIMEOUT, SSHEndpoint, command_line, endpoint_for
 from .plan import FilePlan, SyncPlan, SyncResult
 from .tool import SyncError, tool_argv, tool_error
 
@@ -63,10 +64,20 @@ def data_options(alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> tupl
             f"MACs={MACS}")
 
 
-def data_argv(host: Host, remote: list[str], inventory: Inventory | None = None,
-              alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> list[str]:
-    """``remote`` run on ``host`` by an OpenSSH client (the host's endpoint), or locally."""
-    return list(remote) if host.is_local else endpoint_for(host, inventory).argv(remote, data_options(alive))
+@dataclass(frozen=True)
+class DataPath:
+    """How the data path reaches the hosts of a sync: the OpenSSH endpoint of each, pinned to the
+    host keys its control connection accepted (transport/endpoint.py), or None for the built-in
+    ``local`` host (run here). ``pulled``: the source as the eval host reaches it (``--direct``),
+    pinned to a known_hosts file on the eval host."""
+    src: SSHEndpoint | None
+    dst: SSHEndpoint | None
+    pulled: SSHEndpoint | None = None
+
+    @staticmethod
+    def argv(endpoint: SSHEndpoint | None, remote: list[str], alive: tuple[int, int]) -> list[str]:
+        """``remote`` run by an OpenSSH client on ``endpoint``'s host, or here."""
+        return list(remote) if endpoint is None else endpoint.argv(remote, data_options(alive))
 
 
 class SyncProgress:
@@ -162,9 +173,9 @@ class Transfer:
                 str(self.rcs[0]))
 
 
-def move(plan: SyncPlan, inv: Inventory, token: str, result: SyncResult, *, jobs: int = 4,
+def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs: int = 4,
          alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT), idle: float = IDLE_TIMEOUT,
-         stall: float = STALL_TIMEOUT, direct: bool = False, progress: SyncProgress | None = None) -> None:
+         stall: float = STALL_TIMEOUT, progress: SyncProgress | None = None) -> None:
     """Move every file of ``plan`` that is not skipped, ``jobs`` at once (one sender/receiver pair
     each); a receiver that reports a bad checksum gets its file once more from zero. The first
     failure stops the others; what arrived stays in the staging folder for the rerun."""
@@ -183,11 +194,11 @@ def move(plan: SyncPlan, inv: Inventory, token: str, result: SyncResult, *, jobs
                          offset, *(["--hash", "--cache", plan.src_dir] if f.sha256 is None else []))
         recv = tool_argv(dst, "--idle", f"{idle:g}", "recv", plan.dst_rundir, plan.checkpoint, f.path,
                          f.size, offset, f.mtime_ns, token, *(["--sha256", f.sha256] if f.sha256 else []))
-        if direct:  # the eval host pulls from the training host itself, with its own key and known_hosts
-            pull = endpoint_for(src, inv).argv(send, data_options(alive), on_host=True)
+        if path.pulled is not None:  # the eval host pulls from the training host itself, with its own key
+            pull = path.pulled.argv(send, data_options(alive), on_host=True)
             line = f"set -o pipefail 2>/dev/null; {command_line(pull)} | {command_line(recv)}"
-            return None, data_argv(dst, ["bash", "-c", line], inv, alive)
-        return data_argv(src, send, inv, alive), data_argv(dst, recv, inv, alive)
+            return None, path.argv(path.dst, ["bash", "-c", line], alive)
+        return path.argv(path.src, send, alive), path.argv(path.dst, recv, alive)
 
     def one(f: FilePlan) -> None:
         progress.file_started(f)

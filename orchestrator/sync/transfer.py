@@ -1,26 +1,31 @@
 """One checkpoint's sync, start to end: resolve the name on the training host, take the lock on
-the eval host, plan (send / resume / skip), check free space, relay the files, verify, and let
-the lock holder rename the staging folder into place; cache the manifest on the source.
+the eval host, plan (send / resume / skip), check free space, relay the files (pinned to the host
+keys the control connections accepted), verify them against the sha256 the training host computed
+over its control connection (cached there for the next sync), and let the lock holder rename the
+staging folder into place.
 """
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import PurePosixPath
-from typing import Callable
+from typing import Callable, Iterator
 
 from ..catalog import Catalog
 from ..inventory import Inventory
 from ..render import human_bytes
-from ..transport import TransportError, runner_for
+from ..transport import SSHRunner, runner_for
 from .complete import judge_manifest, newest_complete, require_complete
 from .listing import list_runs
 from .lock import Holder
 from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
-from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, SyncProgress, move
+from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, DataPath, SyncProgress, move
 from .tool import SyncError, run_tool
 
 LOCK_WAIT = 60.0
@@ -39,17 +44,18 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
     src, dst = inv.pick("train", src_name), inv.pick("eval", dst_name)
     with runner_for(src, inv) as srun, runner_for(dst, inv) as drun, ThreadPoolExecutor(2) as bg:
         started = time.monotonic()
-        dconn = bg.submit(drun.connect)  # both control connections come up at once
+        dconn = bg.submit(lambda: drun.connect() and dst.on_host(drun.expand_home))  # both come up at once
+        src = src.on_host(srun.expand_home)
         r, info = pick_run(catalog, run, lambda runs: list_runs(
             srun, src, runs, lambda x: x.source_dir(src.checkpoints)))
         ckpt = resolve_name(name, r, info, src)
+        dst = dconn.result()
         direct = r.direct if direct is None else direct
         plan = SyncPlan(run=r.name, checkpoint=ckpt, src=src, dst=dst,
                         src_dir=str(PurePosixPath(info["dir"]) / ckpt), dst_rundir=dest_rundir(dst, r))
         if src.name == dst.name and plan.src_dir == plan.dst_final:
             raise SyncError(f"source and destination are the same folder: {plan.src_dir}")
         manifest_f = bg.submit(run_tool, srun, src, "manifest", plan.src_dir, timeout=600)
-        dconn.result()
         source = manifest_f.result()  # the completeness rule, before the destination is touched
         if not dry_run:
             instead = newest_complete(info, r) if name in ("latest", "newest") else None
@@ -98,20 +104,18 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                     f"(+{human_bytes(FREE_RESERVE)} reserve), {human_bytes(st['free_bytes'])} free; nothing was moved")
             holder.send("BEGIN")
             holder.expect("BEGUN", 60)
+            # The sha256 a file must arrive with comes from the source over the control connection:
+            # the cached manifest, or (first sync) hashed there now, while the bytes move. Never only
+            # the sender's own trailer, which whoever answers the data path computes itself.
+            authentic = (bg.submit(run_tool, srun, src, "manifest", plan.src_dir, "--hash", timeout=3600)
+                         if any(e.get("sha256") is None for e in src_files) else None)
             result = SyncResult(plan=plan)
-            move(plan, inv, token, result, jobs=jobs, alive=alive, idle=idle, stall=stall, direct=direct,
-                 progress=progress)
+            with data_path(srun, drun, plan, token, direct) as path:
+                move(plan, path, token, result, jobs=jobs, alive=alive, idle=idle, stall=stall, progress=progress)
+            if authentic is not None:
+                check_against(plan, authentic.result()["files"])
             manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                                    "sha256": f.sha256} for f in plan.files]}
-            # each sender that hashed its file cached the sha256 on the source itself; only a file
-            # skipped on a hash the destination verified (none on the source yet) is cached here,
-            # while the destination finalizes, keyed by the inode and ctime listed at the start
-            listed = {e["path"]: e for e in src_files}
-            saved = None
-            if any(f.action == "skip" and not listed[f.path].get("sha256") for f in plan.files):
-                cache = {"files": [{**listed[e["path"]], **e} for e in manifest["files"]]}
-                saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
-                                  input=json.dumps(cache), timeout=60)
             holder.send("FINALIZE " + json.dumps(manifest))
             holder.expect("DONE", 300)
             result.seconds = time.monotonic() - started
@@ -119,9 +123,44 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             result.skipped = sum(f.action == "skip" for f in plan.files)
         finally:
             holder.close()
-        try:
-            if saved is not None:
-                saved.result()
-        except (SyncError, TransportError):
-            pass
         return result
+
+
+def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
+    """Every file that arrived has the sha256 the training host computed over the control
+    connection (and the file there is still the one listed)."""
+    there = {e["path"]: e for e in source_files}
+    for f in plan.files:
+        e = there.get(f.path)
+        if e is None or e["size"] != f.size or e["mtime_ns"] != f.mtime_ns:
+            raise SyncError(f"{plan.src.name}:{plan.src_dir}/{f.path} changed during the sync (is training still "
+                            f"writing it?); run the same command again")
+        if e["sha256"] != f.sha256:
+            raise SyncError(f"{f.path}: the bytes that arrived on {plan.dst.name} (sha256 {f.sha256[:16]}...) are not "
+                            f"the file on {plan.src.name} (sha256 {e['sha256'][:16]}..., computed there over the "
+                            f"control connection): the data path delivered other content; nothing was finalized. "
+                            f"A rerun sends the file again")
+
+
+@contextmanager
+def data_path(srun, drun, plan: SyncPlan, token: str, direct: bool) -> Iterator[DataPath]:
+    """The sync's data path, each SSH host pinned to the key its control connection accepted:
+    a temporary known_hosts file here (removed at the end), and for ``direct`` one on the eval
+    host for its own pull from the training host."""
+    ssh = {r: r.endpoint for r in (srun, drun) if isinstance(r, SSHRunner)}
+    with tempfile.TemporaryDirectory(prefix="dflash-ops-keys-") as tmp:
+        pins = os.path.join(tmp, "known_hosts")
+        with open(pins, "w") as f:
+            f.write("".join(r.pin_lines() for r in ssh))
+        pinned = {r: ep.pinned_to(pins) for r, ep in ssh.items()}
+        if not direct:
+            yield DataPath(pinned.get(srun), pinned.get(drun))
+            return
+        if srun not in ssh:
+            raise SyncError(f"--direct needs the training host to be an SSH host, not {plan.src.name}")
+        remote_pins = f"{plan.dst_rundir}/.dflash-known-hosts-{token}"
+        drun.put_text(srun.pin_lines(), remote_pins)
+        try:
+            yield DataPath(None, pinned.get(drun), pulled=ssh[srun].pinned_to(remote_pins))
+        finally:
+            drun.run(["rm", "-f", "--", remote_pins], timeout=30)

@@ -9,10 +9,12 @@ with the inventory's fields as overrides, and then produces both ways dflash-ops
   bytes; ``-F /dev/null`` plus every resolved value explicitly, so OpenSSH uses exactly what the
   control connection uses).
 
-Both check host keys the same way: against the same known_hosts files, refusing an unknown key
-unless the inventory says ``trust_host_key: true`` (then an unknown key is accepted and written
-nowhere), and always refusing a *changed* key (OpenSSH: ``StrictHostKeyChecking=accept-new``
-with ``/dev/null`` as the first known_hosts file, which is where a new key would be written).
+Both check host keys against the same known_hosts files, refusing a changed or revoked key. An
+unknown key is refused unless the inventory says ``trust_host_key: true``; then the control
+connection accepts it for itself (written nowhere), and the data path is pinned to exactly the
+key it accepted: OpenSSH runs with ``StrictHostKeyChecking=yes`` and a temporary known_hosts file
+holding that key first (:meth:`SSHEndpoint.pinned_to`, written by :meth:`SSHRunner.pin_lines`),
+so a host that shows the data path another key is refused.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from .. import sshconfig
 from .errors import HostKeyError, TransportError
+from .hostkeys import KnownHosts, host_name
 from .runner import command_line
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,6 +52,7 @@ class SSHEndpoint:
     trust_unknown: bool = False               # inventory `trust_host_key: true`
     jump: "SSHEndpoint | None" = None         # reached through this host (ProxyJump)
     proxy_command: str | None = None          # or through this command (ProxyCommand)
+    pinned: str | None = None                 # data path: known_hosts file of the accepted keys
 
     @property
     def where(self) -> str:
@@ -77,13 +81,10 @@ class SSHEndpoint:
             opts += ["-o", f"IdentitiesOnly={'yes' if self.identities_only else 'no'}",
                      "-o", f"GlobalKnownHostsFile={_files(self.global_known_hosts) or '/dev/null'}"]
         user_files = (DEFAULT_KNOWN_HOSTS, DEFAULT_KNOWN_HOSTS + "2") if on_host else self.known_hosts
-        if self.trust_unknown:
-            opts += ["-o", "StrictHostKeyChecking=accept-new",
-                     "-o", f"UserKnownHostsFile={_files(('/dev/null', *user_files))}"]
-        else:
-            opts += ["-o", "StrictHostKeyChecking=yes"]
-            if not on_host:
-                opts += ["-o", f"UserKnownHostsFile={_files(user_files) or '/dev/null'}"]
+        opts += ["-o", "StrictHostKeyChecking=yes"]          # never an unknown key, never a changed one
+        if self.pinned or not on_host:
+            files = ((self.pinned,) if self.pinned else ()) + tuple(user_files)
+            opts += ["-o", f"UserKnownHostsFile={_files(files) or '/dev/null'}"]
         for option in extra:
             opts += ["-o", option]
         if self.jump is not None:
@@ -103,9 +104,11 @@ class SSHEndpoint:
     def connection(self, timeout: float = CONNECT_TIMEOUT, gateway=None):
         """An unopened Fabric ``Connection`` to this endpoint (``gateway``: the open Connection
         of :attr:`jump`). Fabric's defaults are replaced where they differ from OpenSSH's:
-        its AutoAddPolicy by :class:`HostKeyPolicy` and these known_hosts files; its own
-        ssh_config reading (a subset) and ~/.fabric.yml by nothing (everything came from
-        ``ssh -G``); its integer ``connect_timeout`` by paramiko's float timeouts."""
+        its AutoAddPolicy by :class:`HostKeyPolicy` over these known_hosts files (read as
+        OpenSSH reads them, transport/hostkeys.py: paramiko itself is given none, and is offered
+        only the key types they list for the host, as OpenSSH prefers them); its own ssh_config
+        reading (a subset) and ~/.fabric.yml by nothing (everything came from ``ssh -G``); its
+        integer ``connect_timeout`` by paramiko's float timeouts."""
         from fabric import Config, Connection
         from paramiko import SSHConfig
 
@@ -114,61 +117,82 @@ class SSHEndpoint:
         keys = [k for k in self.identities if os.path.exists(k)]
         if keys:
             kwargs["key_filename"] = keys
+        known = KnownHosts.load((*self.known_hosts, *self.global_known_hosts))
+        listed = known.key_types(self.known_hosts_name)
+        if listed:
+            kwargs["disabled_algorithms"] = {"keys": _other_key_types(listed)}
         if gateway is None:
             gateway = self.proxy_command or False
         conn = Connection(self.address, user=self.user, port=self.port, gateway=gateway,
                           config=Config(ssh_config=SSHConfig(), lazy=True), connect_kwargs=kwargs)
-        client = conn.client
-        for path in (*self.known_hosts, *self.global_known_hosts):
-            if os.path.exists(path):
-                try:
-                    client.load_system_host_keys(path)  # read-only: never written back
-                except Exception as e:
-                    raise TransportError(f"{self.where}: cannot read known_hosts {path}: {e}") from None
-        client.set_missing_host_key_policy(HostKeyPolicy(self))
+        conn.client.set_missing_host_key_policy(HostKeyPolicy(self, known))
         return conn
+
+    @property
+    def known_hosts_name(self) -> str:
+        """This host's name in known_hosts."""
+        return host_name(self.address, self.port)
+
+    def pinned_to(self, path: str) -> "SSHEndpoint":
+        """This endpoint (and its jump hops) with ``path`` as the first known_hosts file of the
+        data path: a known_hosts file holding the keys the control connections accepted."""
+        return replace(self, pinned=path, jump=self.jump.pinned_to(path) if self.jump else None)
+
+
+def _other_key_types(listed: set[str]) -> list[str]:
+    """paramiko's host key algorithms that are none of ``listed`` (``ssh-rsa`` covers rsa-sha2-*)."""
+    from paramiko import Transport
+
+    def base(alg: str) -> str:
+        alg = alg.replace("-cert-v01@openssh.com", "")
+        return "ssh-rsa" if alg.startswith("rsa-sha2-") else alg
+    return [alg for alg in Transport._preferred_keys if base(alg) not in listed]
 
 
 class HostKeyPolicy:
-    """paramiko's policy for a key *not* in known_hosts: refuse, or (``trust_host_key``) accept
-    for this connection only. A key that differs from known_hosts never gets here: paramiko
-    raises BadHostKeyException first."""
+    """Every host key the control connection meets is judged here (paramiko holds no known_hosts
+    of its own): a revoked key and a key that differs from known_hosts are refused; an unknown
+    key is refused, or accepted for this connection only with ``trust_host_key``. The key
+    accepted is kept (:attr:`accepted`) so that the data path can be pinned to it."""
 
-    def __init__(self, endpoint: SSHEndpoint):
-        self.endpoint = endpoint
+    def __init__(self, endpoint: SSHEndpoint, known: KnownHosts):
+        self.endpoint, self.known = endpoint, known
+        self.accepted = None
 
     def missing_host_key(self, client, hostname, key) -> None:
         ep = self.endpoint
-        if ep.trust_unknown:
-            client.get_host_keys().add(hostname, key.get_name(), key)
-            return
-        port = f"-p {ep.port} " if ep.port != 22 else ""
-        raise HostKeyError(
-            f"{ep.where}: unknown host key ({key.get_name()} {key.fingerprint}) not in "
-            f"{ep.known_hosts_file}; to trust it run `ssh-keyscan {port}{ep.address} >> {ep.known_hosts_file}` "
-            f"(check the fingerprint first) or set `trust_host_key: true` for host {ep.name} in the inventory")
+        verdict = self.known.verdict(hostname, key.get_name(), key.asbytes())
+        kh = ep.known_hosts_file
+        if verdict == "revoked":
+            raise HostKeyError(f"{ep.where}: the server offered {key.get_name()} {key.fingerprint}, a key marked "
+                               f"@revoked in known_hosts; refusing it")
+        if verdict == "changed":
+            raise HostKeyError(
+                f"{ep.where}: HOST KEY MISMATCH: the server offered {key.get_name()} {key.fingerprint} but {kh} "
+                f"has a different key; this may be an attack. If the host was reinstalled, remove its old line "
+                f"(`ssh-keygen -R ...` -f {kh}) and re-add it")
+        if verdict == "unknown" and not ep.trust_unknown:
+            port = f"-p {ep.port} " if ep.port != 22 else ""
+            ca = (" (known_hosts names a @cert-authority for it, but the control connection cannot check host "
+                  "certificates)") if self.known.has_cert_authority(hostname) else ""
+            raise HostKeyError(
+                f"{ep.where}: unknown host key ({key.get_name()} {key.fingerprint}) not in {kh}{ca}; to trust it run "
+                f"`ssh-keyscan {port}{ep.address} >> {kh}` (check the fingerprint first) or set "
+                f"`trust_host_key: true` for host {ep.name} in the inventory")
+        self.accepted = key
 
 
 # --- resolution ------------------------------------------------------------------------------
 
 
-def parse_jump_spec(spec: str, default_user: str | None,
-                    default_port: int | None = 22) -> tuple[str | None, str, int | None]:
-    """``[user@]host[:port]`` (``[v6addr]:port`` too) -> (user, host, port)."""
-    user = default_user
-    if "@" in spec:
-        user, spec = spec.rsplit("@", 1)
-    port = default_port
-    if spec.startswith("["):
-        addr, _, rest = spec[1:].partition("]")
-        if rest.startswith(":"):
-            port = int(rest[1:])
-    elif spec.count(":") == 1:
-        addr, p = spec.split(":")
-        port = int(p)
-    else:
-        addr = spec
-    return user, addr, port
+def parse_jump_spec(spec: str, default_user: str | None, default_port: int | None = 22,
+                    owner: str | None = None) -> tuple[str | None, str, int | None]:
+    """``[user@]host[:port]`` (``[v6addr]:port`` too) -> (user, host, port); a bad hop (from
+    ssh_config: the inventory refuses its own when it is loaded) is a :class:`TransportError`."""
+    try:
+        return sshconfig.parse_jump(spec, default_user, default_port)
+    except ValueError as e:
+        raise TransportError(f"{f'host {owner}: ' if owner else ''}jump host {spec!r}: {e}") from None
 
 
 def _overrides(host: "Host", base: sshconfig.ResolvedConfig) -> dict[str, str]:
@@ -234,7 +258,7 @@ def _hop(spec: str, host: "Host", inventory: "Inventory | None", previous: SSHEn
             raise TransportError(f"host {host.name}: jump host {spec!r} is not an SSH host")
         ep = endpoint_for(jhost, inventory, chain)
     else:
-        user, addr, port = parse_jump_spec(spec, host.user, default_port=None)
+        user, addr, port = parse_jump_spec(spec, host.user, default_port=None, owner=host.name)
         inherited = {"identity", "known_hosts"} & host.ssh_set
         jhost = replace(host, name=spec, address=addr, port=port or 22, user=user, jump=None, ssh_config=None,
                         ssh_set=frozenset(inherited | ({"port"} if port else set())))

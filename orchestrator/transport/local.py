@@ -69,6 +69,9 @@ class LocalRunner(Runner):
     def _path(p: str | os.PathLike) -> Path:
         return Path(p).expanduser()
 
+    def home(self) -> str:
+        return os.path.expanduser("~")
+
     def put_file(self, local, remote) -> None:
         dst = self._path(remote)
         dst.parent.mkdir(parents=True, exist_ok=True)

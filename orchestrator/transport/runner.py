@@ -119,6 +119,17 @@ class Runner(ABC):
         """Open the connection now (a no-op where there is none)."""
         return self
 
+    @abstractmethod
+    def home(self) -> str:
+        """The login user's home directory on the host."""
+
+    def expand_home(self, path: str | None) -> str | None:
+        """``~`` and ``~/...`` as a shell on the host expands them (other paths unchanged), so a
+        path from the inventory or catalog can be quoted literally afterwards."""
+        if path is None or (path != "~" and not path.startswith("~/")):
+            return path
+        return self.home().rstrip("/") + path[1:]
+
     def close(self) -> None:
         pass
 

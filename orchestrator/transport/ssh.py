@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .endpoint import CONNECT_TIMEOUT, SSHEndpoint, endpoint_for
-from .errors import CommandTimeout, HostKeyError, TransportError
+from .errors import CommandTimeout, TransportError
 from .runner import KILL_GRACE, ExecHandle, Result, Runner, as_bytes, command_line, decode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,6 +65,8 @@ class SSHRunner(Runner):
                      if self.endpoint.jump is not None else None)
         self._conn = None   # fabric.Connection, open
         self._lock = threading.Lock()
+        self.host_key = None   # the key the open connection accepted (paramiko PKey)
+        self._home: str | None = None
 
     # connection ---------------------------------------------------------------------------
 
@@ -85,6 +87,7 @@ class SSHRunner(Runner):
         except BaseException:
             conn.close()
             raise
+        self.host_key = conn.transport.get_remote_server_key()
         return conn
 
     def connection(self):
@@ -105,12 +108,6 @@ class SSHRunner(Runner):
                 return self._connect_once()
             except TransportError:
                 raise
-            except paramiko.BadHostKeyException as e:
-                kh = self.endpoint.known_hosts_file
-                raise HostKeyError(
-                    f"{self._where()}: HOST KEY MISMATCH: the server offered {e.key.get_name()} "
-                    f"{e.key.fingerprint} but {kh} has a different key; this may be an attack. If the "
-                    f"host was reinstalled, remove its old line (`ssh-keygen -R ...` -f {kh}) and re-add it") from None
             except paramiko.AuthenticationException:
                 keys = ", ".join(self.endpoint.identities) or "(agent/default keys)"
                 raise TransportError(
@@ -144,6 +141,23 @@ class SSHRunner(Runner):
     def connect(self) -> "SSHRunner":
         self.connection()
         return self
+
+    def home(self) -> str:
+        if self._home is None:
+            res = self.run(["sh", "-c", 'printf %s "$HOME"'], timeout=30)
+            if not res.ok or not res.stdout.startswith("/"):
+                raise TransportError(f"{self._where()}: cannot tell the login user's home directory (for '~' in "
+                                     f"the inventory or catalog): {res.stderr.strip() or res.stdout.strip()}")
+            self._home = res.stdout
+        return self._home
+
+    def pin_lines(self) -> str:
+        """known_hosts lines of the keys this connection and its jump hops accepted (connecting
+        first if needed): what the data path is pinned to (:meth:`SSHEndpoint.pinned_to`)."""
+        self.connection()
+        key = self.host_key
+        line = f"{self.endpoint.known_hosts_name} {key.get_name()} {key.get_base64()}\n"
+        return (self.jump.pin_lines() if self.jump is not None else "") + line
 
     def close(self) -> None:
         with self._lock:

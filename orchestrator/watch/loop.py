@@ -111,7 +111,7 @@ class Watcher:
         self.names = names    # the resolver `eval` uses: the eval of each point is named like one typed by hand
         self.inv, self.catalog, self.opts, self.say = names.inventory, names.catalog, opts, say
         runs_root = names.runs_root
-        self.run, self.label = drafter_for(catalog, opts.run)
+        self.run, self.label = drafter_for(self.catalog, opts.run)
         self.runs_root = Path(runs_root)
         self.folder = self.runs_root / f"watch-{self.run.name}"
         self.on_event = on_event or (lambda host, ev: None)
