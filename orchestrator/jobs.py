@@ -26,13 +26,14 @@ class HostJob:
     def out_dir(self) -> str:
         return f"{self.run_dir}/out"
 
-    def _launch(self, *args: str, timeout: float | None = 60):
+    def _launch(self, *args: str, timeout: float | None = 60, env: dict[str, str] | None = None):
         return self.runner.run([self.python, "-m", "remote.launch", *args], timeout=timeout,
-                               env={"PYTHONPATH": self.code_dir}, cwd=self.code_dir)
+                               env={"PYTHONPATH": self.code_dir, **(env or {})}, cwd=self.code_dir)
 
-    def start(self, worker_args: list[str]) -> int:
+    def start(self, worker_args: list[str], env: dict[str, str] | None = None) -> int:
+        """Start the worker detached; ``env`` (e.g. CUDA_VISIBLE_DEVICES) is inherited by it."""
         argv = [self.python, "-m", "remote.worker", *worker_args]
-        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, "--", *argv)
+        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, "--", *argv, env=env)
         if not res.ok:
             raise TransportError(f"could not start the worker: {res.stderr.strip()[-500:]}")
         return json.loads(res.stdout.strip().splitlines()[-1])["pid"]

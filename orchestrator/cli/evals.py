@@ -20,7 +20,7 @@ def _follow(record, jobs, out) -> None:
     progress = Progress(TextColumn("[bold]{task.fields[host]}[/]"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("prompts  τ {task.fields[tau]}  {task.fields[last]}"), TimeElapsedColumn(),
                         console=out, transient=False)
-    bars = {i: progress.add_task("", total=None, host=s.host, tau="-", last="")
+    bars = {i: progress.add_task("", total=None, host=s.label, tau="-", last="")
             for i, s in enumerate(record.shards) if not s.fetched}
     errors: dict[int, str] = {}
 
@@ -43,7 +43,7 @@ def _follow(record, jobs, out) -> None:
                   f"[bold]dflash-ops attach {record.id}[/]  (cancel with: dflash-ops cancel {record.id})")
         raise typer.Exit(INTERRUPTED) from None
     for i, msg in errors.items():
-        out.print(f"[red]{escape(record.shards[i].host)}: {escape(msg)}[/]")
+        out.print(f"[red]{escape(record.shards[i].label)}: {escape(msg)}[/]")
 
 
 def _finish(record, jobs, out) -> None:
@@ -54,7 +54,7 @@ def _finish(record, jobs, out) -> None:
         summary, (_, html_path) = finish(record)
     except EvalError:
         for host, tail in failed_logs(record, jobs).items():
-            out.print(f"[bold red]worker on {escape(host)} failed.[/] Last lines of its log:")
+            out.print(f"[bold red]worker {escape(host)} failed.[/] Last lines of its log:")
             out.print(escape(tail or "(no log)"))
         raise
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
@@ -85,6 +85,9 @@ def _open_run(run: str, runs_dir: str | None, need: str = "run.json"):
 def eval_cmd(
     ctx: typer.Context,
     host: List[str] = typer.Option(["local"], "--host", "-H", help="Eval host(s); several shard the prompts."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", metavar="all|N|IDS",
+                                       help="One worker per GPU of each host (all, a count, or ids 0,2,5), "
+                                            "the prompts sharded across them; on CPU the ids name CPU workers."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d",
                                           help="LABEL[:CKPT] from configs/drafters.yaml, a folder on the host, "
                                                "or 'embedded' (default on `local`)."),
@@ -101,6 +104,11 @@ def eval_cmd(
     thinking: str = typer.Option("default", "--thinking", help="Chat template thinking: default | on | off."),
     ddtree: str = typer.Option("8,16,32,64", "--ddtree", help="DDTree budgets ('' to skip)."),
     all_anchors: bool = typer.Option(False, "--all-anchors", help="Also every completion position as an anchor."),
+    target_devices: Optional[str] = typer.Option(None, "--target-devices", metavar="N|auto",
+                                                 help="Split the target over N GPUs per worker (device_map); "
+                                                      "auto: every GPU of the host."),
+    max_memory: Optional[float] = typer.Option(None, "--max-memory", metavar="GB",
+                                               help="Use at most GB per device (memory pre-flight, device_map)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
@@ -112,6 +120,7 @@ def eval_cmd(
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
     from ..evaluate import EMBEDDED, split_drafter, start
+    from ..placement import parse_gpus
     from ..runrecord import EvalRequest, RunRecord
     from ..runs import runs_dir as find_runs_dir
 
@@ -121,6 +130,11 @@ def eval_cmd(
         raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
+    parse_gpus(gpus)        # bad --gpus / --target-devices: one red line before any host is contacted
+    if target_devices is not None and target_devices != "auto" and not (target_devices.isdigit() and int(target_devices) >= 1):
+        raise InputError(f"--target-devices must be a count >= 1 or auto, not {target_devices!r}")
+    if max_memory is not None and max_memory <= 0:
+        raise InputError("--max-memory must be > 0 (GB per device)")
     if resume:
         record = _open_run(resume, runs_dir)
     else:
@@ -132,7 +146,8 @@ def eval_cmd(
                           target=target, suite=suite, prompts=prompts or None, mode=mode,
                           max_new_tokens=max_new_tokens, max_blocks=max_blocks, device=device, dtype=dtype,
                           sglang=sglang, thinking=thinking, ddtree_budgets=ddtree, all_anchors=all_anchors,
-                          verify_weights=verify_weights)
+                          verify_weights=verify_weights, gpus=gpus, target_devices=target_devices,
+                          max_memory_gb=max_memory)
         record = RunRecord.create(find_runs_dir(runs_dir), req, label, ckpt)
     status = console.err().status("pre-flight ...") if not as_json else None
     if status:
