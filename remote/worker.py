@@ -242,6 +242,11 @@ def run(args) -> dict:
         raise WorkerError(plan.refusal())
     log(f"memory plan: {plan.describe()}")
     devices = [d for d, _ in plan.devices] if args.target_devices else None
+    if devices and len(devices) > 1:
+        import importlib.util
+        if importlib.util.find_spec("accelerate") is None:
+            raise WorkerError(f"--target-devices {args.target_devices}: splitting the target needs accelerate in "
+                              f"{sys.executable} (pip install --no-deps accelerate psutil)", 2)
     log(f"loading target {args.target} on {', '.join(devices) if devices else device} ({dtype})")
     target = load_target(args.target, device, dtype, devices=devices,
                          max_memory={d: free for d, free in plan.devices} if devices else None)
