@@ -3,7 +3,7 @@ context fit on the devices the worker will use? Read from the folders' configs a
 headers, before any weights load.
 
 ``python -m remote.memory --target DIR --drafter DIR [--suite S --prompts N --max-new-tokens M
---device cuda --target-devices N|auto --max-memory GB] --json`` prints the plan; exit 1 when it
+--device cuda --target-devices N|auto --max-memory GIB] --json`` prints the plan; exit 1 when it
 does not fit. The worker runs the same check before it loads anything.
 
 Terms (bytes): target and drafter = parameters x the run's dtype size; KV cache = 2 (K and V) x
@@ -74,6 +74,13 @@ def longest_context(rows, tokenizer, max_new_tokens: int) -> int:
     return longest
 
 
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
 @dataclass
 class Plan:
     target: int
@@ -96,7 +103,7 @@ class Plan:
         return self.need <= self.have
 
     def describe(self) -> str:
-        g = lambda n: f"{n / GiB:.2f} GiB"  # noqa: E731
+        g = human_bytes
         where = ", ".join(d for d, _ in self.devices)
         return (f"target {g(self.target)} + drafter {g(self.drafter)} + KV cache {g(self.kv_cache)} + logits "
                 f"{g(self.logits)} (longest context {self.context_tokens:,} tokens) = {g(self.need)} "
@@ -172,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
     p.add_argument("--target-devices", type=parse_target_devices, default=None)
-    p.add_argument("--max-memory", type=float, default=None, metavar="GB")
+    p.add_argument("--max-memory", type=float, default=None, metavar="GIB")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     from remote.prompts import load_suite

@@ -84,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-devices", type=parse_target_devices, default=None, metavar="N|auto",
                    help="load the target across N GPUs (device_map; auto: every visible one); the drafter runs "
                         "on the device of the captured features")
-    p.add_argument("--max-memory", type=float, default=None, metavar="GB",
-                   help="use at most GB per device (pre-flight plan and device_map)")
+    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                   help="use at most this many GiB per device (pre-flight plan and device_map)")
     args = p.parse_args(argv)
     if args.prompts is not None and args.prompts < 1:
         p.error("--prompts must be >= 1")

@@ -107,8 +107,8 @@ def eval_cmd(
     target_devices: Optional[str] = typer.Option(None, "--target-devices", metavar="N|auto",
                                                  help="Split the target over N GPUs per worker (device_map); "
                                                       "auto: every GPU of the host."),
-    max_memory: Optional[float] = typer.Option(None, "--max-memory", metavar="GB",
-                                               help="Use at most GB per device (memory pre-flight, device_map)."),
+    max_memory: Optional[float] = typer.Option(None, "--max-memory", metavar="GIB",
+                                               help="Use at most this many GiB per device (memory pre-flight, device_map)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
@@ -134,7 +134,7 @@ def eval_cmd(
     if target_devices is not None and target_devices != "auto" and not (target_devices.isdigit() and int(target_devices) >= 1):
         raise InputError(f"--target-devices must be a count >= 1 or auto, not {target_devices!r}")
     if max_memory is not None and max_memory <= 0:
-        raise InputError("--max-memory must be > 0 (GB per device)")
+        raise InputError("--max-memory must be > 0 (GiB per device)")
     if resume:
         record = _open_run(resume, runs_dir)
     else:
