@@ -212,9 +212,10 @@ def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) 
     if spec is not None and req.target_devices == "auto":
         raise EvalError("--target-devices auto splits the target over every GPU of the host: drop --gpus, "
                         "or give --target-devices a count")
-    return [(h.name, gpu) for h in hosts
-            for gpu in group(host_gpu_ids(spec, h.name, preps[h.name].visible_gpus, h.gpus, preps[h.name].cpu),
-                             per_worker)]
+    placed = [(h.name, gpu) for h in hosts
+              for gpu in group(host_gpu_ids(spec, h.name, preps[h.name].visible_gpus, h.gpus, preps[h.name].cpu),
+                               per_worker)]
+    return placed[:req.prompts] if req.prompts else placed     # no worker without a prompt
 
 
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:

@@ -79,6 +79,10 @@ def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
     assert [(p["host"], p["gpu"]) for p in env["placement"]["shards"]] == [("local", "0"), ("local", "1")]
     assert [e["cuda_visible_devices"] for e in env["shards"]] == ["0", "1"]   # each worker saw its own GPU
     assert json.loads((single / "env.json").read_text())["placement"]["gpus"] == []
+    capped = local_eval(local_home, tmp_path / "capped", "--gpus", "3", "--prompts", "2", "--max-blocks", "1")
+    assert capped.returncode == 0, capped.stdout + capped.stderr          # 3 GPUs, 2 prompts: 2 workers
+    placed = json.loads((only_run(tmp_path / "capped") / "env.json").read_text())["placement"]
+    assert placed["gpus"] == ["0", "1"]
     record = json.loads((merged / "run.json").read_text())
     assert [s["gpu"] for s in record["shards"]] == ["0", "1"] and record["request"]["gpus"] == "0,1"
 
@@ -154,3 +158,29 @@ def test_memory_plan_numbers():
     assert kv_bytes_per_token(cfg, 2) == 2 * 2 * 4 * 256 * 2              # K+V x 2 full layers x 4 heads x 256 x bf16
     rows = [PromptRow("a", None, None, [1] * 100), PromptRow("b", None, ["x" * 10, "y" * 30], None)]
     assert longest_context(rows, None, 64) == max(100 + 64, 40 + 2 * (64 + 32))
+
+
+def test_worker_refuses_a_plan_that_does_not_fit_before_loading(embedded_pair, tmp_path):
+    """A worker run by hand makes the same plan before it loads any weights."""
+    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"], "--drafter",
+                           embedded_pair["drafter"], "--out", str(tmp_path / "o"), "--device", "cpu", "--prompts", "2",
+                           "--max-memory", "0.0001"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "the plan does not fit in memory: target" in proc.stderr and "loading target" not in proc.stderr
+    assert not (tmp_path / "o" / "results.jsonl").exists()
+
+
+@pytest.mark.gpu
+def test_every_gpu_of_this_machine_runs_a_worker(local_home, tmp_path):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    one = local_eval(local_home, tmp_path / "one", "--device", "cuda", "--dtype", "float32")
+    assert one.returncode == 0, one.stdout + one.stderr
+    every = local_eval(local_home, tmp_path / "all", "--device", "cuda", "--dtype", "float32", "--gpus", "all")
+    assert every.returncode == 0, every.stdout + every.stderr
+    single, merged = only_run(tmp_path / "one"), only_run(tmp_path / "all")
+    assert [r["id"] for r in rows(merged)] == [r["id"] for r in rows(single)]
+    env = json.loads((merged / "env.json").read_text())
+    assert [e["cuda_visible_devices"] for e in env["shards"]] == [str(i) for i in range(torch.cuda.device_count())]
