@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from .errors import OperationFailed
+from .errors import InputError, OperationFailed
 from .inventory import Host, Inventory
 from .jobs import HostJob
 from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
@@ -25,6 +25,8 @@ from .transport import runner_for
 
 EMBEDDED = "embedded"
 INSPECT = ("remote.inspect",)   # the worker's drafter/target compatibility check
+THINKING = ("off", "on", "default")
+MAX_DDTREE_BUDGET = 1024        # remote/offline.py's MAX_BUDGET (tests/test_sampling_eval.py checks they agree)
 
 
 class EvalError(OperationFailed):
@@ -48,6 +50,34 @@ def split_drafter(spec: str | None) -> tuple[str | None, str | None]:
 def parallel(fn, items) -> list:
     with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
         return [f.result() for f in [pool.submit(fn, i) for i in items]]
+
+
+def ddtree_budgets(req: EvalRequest) -> list[int] | None:
+    """The request's DDTree budgets (None: the worker's default), checked as the worker checks them."""
+    if req.ddtree_budgets is None:
+        return None
+    try:
+        budgets = [int(b) for b in req.ddtree_budgets.split(",") if b.strip()]
+    except ValueError:
+        raise InputError(f"--ddtree: not a comma-separated list of integers: {req.ddtree_budgets!r}") from None
+    if any(not 1 <= b <= MAX_DDTREE_BUDGET for b in budgets):
+        raise InputError(f"--ddtree: each budget must be 1..{MAX_DDTREE_BUDGET}, got {req.ddtree_budgets!r}")
+    return budgets
+
+
+def check_request(req: EvalRequest) -> None:
+    """Refuse what the worker would refuse, before any host is touched (one line each)."""
+    if req.thinking not in THINKING:
+        raise InputError(f"--thinking must be one of {', '.join(THINKING)}, not {req.thinking!r}")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+        raise InputError(f"sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0 (got "
+                         f"{req.temperature:g}, {req.top_p:g}, {req.top_k})")
+    if req.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1")
+    if ddtree_budgets(req) and req.temperature > 0 and req.mode == "offline":
+        raise InputError("--ddtree at --temperature > 0 offline: a sampled DDTree is verified by the target's own "
+                         "sampling at every node, which an offline walk cannot do; offline at T > 0 reports the "
+                         "expected acceptance (an estimate) instead (leave out --ddtree)")
 
 
 # ----------------------------------------------------------------------------- pre-flight
@@ -221,7 +251,10 @@ def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) 
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:
     args = ["--target", shard.target_path, "--drafter", shard.drafter_path, "--suite", req.suite,
             "--mode", req.mode, "--out", f"{shard.run_dir}/out", "--max-new-tokens", str(req.max_new_tokens),
-            "--thinking", req.thinking, "--ddtree-budgets", req.ddtree_budgets, "--host-label", host.name]
+            "--thinking", req.thinking, "--temperature", repr(float(req.temperature)), "--top-p",
+            repr(float(req.top_p)), "--top-k", str(req.top_k), "--seed", str(req.seed), "--host-label", host.name]
+    if req.ddtree_budgets is not None:
+        args += ["--ddtree-budgets", req.ddtree_budgets]
     if req.prompts:
         args += ["--prompts", str(req.prompts)]
     if req.max_blocks:
@@ -343,7 +376,8 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     env["shards"] = envs
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
     record_placement(run_dir, shards)
-    summary = summarize(rows, env["settings"]["block_size"], env["settings"]["mode"])
+    settings = env["settings"]
+    summary = summarize(rows, settings["block_size"], settings["mode"], max_length=settings.get("verify_block"))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -35,8 +35,12 @@ class EvalRequest:
     device: str | None = None
     dtype: str | None = None
     sglang: str = "auto"            # auto (the host's, offline mode) | off | URL
-    thinking: str = "default"
-    ddtree_budgets: str = "8,16,32,64"
+    thinking: str = "off"           # off | on | default (the chat template's own); the worker's default
+    ddtree_budgets: str | None = None   # None: the worker's default (8,16,32,64 greedy, none at T > 0)
+    temperature: float = 0.0        # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
     all_anchors: bool = False
     min_free_gb: float = 1.0
     verify_weights: bool = False    # sha256 of the weights vs the sync manifest (slow on 17 GB)

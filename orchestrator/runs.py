@@ -114,6 +114,12 @@ class EvalRun:
         return max(16, int(longest))
 
     @property
+    def max_length(self) -> int:
+        """The most tokens one cycle can commit: B, or B + 1 for a sample_from_anchor drafter
+        (env.json's ``verify_block``)."""
+        return int(self.settings.get("verify_block") or self.block_size)
+
+    @property
     def status(self) -> str:
         return str(self.meta.get("status") or ("done" if self.summary is not None else "unknown"))
 
@@ -140,7 +146,7 @@ class EvalRun:
         if self._metrics is None:
             from .run_metrics import compute_metrics
 
-            self._metrics = compute_metrics(self.results, self.block_size, self.mode)
+            self._metrics = compute_metrics(self.results, self.block_size, self.mode, self.max_length)
         return self._metrics
 
     def sort_key(self) -> tuple:

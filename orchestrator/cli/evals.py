@@ -11,6 +11,10 @@ from .context import RUNS_DIR_HELP, inventory
 from .guard import INTERRUPTED
 
 
+def _tau_text(tau) -> str:
+    return "-" if tau is None else f"{tau:.2f}"
+
+
 def _follow(record, jobs, out) -> None:
     """Follow the run with one progress bar per unfinished shard; Ctrl-C detaches (exit 130)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -28,9 +32,11 @@ def _follow(record, jobs, out) -> None:
         kind = ev.get("event")
         if kind == "start":
             progress.update(bars[i], total=ev["prompts"], completed=ev.get("done", 0))
-        elif kind == "prompt":
-            progress.update(bars[i], completed=ev["done"], tau=f"{ev['tau_running']:.2f}",
-                            last=f"{ev['id']}: {ev['cycles']} blocks, τ {ev['tau']:.2f}")
+        elif kind == "prompt":   # tau is null offline at T > 0 (expected_tau then) and for one-token completions
+            tau, est = ev.get("tau"), ev.get("expected_tau")
+            progress.update(bars[i], completed=ev["done"], tau=_tau_text(ev.get("tau_running")),
+                            last=f"{ev['id']}: {ev['cycles']} blocks, " + (f"expected τ {_tau_text(est)} (estimate)"
+                                                                           if est is not None else f"τ {_tau_text(tau)}"))
         elif kind == "error":
             errors[i] = ev.get("message", "")
 
@@ -58,12 +64,15 @@ def _finish(record, jobs, out) -> None:
             out.print(escape(tail or "(no log)"))
         raise
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-    rows = [[key, fmt(summary.get(key))] for key in ("mode", "prompts", "cycles", "tokens", "tau_macro", "tau_pooled")]
+    rows = [[key, fmt(summary.get(key))] for key in ("mode", "prompts", "cycles", "tokens", "tau_macro",
+                                                      "tau_macro_turns", "tau_pooled", "tau_sglang")]
+    if summary.get("expected"):
+        rows.append(["expected τ (offline T > 0: estimate)", fmt(summary["expected"].get("tau"))])
     rows += [[f"DDTree-{b} τ (macro)", fmt(t.get("tau_macro"))] for b, t in (summary.get("ddtree") or {}).items()]
     online = summary.get("online")
     if online:
         rows += [["tokens/s", fmt(online.get("tokens_per_s"))], ["speedup vs target", fmt(online.get("speedup"))],
-                 ["lossless", str(online.get("lossless"))]]
+                 ["lossless", "n/a (sampled)" if online.get("lossless") is None else str(online["lossless"])]]
     acc = summary.get("per_position_acceptance") or []
     if acc:
         rows.append(["acceptance @1..4", " ".join(f"{a:.2f}" for a in acc[:4])])
@@ -101,8 +110,15 @@ def eval_cmd(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)."),
     sglang: str = typer.Option("auto", "--sglang", help="Reference completions: auto (the host's SGLang in offline "
                                                          "mode), off (local greedy), or a URL as seen from the host."),
-    thinking: str = typer.Option("default", "--thinking", help="Chat template thinking: default | on | off."),
-    ddtree: str = typer.Option("8,16,32,64", "--ddtree", help="DDTree budgets ('' to skip)."),
+    thinking: str = typer.Option("off", "--thinking", help="Chat template thinking: off (as z-lab's published runs) "
+                                                            "| on | default (the template's own)."),
+    ddtree: Optional[str] = typer.Option(None, "--ddtree", help="Offline DDTree node budgets, each 1..1024 ('' to "
+                                                                "skip; default 8,16,32,64 greedy, none at T > 0)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (online: lossless "
+                                                                 "speculative sampling; offline: expected τ, an estimate)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (each prompt's seed derives from it and the prompt id)."),
     all_anchors: bool = typer.Option(False, "--all-anchors", help="Also every completion position as an anchor."),
     target_devices: Optional[str] = typer.Option(None, "--target-devices", metavar="N|auto",
                                                  help="Split the target over N GPUs per worker (device_map); "
@@ -119,7 +135,7 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..evaluate import EMBEDDED, split_drafter, start
+    from ..evaluate import EMBEDDED, check_request, split_drafter, start
     from ..placement import parse_gpus
     from ..runrecord import EvalRequest, RunRecord
     from ..runs import runs_dir as find_runs_dir
@@ -146,8 +162,9 @@ def eval_cmd(
                           target=target, suite=suite, prompts=prompts or None, mode=mode,
                           max_new_tokens=max_new_tokens, max_blocks=max_blocks, device=device, dtype=dtype,
                           sglang=sglang, thinking=thinking, ddtree_budgets=ddtree, all_anchors=all_anchors,
-                          verify_weights=verify_weights, gpus=gpus, target_devices=target_devices,
-                          max_memory_gb=max_memory)
+                          verify_weights=verify_weights, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          gpus=gpus, target_devices=target_devices, max_memory_gb=max_memory)
+        check_request(req)
         record = RunRecord.create(find_runs_dir(runs_dir), req, label, ckpt)
     status = console.err().status("pre-flight ...") if not as_json else None
     if status:

@@ -118,8 +118,10 @@ def compare_cmd(
     for w in result["warnings"]:
         con.print(f"[yellow]! {escape(w)}[/]")
     pub = result.get("published")
-    caption = (f"{pub['name']}: {pub['label']} ({pub['source'].get('title')}, arXiv {pub['source'].get('arxiv')})"
-               + (f"; {pub['caveat']}" if pub.get("caveat") else "")) if pub else None
+    caption = (f"{pub['name']} at T={pub['temperature']:g}: {pub['label']} ({pub['source'].get('title')}, arXiv "
+               f"{pub['source'].get('arxiv')})" + (f"; {pub['caveat']}" if pub.get("caveat") else "")) if pub else None
+    if result.get("published_note"):
+        con.print(f"[dim]{escape(result['published_note'])}[/]")
     tables = [("side by side", side_by_side(result), caption),
               ("difference vs baseline", difference_rows(result), stats_note(result)),
               ("per-position acceptance", per_position_rows(result), None)]

@@ -97,12 +97,15 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                  progress=progress)
             manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                                    "sha256": f.sha256} for f in plan.files]}
-            # cache the manifest on the source (for the next sync) while the destination finalizes,
-            # keyed by the inode and ctime listed at the start: a file rewritten since is not cached
+            # each sender that hashed its file cached the sha256 on the source itself; only a file
+            # skipped on a hash the destination verified (none on the source yet) is cached here,
+            # while the destination finalizes, keyed by the inode and ctime listed at the start
             listed = {e["path"]: e for e in src_files}
-            cache = {"files": [{**listed[e["path"]], **e} for e in manifest["files"]]}
-            saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
-                              input=json.dumps(cache), timeout=60)
+            saved = None
+            if any(f.action == "skip" and not listed[f.path].get("sha256") for f in plan.files):
+                cache = {"files": [{**listed[e["path"]], **e} for e in manifest["files"]]}
+                saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
+                                  input=json.dumps(cache), timeout=60)
             holder.send("FINALIZE " + json.dumps(manifest))
             holder.expect("DONE", 300)
             result.seconds = time.monotonic() - started
@@ -111,7 +114,8 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
         finally:
             holder.close()
         try:
-            saved.result()
+            if saved is not None:
+                saved.result()
         except (SyncError, TransportError):
             pass
         return result
