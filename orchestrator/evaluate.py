@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -21,6 +22,7 @@ from .catalog import EMBEDDED
 from .errors import InputError, OperationFailed
 from .inventory import Host, Inventory
 from .jobs import HostJob
+from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
 from .runrecord import EvalRequest, RunRecord, Shard
 from .ship import ship
 from .transport import runner_for
@@ -114,7 +116,8 @@ def _python_json(runner, python: str, code_dir: str, module: str, *args: str,
         return None, (res.stderr or res.stdout).strip()
 
 
-def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest) -> None:
+def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest):
+    """The host's probe report, once it passed (reachable, ML stack, disk, CUDA when wanted)."""
     from .hostcheck import check_host
 
     report = check_host(host, inventory=inventory)
@@ -128,10 +131,11 @@ def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest) -> None
     if free is not None and free < req.min_free_gb * 2**30:
         raise EvalError(f"host {host.name}: only {free / 2**30:.1f} GiB free in {host.workdir} "
                         f"(need {req.min_free_gb:g} GiB for the worker and its results)")
-    wants_gpu = (default_device(host, req) or "cuda").startswith("cuda")
+    wants_gpu = not wants_cpu(req, host)
     if wants_gpu and not (report.cuda or "").startswith("yes"):
         raise EvalError(f"host {host.name}: no CUDA GPU visible to torch (pass --device cpu to run on CPU, "
                         f"or set `gpus: 0` for it in the inventory)")
+    return report
 
 
 def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
@@ -176,32 +180,81 @@ def resolve_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple
     return drafter, target
 
 
-def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventory,
-                  on_phase: Callable[[str], None] | None = None) -> HostJob:
+@dataclass
+class HostPrep:
+    """What pre-flight learned on one host, shared by all its shards."""
+    host: Host                      # its paths expanded there (~ is the login home)
+    runner: object
+    code_dir: str
+    drafter_path: str
+    target_path: str
+    visible_gpus: int
+    cpu: bool                       # its workers run on CPU
+
+
+def wants_cpu(req: EvalRequest, host: Host) -> bool:
+    return not (default_device(host, req) or "cuda").startswith("cuda")
+
+
+def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
+                 on_phase: Callable[[str], None] | None = None) -> HostPrep:
     """Pre-flight on one host, before any GPU time: environment, ship the worker, locate and check
-    the drafter and target there; the shard learns where its worker runs."""
-    req, shard = record.eval_request, record.shards[index]
+    the drafter and target there."""
+    req = record.eval_request
     phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
     phase("connecting")
-    check_host_ready(host, inventory, req)
+    report = check_host_ready(host, inventory, req)
     phase("pre-flight: shipping the worker, checking drafter and target")
     runner = runner_for(host, inventory)
     host = host.on_host(runner.expand_home)
     code_dir = ship(runner, host.python, host.workdir)
     drafter_path, target_path = map(runner.expand_home, resolve_models(host, runner, code_dir, req))
     flags = ["--verify-hashes"] if req.verify_weights else []
-    report, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
-                               "--json", *flags, timeout=1800)
-    if report is None:
+    inspected, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
+                                "--json", *flags, timeout=1800)
+    if inspected is None:
         raise EvalError(f"host {host.name}: drafter inspection failed: {err[-800:]}")
-    if not report["ok"]:
-        raise EvalError(f"host {host.name}: " + "\n  ".join(report["problems"]))
-    run_dir = f"{host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
-    record.prepared(index, run_dir=run_dir, code_dir=code_dir, python=host.python, drafter_path=drafter_path,
-                    target_path=target_path)
-    return HostJob(runner, host.python, code_dir, run_dir)
+    if not inspected["ok"]:
+        raise EvalError(f"host {host.name}: " + "\n  ".join(inspected["problems"]))
+    check_memory(host, runner, code_dir, req, drafter_path, target_path)
+    return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host))
+
+
+def memory_args(req: EvalRequest) -> list[str]:
+    """The worker's and the memory plan's shared flags."""
+    args = ["--target-devices", req.target_devices] if req.target_devices else []
+    return args + (["--max-memory", f"{req.max_memory_gb:g}"] if req.max_memory_gb else [])
+
+
+def check_memory(host: Host, runner, code_dir: str, req: EvalRequest, drafter_path: str, target_path: str) -> None:
+    """Refuse a plan whose target + drafter + KV cache + logits of the longest prompt do not fit
+    (remote/memory.py), before any weights load."""
+    args = ["--target", target_path, "--drafter", drafter_path, "--suite", req.suite, "--max-new-tokens",
+            str(req.max_new_tokens), "--device", "cpu" if wants_cpu(req, host) else "cuda", *memory_args(req), "--json"]
+    if req.prompts:
+        args += ["--prompts", str(req.prompts)]
+    if req.dtype:
+        args += ["--dtype", req.dtype]
+    plan, err = _python_json(runner, host.python, code_dir, "remote.memory", *args, timeout=600)
+    if plan is None:
+        raise EvalError(f"host {host.name}: the memory plan failed: {err[-800:]}")
+    if not plan["fits"]:
+        raise EvalError(f"host {host.name}: {plan['refusal']}")
+
+
+def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) -> list[tuple[str, str | None]]:
+    """(host, GPU id) of every shard: ``--gpus`` expanded on each host in turn."""
+    spec = parse_gpus(req.gpus)
+    per_worker = int(req.target_devices) if req.target_devices not in (None, "auto") else 1
+    if spec is not None and req.target_devices == "auto":
+        raise EvalError("--target-devices auto splits the target over every GPU of the host: drop --gpus, "
+                        "or give --target-devices a count")
+    placed = [(h.name, gpu) for h in hosts
+              for gpu in group(host_gpu_ids(spec, h.name, preps[h.name].visible_gpus, h.gpus, preps[h.name].cpu),
+                               per_worker)]
+    return placed[:req.prompts] if req.prompts else placed     # no worker without a prompt
 
 
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:
@@ -225,6 +278,7 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
         args += ["--sglang", sglang]
     if req.all_anchors:
         args.append("--all-anchors")
+    args += memory_args(req)
     if shard.count > 1:
         args += ["--shard", f"{shard.index}/{shard.count}"]
     if resume:
@@ -233,28 +287,42 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
 
 
 def start(record: RunRecord, inventory: Inventory, resume: bool = False,
+def start(record: RunRecord, inventory: Inventory, resume: bool = False,
           on_phase: Callable[[str, str], None] | None = None) -> dict[int, HostJob]:
-    """Pre-flight every shard's host (in parallel), then start every worker detached.
-    ``on_phase(host, phase)`` hears each step: connecting, pre-flight, starting the worker. Resuming,
-    a worker still running or finished (its follower was cut off: a killed CLI, a dropped link) is
-    followed and fetched, not started twice."""
-    hosts = [inventory.get(s.host) for s in record.shards]
-
-    def prepare(i: int) -> HostJob:
-        return prepare_shard(record, i, hosts[i], inventory,
-                             on_phase=(lambda phase: on_phase(hosts[i].name, phase)) if on_phase else None)
-
-    jobs = dict(enumerate(parallel(prepare, list(range(len(record.shards))))))
+    """Pre-flight every host once (in parallel), place the shards (``--gpus``), then start every
+    worker detached, each with its GPU as ``CUDA_VISIBLE_DEVICES``. ``on_phase(host, phase)`` hears
+    each step: connecting, pre-flight, starting the worker. Resuming, a finished and fetched shard
+    is kept, and a worker still running or finished but not fetched (its follower was cut off: a
+    killed CLI, a dropped link) is followed and fetched, not started twice."""
     req = record.eval_request
-    for i, job in jobs.items():
+    todo = [s for s in record.shards if not (resume and s.state == "done" and s.fetched)]   # resume: the rest
+    names = list(dict.fromkeys(req.hosts if not resume else [s.host for s in todo]))
+
+    def prepare(name: str) -> HostPrep:
+        return prepare_host(record, inventory.get(name), inventory,
+                            on_phase=(lambda phase: on_phase(name, phase)) if on_phase else None)
+
+    preps = dict(zip(names, parallel(prepare, names)))
+    if not resume:
+        record.place(placements(req, [inventory.get(h) for h in req.hosts], preps))
+        todo = record.shards
+    jobs = {}
+    for s in todo:
+        prep = preps[s.host]
+        run_dir = f"{prep.host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{s.index}" if s.count > 1 else "")
+        record.prepared(s.index, run_dir=run_dir, code_dir=prep.code_dir, python=prep.host.python,
+                        drafter_path=prep.drafter_path, target_path=prep.target_path)
+        jobs[s.index] = HostJob(prep.runner, prep.host.python, prep.code_dir, run_dir)
+    for s in todo:
+        job, host = jobs[s.index], inventory.get(s.host)
         if resume and job.status().get("state") in ("running", "done"):
             continue        # still going, or finished and not yet fetched: followed, not redone
         if on_phase:
-            on_phase(hosts[i].name, "starting the worker")
-        _, auth = reference_sglang(req, hosts[i])
-        job.start(worker_args(req, record.shards[i], hosts[i], resume=resume),
-                  secrets={AUTH_ENV: auth} if auth else None)
-    record.started()
+            on_phase(s.host, "starting the worker")
+        _, auth = reference_sglang(req, host)
+        job.start(worker_args(req, s, host, resume=resume), secrets={AUTH_ENV: auth} if auth else None,
+                  env={"CUDA_VISIBLE_DEVICES": s.gpu} if s.gpu is not None else None)
+    record.started(shards=[s.index for s in todo])
     return jobs
 
 
@@ -300,6 +368,7 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     from remote.metrics import summarize
 
     if len(shards) == 1:
+        record_placement(run_dir, shards)
         return json.loads((run_dir / "summary.json").read_text())
     rows_by_id, order, envs = {}, {}, []
     for s in shards:
@@ -322,10 +391,22 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     env["suite"] = {**env["suite"], "ids": [r["id"] for r in rows], "shard": None}
     env["shards"] = envs
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
+    record_placement(run_dir, shards)
     settings = env["settings"]
     summary = summarize(rows, settings["block_size"], settings["mode"], max_length=settings.get("verify_block"))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def record_placement(run_dir: Path, shards: list[Shard], backend: str = "ssh") -> None:
+    """env.json's ``placement``: how the run ran (backend, hosts, one entry per shard with its GPU)."""
+    path = run_dir / "env.json"
+    env = json.loads(path.read_text())
+    env["placement"] = {"backend": backend, "hosts": list(dict.fromkeys(s.host for s in shards)),
+                        "gpus": [s.gpu for s in shards if s.gpu is not None],
+                        "shards": [{"index": s.index, "count": s.count, "host": s.host, "gpu": s.gpu}
+                                   for s in shards]}
+    path.write_text(json.dumps(env, indent=2))
 
 
 def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
@@ -337,7 +418,8 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
         raise RunUnfinished(f"not all shards finished; the workers keep running. Re-attach with: "
                             f"dflash-ops attach {record.id}")
     if outcome == "failed":
-        hosts = ", ".join(f"{s.host} (state {s.state}, exit code {s.exit_code})"
+        hosts = ", ".join(f"{s.label} (shard {s.index + 1}/{s.count}, state {s.state}, exit code {s.exit_code})"
+                          if s.count > 1 else f"{s.label} (state {s.state}, exit code {s.exit_code})"
                           for s in record.shards if s.state != "done")
         raise EvalError(f"the worker failed on {hosts}; finished prompts are kept: "
                         f"dflash-ops eval --resume {record.id}")
@@ -348,18 +430,18 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
 
 
 def failed_logs(record: RunRecord, jobs: dict[int, HostJob], lines: int = 25) -> dict[str, str]:
-    """{host: the last lines of its worker log} for the shards that did not end ``done``."""
+    """{shard label: the last lines of its worker log} for the shards that did not end ``done``."""
     out = {}
     for s in record.shards:
         if s.fetched and s.state != "done":
             log = s.local_dir(record.folder) / "worker.log"
             tail = "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else jobs[s.index].log_tail(lines)
-            out[s.host] = tail
+            out[s.label] = tail
     return out
 
 
 def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
-    """Stop a run's workers (finished prompts stay on the hosts); {host: the worker's state}."""
+    """Stop a run's workers (finished prompts stay on the hosts); {shard label: the worker's state}."""
     states = {i: job.cancel() for i, job in jobs_of(record, inventory).items()}
     record.cancelled({i: st.get("state", "unknown") for i, st in states.items()})
-    return {record.shards[i].host: st for i, st in states.items()}
+    return {record.shards[i].label: st for i, st in states.items()}

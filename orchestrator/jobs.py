@@ -26,16 +26,19 @@ class HostJob:
     def out_dir(self) -> str:
         return f"{self.run_dir}/out"
 
-    def _launch(self, *args: str, timeout: float | None = 60, input: str | None = None):
+    def _launch(self, *args: str, timeout: float | None = 60, input: str | None = None,
+                env: dict[str, str] | None = None):
         return self.runner.run([self.python, "-m", "remote.launch", *args], timeout=timeout, input=input,
-                               env={"PYTHONPATH": self.code_dir}, cwd=self.code_dir)
+                               env={"PYTHONPATH": self.code_dir, **(env or {})}, cwd=self.code_dir)
 
-    def start(self, worker_args: list[str], secrets: dict[str, str] | None = None) -> int:
-        """Start the worker detached; ``secrets`` (environment variables) travel on stdin, never argv."""
+    def start(self, worker_args: list[str], secrets: dict[str, str] | None = None,
+              env: dict[str, str] | None = None) -> int:
+        """Start the worker detached; ``env`` (e.g. CUDA_VISIBLE_DEVICES) is inherited by it;
+        ``secrets`` (environment variables) travel on stdin, never argv."""
         argv = [self.python, "-m", "remote.worker", *worker_args]
-        env = ("--env-stdin",) if secrets else ()
-        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, *env, "--", *argv,
-                           input=json.dumps(secrets) if secrets else None)
+        stdin_env = ("--env-stdin",) if secrets else ()
+        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, *stdin_env, "--", *argv,
+                           input=json.dumps(secrets) if secrets else None, env=env)
         if not res.ok:
             raise TransportError(f"could not start the worker: {res.stderr.strip()[-500:]}")
         return json.loads(res.stdout.strip().splitlines()[-1])["pid"]

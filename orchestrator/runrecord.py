@@ -58,14 +58,18 @@ class EvalRequest:
     drafter_run: str | None = None
     checkpoint: str | None = None
     target_path: str | None = None
+    gpus: str | None = None         # --gpus all|N|0,2,5: one shard per GPU of each host (placement.py)
+    target_devices: str | None = None   # N | auto: GPUs one worker splits the target over
+    max_memory_gb: float | None = None  # per device, for the memory plan and the device_map
 
 
 @dataclass
 class Shard:
-    """One host's part of a run (``--shard index/count`` of the prompts)."""
+    """One worker's part of a run (``--shard index/count`` of the prompts): a host, or one GPU of it."""
     host: str
     index: int
     count: int
+    gpu: str | None = None          # its worker's CUDA_VISIBLE_DEVICES, "0" or "0,1" (a label only on CPU)
     run_dir: str = ""               # on the host: <workdir>/runs/<run id>[/shard-<index>]
     code_dir: str = ""
     python: str = ""
@@ -74,6 +78,11 @@ class Shard:
     fetched: bool = False
     state: str = "pending"
     exit_code: int | None = None
+
+    @property
+    def label(self) -> str:
+        """``host`` or ``host:gpuN``: how progress and errors name the shard."""
+        return self.host if self.gpu is None else f"{self.host}:gpu{self.gpu}"
 
     def local_dir(self, run_dir: Path) -> Path:
         """Where its files land here."""
@@ -161,6 +170,11 @@ class RunRecord:
 
     # --- transitions ---------------------------------------------------------------------------
 
+    def place(self, placements: list[tuple[str, str | None]]) -> None:
+        """Pre-flight resolved ``--gpus``: one shard per (host, GPU id or None)."""
+        self.shards = [Shard(host=host, gpu=gpu, index=i, count=len(placements))
+                       for i, (host, gpu) in enumerate(placements)]
+
     def prepared(self, index: int, *, run_dir: str, code_dir: str, python: str, drafter_path: str,
                  target_path: str) -> None:
         """Pre-flight passed on shard ``index``'s host: where its worker runs and what it loads."""
@@ -168,10 +182,12 @@ class RunRecord:
         s.run_dir, s.code_dir, s.python = run_dir, code_dir, python
         s.drafter_path, s.target_path = drafter_path, target_path
 
-    def started(self) -> None:
-        """Every worker was started (fresh or resumed)."""
+    def started(self, shards: list[int] | None = None) -> None:
+        """The workers of ``shards`` (default: all) were started, fresh or resumed; a resumed run
+        keeps its finished shards as they are."""
         for s in self.shards:
-            s.fetched, s.state = False, "running"
+            if shards is None or s.index in shards:
+                s.fetched, s.state = False, "running"
         self.status = "running"
         self.save()
 

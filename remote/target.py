@@ -59,9 +59,27 @@ def capture(model, layer_ids: list[int]):
 
 
 def features(store: dict, layer_ids: list[int]):
-    """Concatenate captured layers in ``target_layer_ids`` order: ``[b, T, K*H]``."""
+    """Concatenate captured layers in ``target_layer_ids`` order: ``[b, T, K*H]``, on the device of
+    the deepest one (a target split over devices yields each layer where it ran)."""
     import torch
-    return torch.cat([store[i] for i in layer_ids], dim=-1)
+    device = store[max(layer_ids)].device
+    return torch.cat([store[i].to(device) for i in layer_ids], dim=-1)
+
+
+def layer_device(layer):
+    """Where a decoder layer computes: its accelerate hook's execution device (a device_map split,
+    offloaded weights included), else its parameters' device."""
+    hook = getattr(layer, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        import torch
+        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
+    return next(layer.parameters()).device
+
+
+def features_device(model, layer_ids: list[int]):
+    """The device :func:`features` returns the drafter's context on: the deepest captured layer's."""
+    return layer_device(decoder_layers(model)[max(layer_ids)])
 
 
 def target_features(model, input_ids, layer_ids: list[int], **forward_kwargs):
@@ -72,13 +90,31 @@ def target_features(model, input_ids, layer_ids: list[int], **forward_kwargs):
     return out, features(store, layer_ids)
 
 
-def load_target(folder: str | Path, device: str = "cpu", dtype: str | None = None):
+def load_target(folder: str | Path, device: str = "cpu", dtype: str | None = None, devices: list[str] | None = None,
+                max_memory: dict[str, int] | None = None, device_map: dict | str | None = None,
+                offload_folder: str | None = None):
     """Load a target folder as its text-only CausalLM (a Qwen3.5/3.6 VLM checkpoint gives the
-    text model). Default dtype: bfloat16 on CUDA, float32 on CPU."""
+    text model). Default dtype: bfloat16 on CUDA, float32 on CPU.
+
+    ``devices`` (e.g. ``["cuda:0", "cuda:1"]``) splits the layers over those devices with
+    transformers' ``device_map="auto"`` (accelerate), each device holding at most ``max_memory``
+    bytes; ``device_map`` names the placement module by module instead (``"disk"`` entries are
+    offloaded to ``offload_folder`` and streamed in per forward)."""
     guard_cpu_kernels(device)
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if devices and len(devices) > 1 and device_map is None:
+        device_map = "auto"
+        limits = max_memory or {}
+        max_memory = {int(d.split(":")[1]) if d.startswith("cuda:") else d: limits.get(d, "0GiB") for d in devices}
+    elif devices and device_map is None:
+        device = devices[0]
+    if device_map is not None:
+        kwargs = {k: v for k, v in (("max_memory", max_memory), ("offload_folder", offload_folder)) if v}
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype), device_map=device_map,
+                                                     **kwargs)
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
     return model.to(device).eval()

@@ -27,6 +27,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from remote.memory import parse_target_devices
 from remote.offline import DEFAULT_BUDGETS, MAX_BUDGET
 
 
@@ -80,6 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="evaluate only prompts K, K+N, K+2N, ... of the selected ones (0-based; sharding over hosts)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it and the prompt id)")
     p.add_argument("--host-label", default=None, help="host name recorded in env.json")
+    p.add_argument("--target-devices", type=parse_target_devices, default=None, metavar="N|auto",
+                   help="load the target across N GPUs (device_map; auto: every visible one); the drafter runs "
+                        "on the device of the captured features")
+    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
+                   help="use at most this many GiB per device (pre-flight plan and device_map)")
     args = p.parse_args(argv)
     if args.prompts is not None and args.prompts < 1:
         p.error("--prompts must be >= 1")
@@ -222,18 +228,33 @@ def run(args) -> dict:
     done_ids = {r["id"] for r in finished}
 
     import torch
-    from remote.target import gdn_kernel_path, load_target
+    from remote.target import features_device, gdn_kernel_path, load_target
     from remote.checkpoint import load_drafter
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", 2)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    log(f"loading target {args.target} on {device} ({dtype})")
+    from remote.memory import check as memory_check
+    plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
+                        args.target_devices, args.max_memory)
+    if not plan.fits:
+        raise WorkerError(plan.refusal())
+    log(f"memory plan: {plan.describe()}")
+    devices = [d for d, _ in plan.devices] if args.target_devices else None
+    if devices and len(devices) > 1:
+        import importlib.util
+        if importlib.util.find_spec("accelerate") is None:
+            raise WorkerError(f"--target-devices {args.target_devices}: splitting the target needs accelerate in "
+                              f"{sys.executable} (pip install --no-deps accelerate psutil)", 2)
+    log(f"loading target {args.target} on {', '.join(devices) if devices else device} ({dtype})")
     emit("phase", phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
-    target = load_target(args.target, device, dtype)
+    target = load_target(args.target, device, dtype, devices=devices,
+                         max_memory={d: free for d, free in plan.devices} if devices else None)
     for p in target.parameters():
         p.requires_grad_(False)
-    drafter, ckpt = load_drafter(args.drafter, device=device, dtype=getattr(torch, dtype))
+    from remote.checkpoint import open_checkpoint
+    feature_device = features_device(target, open_checkpoint(args.drafter).config.target_layer_ids) if devices else device
+    drafter, ckpt = load_drafter(args.drafter, device=feature_device, dtype=getattr(torch, dtype))
     tokenizer = None
     try:
         from transformers import AutoTokenizer
@@ -244,6 +265,9 @@ def run(args) -> dict:
     stops = stop_ids(tokenizer, target)
 
     env = {"host": args.host_label or socket.gethostname(), "device": device,
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "target_devices": sorted({str(d) for d in getattr(target, "hf_device_map", {}).values()}) or [device],
+           "drafter_device": str(next(drafter.parameters()).device), "memory_plan": plan.to_dict(),
            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
            "dtype": dtype, "kernel_path": gdn_kernel_path(target), "versions": versions(),
            "drafter": {**ckpt.describe(), "sha256": weight_hashes(ckpt)},

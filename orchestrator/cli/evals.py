@@ -28,7 +28,7 @@ class _Progress:
         self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(bar_width=12),
                              MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}"), TimeElapsedColumn(),
                              TextColumn("{task.fields[last]}", table_column=last), console=out, transient=False)
-        self.tasks = {s.index: self.bars.add_task("", total=None, host=s.host, phase="waiting", tau="-", last="")
+        self.tasks = {s.index: self.bars.add_task("", total=None, host=s.label, phase="waiting", tau="-", last="")
                       for s in record.shards if not s.fetched}
         self.taus: dict[int, list[float]] = {i: [] for i in self.tasks}
         self.done: dict[int, int] = {i: 0 for i in self.tasks}
@@ -66,12 +66,12 @@ class _Progress:
         unfetched = [s for s in shards if not s.fetched and s.index in self.ended]
         if running:
             done = {s.index: self.done.get(s.index, 0) for s in running}
-            where = ", ".join(f"{s.host} ({done[s.index]} prompt{'' if done[s.index] == 1 else 's'} done)"
+            where = ", ".join(f"{s.label} ({done[s.index]} prompt{'' if done[s.index] == 1 else 's'} done)"
                               for s in running)
             return (f"Detached. The worker keeps running on {where}. Re-attach with: [bold]dflash-ops attach {rid}[/]"
                     f"  (cancel with: dflash-ops cancel {rid})")
         if unfetched:
-            return (f"Detached. The worker on {', '.join(s.host for s in unfetched)} had already finished; its "
+            return (f"Detached. The worker on {', '.join(s.label for s in unfetched)} had already finished; its "
                     f"results are not fetched yet: [bold]dflash-ops attach {rid}[/] fetches them and writes the report.")
         return (f"Interrupted after the results were fetched into {self.record.folder}; the report may be missing: "
                 f"[bold]dflash-ops show {rid}[/] writes it.")
@@ -87,7 +87,7 @@ def _follow_and_finish(record, jobs, out) -> None:
         with progress.bars:
             progress.errors.update(follow(record, jobs, progress.on_event))
         for i, msg in progress.errors.items():
-            out.print(f"[red]{escape(record.shards[i].host)}: {escape(msg)}[/]")
+            out.print(f"[red]{escape(record.shards[i].label)}: {escape(msg)}[/]")
         _finish(record, jobs, out)
     except KeyboardInterrupt:
         record.detached()
@@ -103,7 +103,7 @@ def _finish(record, jobs, out) -> None:
         summary, (_, html_path) = finish(record)
     except EvalError:
         for host, tail in failed_logs(record, jobs).items():
-            out.print(f"[bold red]worker on {escape(host)} failed.[/] Last lines of its log:")
+            out.print(f"[bold red]worker {escape(host)} failed.[/] Last lines of its log:")
             out.print(escape(tail or "(no log)"))
         raise
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
@@ -148,6 +148,9 @@ def _located(names, choice, host, sync: bool, out, err):
 def eval_cmd(
     ctx: typer.Context,
     host: List[str] = typer.Option(["local"], "--host", "-H", help="Eval host(s); several shard the prompts."),
+    gpus: Optional[str] = typer.Option(None, "--gpus", metavar="all|N|IDS",
+                                       help="One worker per GPU of each host (all, a count, or ids 0,2,5), "
+                                            "the prompts sharded across them; on CPU the ids name CPU workers."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d",
                                           help="LABEL[:CKPT] from the catalog, a folder on the host, or 'embedded' "
                                                "(default: the catalog's `default:`, else the newest synced "
@@ -175,6 +178,11 @@ def eval_cmd(
     all_anchors: bool = typer.Option(False, "--all-anchors", help="Also every completion position as an anchor."),
     sync: bool = typer.Option(False, "--sync", help="Copy the checkpoint from the training host first when the eval "
                                                     "host lacks it (no checkpoint named: the training host's newest)."),
+    target_devices: Optional[str] = typer.Option(None, "--target-devices", metavar="N|auto",
+                                                 help="Split the target over N GPUs per worker (device_map); "
+                                                      "auto: every GPU of the host."),
+    max_memory: Optional[float] = typer.Option(None, "--max-memory", metavar="GIB",
+                                               help="Use at most this many GiB per device (memory pre-flight, device_map)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
@@ -189,6 +197,7 @@ def eval_cmd(
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
     from ..evaluate import check_request, check_sglang_option, start
+    from ..placement import parse_gpus
     from ..runrecord import EvalRequest, RunRecord
 
     out, err = console.out(), console.err()
@@ -201,6 +210,11 @@ def eval_cmd(
 
     trackers = check_trackers(log_to)
     check_sglang_option(sglang)
+    parse_gpus(gpus)        # bad --gpus / --target-devices: one red line before any host is contacted
+    if target_devices is not None and target_devices != "auto" and not (target_devices.isdigit() and int(target_devices) >= 1):
+        raise InputError(f"--target-devices must be a count >= 1 or auto, not {target_devices!r}")
+    if max_memory is not None and max_memory <= 0:
+        raise InputError("--max-memory must be > 0 (GiB per device)")
     if resume:
         record = names.run_record(resume, prefer=("running", "failed", "cancelled"))
     else:
@@ -215,7 +229,8 @@ def eval_cmd(
                           all_anchors=all_anchors, verify_weights=verify_weights, drafter_path=choice.path,
                           drafter_run=choice.run.name if choice.run else None,
                           checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path,
-                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                          gpus=gpus, target_devices=target_devices, max_memory_gb=max_memory)
         check_request(req)
         record = RunRecord.create(names.runs_root, req, choice.label, req.checkpoint, choice.step)
     status = err.status("pre-flight ...") if not as_json else None

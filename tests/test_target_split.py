@@ -1,0 +1,61 @@
+"""A target split over devices with a device_map (accelerate hooks) captures exactly the drafter's
+layers, equal to the single-device run. Here the split is CPU + disk offload (layers streamed in
+per forward through accelerate's hooks); the real split over two GPUs is gpu-marked."""
+import pytest
+import torch
+
+from remote.target import decoder_layers, features_device, load_target, target_features
+from tests.models import random_target
+
+LAYERS = [0, 2, 3]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_5"])
+def target_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"target-{request.param}")
+    random_target(request.param).save_pretrained(folder)
+    return folder
+
+
+def split_map(n_layers: int, first, second) -> dict:
+    """The first half of the layers (and the tied embeddings / head) on ``first``, the rest on ``second``."""
+    half = n_layers // 2
+    return {"model.embed_tokens": first, "model.rotary_emb": first, "model.norm": first, "lm_head": first,
+            **{f"model.layers.{i}": (first if i < half else second) for i in range(n_layers)}}
+
+
+def captured(model, ids):
+    out, feats = target_features(model, ids, LAYERS)
+    return out.logits, feats
+
+
+@torch.no_grad()
+def test_device_map_split_captures_the_same_features(target_dir, tmp_path):
+    ids = torch.randint(0, 250, (1, 23), generator=torch.Generator().manual_seed(0))
+    whole = load_target(target_dir, "cpu")
+    n = len(decoder_layers(whole))
+    split = load_target(target_dir, "cpu", device_map=split_map(n, "cpu", "disk"), offload_folder=str(tmp_path / "off"))
+    offloaded = decoder_layers(split)[n - 1]
+    assert hasattr(offloaded, "_hf_hook")                                   # accelerate really dispatched it
+    assert {p.device.type for p in offloaded.parameters()} == {"meta"}      # weights not resident
+    logits_a, feats_a = captured(whole, ids)
+    logits_b, feats_b = captured(split, ids)
+    assert feats_b.shape == (1, 23, len(LAYERS) * whole.config.hidden_size)
+    torch.testing.assert_close(feats_b, feats_a, atol=0, rtol=0)
+    torch.testing.assert_close(logits_b, logits_a, atol=0, rtol=0)
+    assert features_device(split, LAYERS) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_two_gpu_split_captures_the_same_features(target_dir):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    ids = torch.randint(0, 250, (1, 23), generator=torch.Generator().manual_seed(0))
+    whole = load_target(target_dir, "cuda:0", "float32")
+    n = len(decoder_layers(whole))
+    split = load_target(target_dir, "cuda", "float32", device_map=split_map(n, 0, 1))
+    _, feats_a = captured(whole, ids.cuda())
+    _, feats_b = captured(split, ids.cuda())
+    assert features_device(split, LAYERS) == torch.device("cuda:1") and feats_b.device == torch.device("cuda:1")
+    torch.testing.assert_close(feats_b.cpu(), feats_a.cpu(), atol=1e-5, rtol=1e-5)
