@@ -118,10 +118,13 @@ def run_seed(args, target, drafter, ids, th):
 
 
 def child(args) -> None:
-    """In a fresh process: build, then run one path; print its timing and peak memory as JSON."""
+    """In a fresh process: build the models, load the sequence and its features (computed by the
+    parent, so the target forward's memory is not in this process's peak), run one path; save its
+    timing, drafts, logits and peak memory growth."""
     torch.manual_seed(0)
     target, drafter = build(args)
-    ids, th = inputs(args, target, drafter)
+    saved = torch.load(args.inputs)
+    ids, th = saved["ids"].to(args.device), saved["th"].to(args.device)
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -168,7 +171,7 @@ def capture_memory(args) -> None:
 
 
 def run_child(args, which: str, result: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", which, "--result", str(result)]
+    cmd = [sys.executable, __file__, "--child", which, "--result", str(result), "--inputs", str(result.parent / "in.pt")]
     for name in ("completion", "hidden", "layers", "vocab", "chunk", "seed_anchors", "device", "dtype", "threads"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.full:
@@ -194,6 +197,7 @@ def main():
     ap.add_argument("--mem-len", type=int, default=4096, help="tokens of the --capture forward")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--inputs", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.child in ("hooks", "hidden_states"):
@@ -203,6 +207,9 @@ def main():
 
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        ids, th = inputs(args, *build(args))
+        torch.save({"ids": ids.cpu(), "th": th.cpu()}, Path(tmp) / "in.pt")
         ours = run_child(args, "ours", Path(tmp) / "ours.pt")
         seed = run_child(args, "seed", Path(tmp) / "seed.pt")
     rate_ours, rate_seed = ours["anchors"] / ours["seconds"], seed["anchors"] / seed["seconds"]
