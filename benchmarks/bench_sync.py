@@ -1,18 +1,29 @@
-"""sync-ckpt throughput vs a raw `ssh train cat FILE | ssh eval 'cat > FILE'` pipe, same file, same run.
+"""sync-ckpt throughput vs a raw `ssh cat | ssh cat` pipe and vs rsync through a reverse tunnel.
 
-    python benchmarks/bench_sync.py [--mib 1024] [--reps 2]
+    python benchmarks/bench_sync.py [--mib 1024] [--reps 3]     (root: the lab uses namespaces)
 
-Starts its own SSH lab (tests/sshlab.py: real sshd hosts in network namespaces; needs root), writes
-a checkpoint with one big file (a repeated 1 MiB random block: real bytes to hash and encrypt), then
-alternates: the raw pipe (plain `ssh`, default options) and a full `sync_checkpoint` (fresh: the
-destination and the source's manifest cache are removed first, so sha256 is computed in flight on
-both ends; every step counted: listing, manifest, lock, transfer, verify, fsync, rename).
-Prints MiB/s of both and the ratio sync/pipe (goal >= 1.0).
+Starts its own SSH lab (tests/sshlab.py: real sshd hosts in network namespaces, which cannot reach
+each other; needs root), writes a checkpoint with one big file (a repeated 1 MiB random block: real
+bytes to hash and encrypt) and a config.json, then runs, interleaved and in rotating order:
+
+- pipe: `ssh train cat FILE | ssh eval 'cat > FILE'`, plain `ssh`, default options (the default
+  cipher: chacha20-poly1305), no checksum;
+- rsync: the best relay peer measured on these machines: this machine holds `ssh -R` to the eval
+  host (aes128-gcm) and the eval host pulls with `rsync -a --whole-file` over ssh (aes128-gcm)
+  through that tunnel;
+- sync: a full `sync_checkpoint` (fresh: the destination and the source's manifest cache are
+  removed first, so sha256 is computed in flight on both ends; every step counted: listing,
+  manifest, lock, transfer, verify, fsync, rename).
+
+Prints MiB/s of each (median) and the ratios sync/pipe (goal >= 1.5) and sync/rsync (goal >= 1.0);
+every output is checked byte-identical. ``--only pipe,pipe-gcm`` (etc.) runs a subset, where
+pipe-gcm is the raw pipe with aes128-gcm on both legs.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -33,15 +44,49 @@ from orchestrator.sync import sync_checkpoint  # noqa: E402
 from remote.checkpoint import sha256_file as sha256  # noqa: E402
 
 
+class CpuMeter:
+    """CPU seconds used by every process of the benchmark: this one, its children, and both lab
+    sshd trees (sessions and the commands they run), counted by the kernel in a cpuacct cgroup (v1)
+    they are moved into. Independent of what else the machine runs, unlike wall time. ``read()``
+    is None where no cgroup can be made (not root, no cpuacct hierarchy)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, pids: list[int]):
+        self.dir: Path | None = self.ROOT / f"dflash-bench-sync-{os.getpid()}"
+        try:
+            self.dir.mkdir()
+            for pid in pids:
+                (self.dir / "cgroup.procs").write_text(str(pid))
+        except OSError:
+            self.close()
+            self.dir = None
+
+    def read(self) -> float | None:
+        return int((self.dir / "cpuacct.usage").read_text()) / 1e9 if self.dir else None
+
+    def close(self) -> None:
+        """Back to the root group (call after the lab is gone), then remove the group."""
+        if self.dir is None:
+            return
+        try:
+            (self.ROOT / "cgroup.procs").write_text(str(os.getpid()))
+            self.dir.rmdir()
+        except OSError:
+            pass
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=1024, help="size of the checkpoint file (MiB)")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--only", help="comma-separated subset of pipe,rsync,sync (while iterating)")
     args = ap.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="bench-sync-"))
     lab = sshlab.start_lab(base / "lab")
+    meter = CpuMeter([os.getpid(), *(h.sshd_pid() for h in lab.hosts.values())])
     try:
         inv = load_inventory(lab.write_inventory(base / "inventory.yaml"))
         cat = parse_catalog({"runs": {"bench": {"dir": "bench", "pattern": "step_{step}"}}}, base / "c.yaml")
@@ -63,14 +108,38 @@ def main() -> int:
                     "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes", "-p", str(h.port),
                     f"{h.user}@{h.address}"]
 
-        def raw() -> float:
+        def raw(cipher: tuple[str, ...] = ()) -> float:
             raw_dst.unlink(missing_ok=True)
             t = time.monotonic()
-            a = subprocess.Popen(ssh(lab.train) + ["cat", str(big)], stdout=subprocess.PIPE)
-            b = subprocess.Popen(ssh(lab.eval) + [f"cat > {raw_dst}"], stdin=a.stdout)
+            a = subprocess.Popen(ssh(lab.train)[:1] + list(cipher) + ssh(lab.train)[1:] + ["cat", str(big)],
+                                 stdout=subprocess.PIPE)
+            b = subprocess.Popen(ssh(lab.eval)[:1] + list(cipher) + ssh(lab.eval)[1:] + [f"cat > {raw_dst}"],
+                                 stdin=a.stdout)
             a.stdout.close()
             if b.wait() or a.wait():
                 raise SystemExit("raw pipe failed")
+            return time.monotonic() - t
+
+        rsync_dst = lab.eval.root / "rsync-dst"
+        train_alias = "bench-train"
+        rsync_known = base / "rsync_known_hosts"
+        rsync_known.write_text(f"{train_alias} {lab.train.host_key_pub}\n")
+        tunnel_port = 20000 + os.getpid() % 20000
+
+        def rsync_tunnel() -> float:
+            """The best relay peer: the eval host pulls with rsync over ssh (aes128-gcm) through a
+            reverse tunnel (aes128-gcm) that this machine holds to the training host."""
+            shutil.rmtree(rsync_dst, ignore_errors=True)
+            rsync_dst.mkdir()
+            inner = (f"ssh -p {tunnel_port} -i {lab.client_key} -o BatchMode=yes -o HostKeyAlias={train_alias} "
+                     f"-o UserKnownHostsFile={rsync_known} -o StrictHostKeyChecking=yes "
+                     f"-c aes128-gcm@openssh.com -o Compression=no")
+            remote = ["rsync", "-a", "--whole-file", "-e", inner,
+                      f"{lab.train.user}@127.0.0.1:{big}", f"{rsync_dst}/"]
+            t = time.monotonic()
+            subprocess.run(ssh(lab.eval)[:-1] + ["-c", "aes128-gcm@openssh.com", "-o", "ExitOnForwardFailure=yes",
+                                                 "-R", f"127.0.0.1:{tunnel_port}:{lab.train.address}:{lab.train.port}",
+                                                 ssh(lab.eval)[-1], shlex.join(remote)], check=True)
             return time.monotonic() - t
 
         def ours() -> float:
@@ -82,23 +151,44 @@ def main() -> int:
             assert res.bytes_moved == size + (ck / "config.json").stat().st_size, res.bytes_moved
             return dt
 
-        pipe_t, sync_t = [], []
-        for i in range(args.reps):
-            pipe_t.append(raw())
-            sync_t.append(ours())
-            print(f"rep {i + 1}: pipe {args.mib / pipe_t[-1]:7.1f} MiB/s   sync {args.mib / sync_t[-1]:7.1f} MiB/s",
-                  flush=True)
-        ok = sha256(dest_root / "step_1000" / "model.safetensors") == want == sha256(raw_dst)
-        p, s = statistics.median(pipe_t), statistics.median(sync_t)
+        runs = {"pipe": raw, "rsync": rsync_tunnel, "sync": ours,
+                "pipe-gcm": lambda: raw(("-c", "aes128-gcm@openssh.com"))}  # only with --only
+        runs = {k: v for k, v in runs.items() if k in (args.only or "pipe,rsync,sync").split(",")}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        for i in range(args.reps):  # interleaved, rotating the order: a busy machine hits all alike
+            order = list(runs)[i % len(runs):] + list(runs)[:i % len(runs)]
+            for k in order:
+                c = meter.read()
+                times[k].append(runs[k]())
+                if c is not None:
+                    cpu[k].append(meter.read() - c)
+            print(f"rep {i + 1}: " + "   ".join(f"{k} {args.mib / times[k][-1]:7.1f} MiB/s" for k in runs) +
+                  ("   (cpu s: " + " ".join(f"{cpu[k][-1]:.1f}" for k in runs) + ")" if all(cpu.values()) else ""), flush=True)
+        outputs = {"pipe": raw_dst, "pipe-gcm": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
+        ok = all(sha256(outputs[k]) == want for k in runs)
+        gib = args.mib / 1024
+        cpu_line = ("CPU seconds per GiB, all processes of each method, both hosts and here (kernel-counted; a busy VM inflates it too, compare within a run): " +
+                    "   ".join(f"{k} {statistics.median(cpu[k]) / gib:.2f}" for k in runs)) if all(cpu.values()) else \
+            "CPU seconds: not measured (no cpuacct cgroup)"
+        if list(runs) != ["pipe", "rsync", "sync"]:
+            for k in runs:
+                print(f"{k}: {args.mib / statistics.median(times[k]):7.1f} MiB/s  identical: {ok}")
+            print(cpu_line)
+            return 0 if ok else 1
+        p, r, s = (statistics.median(times[k]) for k in runs)
         print(f"file {args.mib} MiB, {args.reps} reps (median), lab isolated={lab.isolated}, "
               f"cpus={os.cpu_count()}")
-        print(f"raw ssh cat | ssh cat  : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
-        print(f"sync-ckpt (sha256 in flight, verify, fsync, atomic rename): "
-              f"{args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
-        print(f"ratio sync/pipe: {p / s:.2f}x   byte-identical: {ok}")
+        print(f"raw ssh cat | ssh cat (default cipher)        : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
+        print(f"rsync via reverse tunnel (aes128-gcm, 2 legs)  : {args.mib / r:7.1f} MiB/s  ({r:.2f} s)")
+        print(f"sync-ckpt (sha256 both ends, fsync, rename)    : {args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
+        print(cpu_line)
+        print(f"ratio sync/pipe: {p / s:.2f}x (goal >= 1.5)   sync/rsync-tunnel: {r / s:.2f}x (goal >= 1.0)   "
+              f"rsync-tunnel/pipe: {p / r:.2f}x   byte-identical: {ok}")
         return 0 if ok else 1
     finally:
         lab.close()
+        meter.close()
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -6,10 +6,13 @@
   synced there (found at ``<eval checkpoints>/<run>/<checkpoint folder>``), a ``format`` and a
   ``target``.
 * ``targets``: target models (``path`` on the eval host).
+* ``default``: the drafter ``eval`` runs when none is named (``LABEL`` or ``LABEL:CKPT``);
+  without it, the catalog's training run (see orchestrator/resolve.py).
 
 File: explicit path, ``$DFLASH_OPS_CATALOG``, ``./configs/drafters.yaml``,
-``$XDG_CONFIG_HOME/dflash-ops/drafters.yaml``, else the example shipped in the package. Checkpoint names (``step20k``, ``20000``, ``step_20000``, ``20k``, a folder
-name) are resolved by :func:`resolve_checkpoint`; names that could escape a folder are refused.
+``$XDG_CONFIG_HOME/dflash-ops/drafters.yaml`` (paths.locate), else none: an empty catalog.
+Checkpoint names (``step20k``, ``20000``, ``step_20000``, ``20k``, a folder name) are resolved by
+:func:`resolve_checkpoint`; names that could escape a folder are refused.
 """
 from __future__ import annotations
 
@@ -20,12 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import InputError
-from .paths import find_config, shipped
+from .errors import InputError, did_you_mean
+from .paths import CATALOG, ConfigFile, locate
 
 ENV_VAR = "DFLASH_OPS_CATALOG"
 FORMATS = ("zlab", "speculators", "state_dict")
+TOP_KEYS = ("runs", "drafters", "targets", "default")
 DEFAULT_PATTERN = "step_{step}"
+EMBEDDED = "embedded"   # the demo pair every host can build (remote/embedded.py), a drafter and a target
+DEFAULT_SETTLE = 60.0
 
 
 class CatalogError(InputError):
@@ -38,9 +44,7 @@ def _nearest(word: str, choices, n: int = 3) -> list[str]:
 
 def _unknown(kind: str, word: str, choices) -> CatalogError:
     choices = list(choices)
-    near = _nearest(word, choices, 1)
-    hint = f" (did you mean '{near[0]}'?)" if near else ""
-    return CatalogError(f"unknown {kind} '{word}'{hint}; known: {', '.join(choices) or 'none'}")
+    return CatalogError(f"unknown {kind} '{word}'{did_you_mean(word, choices)}; known: {', '.join(choices) or 'none'}")
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -74,6 +78,21 @@ def parse_step(name: str) -> int | None:
     return int(value)
 
 
+def step_name(step: int) -> str:
+    """The short spelling of a step: 20000 → ``step20k``, 12500 → ``step12500``."""
+    return f"step{step // 1000}k" if step and step % 1000 == 0 else f"step{step}"
+
+
+def same_checkpoint(typed: str, folder: str | None, step: int | None = None) -> bool:
+    """Whether ``typed`` (any spelling: ``step20k``, ``20000``, the folder) names the checkpoint
+    recorded as ``folder`` (and ``step``)."""
+    if folder is not None and typed == folder:
+        return True
+    want = parse_step(typed)
+    have = step if step is not None else (parse_step(folder) if folder else None)
+    return want is not None and want == have
+
+
 # --- model -------------------------------------------------------------------------------------
 
 
@@ -84,6 +103,11 @@ class TrainingRun:
     dir: str
     pattern: str = DEFAULT_PATTERN
     direct: bool = False  # the eval host can reach the training host itself (see sync-ckpt --direct)
+    settle: float = DEFAULT_SETTLE  # a checkpoint counts as complete once quiet this long (sync/complete.py)
+    marker: str | None = None  # a file training writes last; when set, it is what "complete" means
+    log: str | None = None  # training metrics (JSONL file or TensorBoard folder), relative to `dir`
+    metrics: tuple[str, ...] = ()  # tags of `log` plotted beside eval τ (watch's trajectory)
+    tau_metric: str | None = None  # the tag eval τ is checked against (watch --alarm-ratio)
 
     @property
     def regex(self) -> re.Pattern:
@@ -139,6 +163,8 @@ class Catalog:
     drafters: dict[str, Drafter] = field(default_factory=dict)
     targets: dict[str, Target] = field(default_factory=dict)
     path: Path | None = None
+    default: str | None = None       # the drafter eval runs when none is named (LABEL[:CKPT])
+    found: ConfigFile | None = None  # where the file was found (None: given directly)
 
     def run(self, name: str) -> TrainingRun:
         if name not in self.runs:
@@ -201,8 +227,7 @@ def _raise(e: Exception):
 
 
 def default_catalog_path() -> Path | None:
-    found = find_config(None, ENV_VAR, "configs/drafters.yaml", "drafters.yaml")
-    return found or (shipped("drafters.yaml") if shipped("drafters.yaml").exists() else None)
+    return locate(CATALOG).path
 
 
 def _mapping(path: Path, where: str, value: Any) -> dict:
@@ -221,7 +246,9 @@ def _fields(path: Path, where: str, entry: Any, allowed: dict[str, type]) -> dic
             raise CatalogError(f"{path}: {where}: unknown field '{key}'"
                                f"{f' (did you mean {near[0]!r}?)' if near else ''}")
         if value is not None and not isinstance(value, allowed[key]):
-            raise CatalogError(f"{path}: {where}: field '{key}' must be {allowed[key].__name__}, got {value!r}")
+            kind = allowed[key]
+            name = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+            raise CatalogError(f"{path}: {where}: field '{key}' must be {name}, got {value!r}")
     return entry
 
 
@@ -229,13 +256,21 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
     cat = Catalog(path=path)
     data = _mapping(path, "top level", data)
     for key in data:
-        if key not in ("runs", "drafters", "targets"):
-            raise CatalogError(f"{path}: unknown top-level key '{key}'; expected runs, drafters, targets")
+        if key not in ("runs", "drafters", "targets", "default"):
+            raise CatalogError(f"{path}: unknown top-level key '{key}'{did_you_mean(key, TOP_KEYS)}; "
+                               f"expected {', '.join(TOP_KEYS)}")
     for name, entry in _mapping(path, "runs", data.get("runs")).items():
         name = str(name)
         where = f"run '{name}'"
         check_name(name, f"{where}: name")
-        e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool})
+        e = _fields(path, where, entry, {"dir": str, "pattern": str, "direct": bool, "settle": (int, float),
+                                         "marker": str, "log": str, "metrics": list, "tau_metric": str})
+        if e.get("settle") is not None and (isinstance(e["settle"], bool) or e["settle"] < 0):
+            raise CatalogError(f"{path}: {where}: settle must be a number of seconds >= 0")
+        if e.get("marker"):
+            check_name(e["marker"], f"{where}: marker")
+        if e.get("log") and ".." in PurePosixPath(e["log"]).parts:
+            raise CatalogError(f"{path}: {where}: log {e['log']!r} must not contain '..'")
         d = e.get("dir") or name
         if not PurePosixPath(d).is_absolute() and ".." in PurePosixPath(d).parts:
             raise CatalogError(f"{path}: {where}: dir {d!r} must not contain '..'")
@@ -243,7 +278,11 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
         if len(re.findall(r"\{step(?::0?\d+d)?\}", pattern)) != 1 or "/" in pattern or \
                 pattern.replace("{step}", "").count("{"):
             raise CatalogError(f"{path}: {where}: pattern {pattern!r} needs exactly one {{step}} and no '/'")
-        cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")))
+        metrics = tuple(str(t) for t in e.get("metrics") or ())
+        cat.runs[name] = TrainingRun(name=name, dir=d, pattern=pattern, direct=bool(e.get("direct")),
+                                     settle=float(DEFAULT_SETTLE if e.get("settle") is None else e["settle"]),
+                                     marker=e.get("marker"), log=e.get("log"), metrics=metrics,
+                                     tau_metric=e.get("tau_metric") or (metrics[0] if metrics else None))
     for label, entry in _mapping(path, "targets", data.get("targets")).items():
         e = _fields(path, f"target '{label}'", entry, {"path": str})
         if not e.get("path"):
@@ -266,15 +305,26 @@ def parse_catalog(data: Any, path: Path) -> Catalog:
             raise CatalogError(f"{path}: {where}: {_unknown('target', e['target'], cat.targets)}")
         cat.drafters[label] = Drafter(label=label, format=fmt, target=e.get("target"),
                                       path=e.get("path"), run=e.get("run"))
+    default = data.get("default")
+    if default is not None:
+        if not isinstance(default, str):
+            raise CatalogError(f"{path}: default must be a drafter label (LABEL or LABEL:CKPT), got {default!r}")
+        base, _ = split_label(default)
+        if base not in cat.drafters:
+            raise CatalogError(f"{path}: default: {_unknown('drafter', base, cat.drafters)}")
+        cat.default = default
     return cat
 
 
-def load_catalog(path: str | os.PathLike | None = None) -> Catalog:
+def load_catalog(path: "str | os.PathLike | ConfigFile | None" = None) -> Catalog:
+    """The catalog at ``path`` (a file name, or where :func:`paths.locate` found it), else the
+    one discovery finds; none found: an empty catalog that says so (``found``)."""
     import yaml
 
-    resolved = Path(path).expanduser() if path else default_catalog_path()
+    found = path if isinstance(path, ConfigFile) else locate(CATALOG, path)
+    resolved = found.path
     if resolved is None:
-        return Catalog()
+        return Catalog(found=found)
     try:
         text = resolved.read_text()
     except OSError as e:
@@ -285,4 +335,6 @@ def load_catalog(path: str | os.PathLike | None = None) -> Catalog:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}: " if mark else ""
         raise CatalogError(f"{resolved}: {where}invalid YAML: {getattr(e, 'problem', None) or e}") from None
-    return parse_catalog(data, resolved)
+    cat = parse_catalog(data, resolved)
+    cat.found = found
+    return cat

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .errors import DflashOpsError
 from .paths import shipped
 from .render import fnum
+from .run_metrics import TAU_CONVENTIONS
 from .runs import EvalRun, RunError
 
 PUBLISHED_FILE = shipped("published.yaml")
 
-# settings keys that do not change what is measured (other keys must match)
-SETTINGS_IGNORED = {"mode", "block_size", "sglang_url", "ddtree_budgets"}
 # environment fields that can change the numbers (bf16 kernels, dtype, library versions, GPU)
 NUMERIC_ENV = [("kernel path", ("kernel_path",)), ("dtype", ("dtype",)), ("GPU", ("gpu",)),
                ("device", ("device",)), ("torch", ("versions", "torch")),
@@ -88,29 +88,67 @@ def _prompt(row: dict):
     return tuple(row.get("prompt_ids") or [])
 
 
+def temperature(run: EvalRun) -> float:
+    """The run's sampling temperature (0 = greedy; runs of workers that did not record it were greedy)."""
+    return float(run.settings.get("temperature") or 0.0)
+
+
+def _setting(key: str, default=None) -> Callable[[EvalRun], object]:
+    """A decoding setting of env.json; ``default``: what a worker that did not record it used."""
+    return lambda run: run.settings.get(key, default)
+
+
+@dataclass(frozen=True)
+class PairingKey:
+    """Something two runs must share to pair, read from their records alone (no results)."""
+    name: str
+    value: Callable[[EvalRun], object]
+    when_known: bool = False     # compared only when both runs record it
+    when_sampled: bool = False   # compared only when a run samples (temperature > 0): greedy ignores it
+
+
+# What two runs must share to pair, in the order mismatches are named; then the prompts and
+# reference completions themselves (check_pair). Settings that do not change what is measured
+# (ddtree_budgets, all_anchors, sglang_url, verify_block) are not keys.
+PAIRING_KEYS: list[PairingKey] = [
+    PairingKey("target", lambda r: r.target),
+    PairingKey("suite", lambda r: r.suite),
+    PairingKey("suite sha256 (prompt set)", lambda r: (_get(r.env, ("suite", "sha256")) or "")[:12] or None,
+               when_known=True),
+    PairingKey("mode", lambda r: r.mode),
+    PairingKey("block size", lambda r: r.block_size),
+    PairingKey("decoding setting temperature", temperature),
+    PairingKey("decoding setting top_p", _setting("top_p", 1.0), when_sampled=True),
+    PairingKey("decoding setting top_k", _setting("top_k", 0), when_sampled=True),
+    PairingKey("decoding setting seed", _setting("seed", 0), when_sampled=True),
+    PairingKey("decoding setting enable_thinking", _setting("enable_thinking")),
+    PairingKey("decoding setting stop_token_ids", _setting("stop_token_ids"), when_known=True),
+    PairingKey("decoding setting max_new_tokens", _setting("max_new_tokens")),
+    PairingKey("decoding setting max_blocks", _setting("max_blocks")),
+    PairingKey("decoding setting reference", _setting("reference")),
+]
+
+
+def key_mismatches(a: EvalRun, b: EvalRun) -> list[Mismatch]:
+    """The pairing keys on which ``a`` and ``b`` differ."""
+    sampled = temperature(a) > 0 or temperature(b) > 0
+    mm = []
+    for key in PAIRING_KEYS:
+        if key.when_sampled and not sampled:
+            continue
+        va, vb = key.value(a), key.value(b)
+        if va != vb and not (key.when_known and (va is None or vb is None)):
+            mm.append(Mismatch(key.name, a.id, b.id, _short(va), _short(vb)))
+    return mm
+
+
 def check_pair(a: EvalRun, b: EvalRun) -> tuple[list[Mismatch], list[str]]:
     """Mismatches that make the pairing invalid, and warnings that do not."""
-    mm: list[Mismatch] = []
+    mm: list[Mismatch] = key_mismatches(a, b)
     warn: list[str] = []
 
     def add(field, va, vb, detail="", plural=False):
         mm.append(Mismatch(field, a.id, b.id, _short(va), _short(vb), detail, plural))
-
-    if a.target != b.target:
-        add("target", a.target, b.target)
-    if a.suite != b.suite:
-        add("suite", a.suite, b.suite)
-    sa, sb = _get(a.env, ("suite", "sha256")), _get(b.env, ("suite", "sha256"))
-    if sa and sb and sa != sb and a.suite == b.suite:
-        add("suite sha256 (prompt set)", sa[:12], sb[:12])
-    if a.mode != b.mode:
-        add("mode", a.mode, b.mode)
-    if a.block_size != b.block_size:
-        add("block size", a.block_size, b.block_size)
-    for k in sorted((set(a.settings) | set(b.settings)) - SETTINGS_IGNORED):
-        va, vb = a.settings.get(k), b.settings.get(k)
-        if va != vb:
-            add(f"decoding setting {k}", va, vb)
 
     rows_a = {r.get("id"): r for r in a.results}
     rows_b = {r.get("id"): r for r in b.results}
@@ -134,7 +172,7 @@ def check_pair(a: EvalRun, b: EvalRun) -> tuple[list[Mismatch], list[str]]:
         if a.mode == "offline" or b.mode == "offline":
             add("reference completions (output_ids)", "its references", "different completions", detail,
                 plural=True)
-        else:
+        elif temperature(a) == 0 and temperature(b) == 0:   # sampled outputs differ by nature
             warn.append(f"online outputs (output_ids) of {b.id} differ from {a.id} on {detail}: greedy "
                         "speculative decoding should reproduce the target's greedy output exactly "
                         "(numerical noise between environments, or a lossless-decoding bug)")
@@ -174,7 +212,8 @@ def find_benchmark(name: str, published: dict) -> Optional[str]:
     for key, b in benches.items():
         for alias in [key, b.get("name", "")] + list(b.get("aliases") or []):
             table[_norm(alias)] = key
-    tokens = [t for t in re.split(r"[^a-z0-9]+", str(name).lower()) if t]
+    name = re.sub(r"^hf:", "", str(name).strip(), flags=re.I)        # the worker's built-in hf:NAME suites
+    tokens = [t for t in re.split(r"[^a-z0-9]+", name.lower()) if t]
     candidates = [_norm(name)] + ["".join(tokens[:2]), tokens[0] if tokens else ""]
     for c in candidates:
         if c and c in table:
@@ -182,19 +221,63 @@ def find_benchmark(name: str, published: dict) -> Optional[str]:
     return None
 
 
-def published_row(bench: str, published: dict) -> dict:
+def published_row(bench: str, published: dict, temperature: float = 0.0) -> Optional[dict]:
+    """The published numbers of ``bench`` at ``temperature`` (None when the source has no row at it)."""
     b = published["benchmarks"][bench]
-    return {"benchmark": bench, "name": b.get("name", bench), "tau": b.get("tau"),
-            "ddtree_tau": b.get("ddtree_tau"), "speedup": b.get("speedup"),
+    rows = [r for r in b.get("rows") or [] if math.isclose(float(r["temperature"]), temperature)]
+    if not rows:
+        return None
+    r = rows[0]
+    return {"benchmark": bench, "name": b.get("name", bench), "temperature": float(r["temperature"]),
+            **{k: r.get(k) for k in ("tau", "speedup", "ddtree_tau", "ddtree_speedup")},
             "setup": published.get("setup") or {}, "source": published.get("source") or {},
             "label": "published, not measured here"}
 
 
+def published_for(base: EvalRun, published: Optional[str], published_file=None) -> tuple[Optional[dict], Optional[str]]:
+    """The published row to show beside runs like ``base`` (``published``: the benchmark asked for,
+    else the one the suite names), and a note when there is none at the runs' temperature."""
+    pub = load_published(published_file)
+    bench = find_benchmark(published, pub) if published else find_benchmark(base.suite or "", pub)
+    if bench is None:
+        if published:
+            raise CompareError(f"no published numbers for {published!r}; known: " + ", ".join(pub.get("benchmarks") or {}))
+        return None, None
+    t = temperature(base)
+    row = published_row(bench, pub, t)
+    if row is None:
+        name = pub["benchmarks"][bench].get("name", bench)
+        have = ", ".join(f"T={float(r['temperature']):g}" for r in pub["benchmarks"][bench].get("rows") or [])
+        note = f"published {name} numbers exist at {have or 'no temperature'}; these runs use T={t:g}: not shown"
+        if published:
+            raise CompareError(note)
+        return None, note
+    row["automatic"] = not published
+    tgt = str(row["setup"].get("target") or "")
+    caveats = []
+    if tgt and _norm(tgt) not in _norm(base.target or ""):
+        caveats.append(f"published for target {tgt}; these runs use {base.target}")
+    if row["setup"].get("block_size") and row["setup"]["block_size"] != base.block_size:
+        caveats.append(f"published at B={row['setup']['block_size']}, these runs use B={base.block_size}")
+    if caveats:
+        row["caveat"] = "; ".join(caveats)
+    return row, None
+
+
 # --------------------------------------------------------------------------- comparison
 
+EXPECTED = "expected"    # offline runs at T > 0 have no walk: their expected τ is what is paired
+
+
 def _paired_arrays(rows: dict, ids: Sequence[str], key=None):
+    """Per prompt (tokens, cycles) of the walk, or of DDTree budget ``key``; for ``key == EXPECTED``
+    (Σ E[τ] over anchors, anchors), so that macro = mean expected τ and pooled = Σ / Σ."""
     toks, cycs = [], []
     for i in ids:
+        if key == EXPECTED:
+            toks.append((rows[i].get("expected") or {}).get("tau_sum", 0.0))
+            cycs.append((rows[i].get("expected") or {}).get("anchors", 0))
+            continue
         lengths = rows[i].get("acceptance_lengths") if key is None else \
             ((rows[i].get("ddtree") or {}).get(key) or {}).get("acceptance_lengths")
         toks.append(sum(lengths))
@@ -228,7 +311,8 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
         "baseline": base.id,
         "runs": [{"id": r.id, "label": r.label, "drafter": r.drafter, "checkpoint": r.checkpoint,
                   "target": r.target, "suite": r.suite, "host": r.host, "mode": r.mode,
-                  "block_size": r.block_size, "status": r.status, "prompts": len(r.results),
+                  "block_size": r.block_size, "temperature": temperature(r), "status": r.status,
+                  "prompts": len(r.results),
                   "kernel_path": r.env.get("kernel_path"), "dtype": r.env.get("dtype"),
                   "gpu": r.env.get("gpu")} for r in runs],
         "mismatches": [asdict(m) | {"message": m.message()} for m in mismatches],
@@ -241,29 +325,36 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
         return result
 
     row_maps = [{row.get("id"): row for row in r.results} for r in runs]
-    common = [i for i in row_maps[0] if all(i in rm for rm in row_maps[1:])
-              and all(rm[i].get("acceptance_lengths") for rm in row_maps)]
+    shared = [i for i in row_maps[0] if all(i in rm for rm in row_maps[1:])]
+    common = [i for i in shared if all(rm[i].get("acceptance_lengths") for rm in row_maps)]
+    measure = None
+    if not common:      # offline at T > 0: the expected τ, an estimate
+        common = [i for i in shared if all((rm[i].get("expected") or {}).get("anchors") for rm in row_maps)]
+        measure = EXPECTED
     if not common:
         raise CompareError("the runs have no prompt in common: nothing to compare")
+    result["measure"] = measure or "tau"
     result["paired_prompts"] = len(common)
     result["paired_ids_sha256"] = hashlib.sha256("\n".join(map(str, common)).encode()).hexdigest()[:12]
     B = base.block_size
     metrics = {}
     for r, rm in zip(runs, row_maps):
-        m = compute_metrics([rm[i] for i in common], r.block_size, r.mode)
+        m = compute_metrics([rm[i] for i in common], r.block_size, r.mode, r.max_length)
         m.pop("per_prompt", None)
         metrics[r.id] = m
     result["metrics"] = metrics
     result["stats"] = {"resamples": resamples, "seed": seed, "confidence": confidence,
                        "ci": "percentile bootstrap over prompts (same resample for both runs)",
-                       "test": "paired permutation test (swap runs within prompts), two-sided"}
+                       "test": "paired permutation test (swap runs within prompts), two-sided",
+                       "of": ("expected τ per prompt (offline, T > 0: an estimate)" if measure == EXPECTED
+                              else "τ per prompt")}
 
     cats = {i: row_maps[0][i].get("category") for i in common}
     has_cats = any(c is not None for c in cats.values())
     comparisons = []
-    ta, ca = _paired_arrays(row_maps[0], common)
+    ta, ca = _paired_arrays(row_maps[0], common, measure)
     for r, rm in zip(runs[1:], row_maps[1:]):
-        tb, cb = _paired_arrays(rm, common)
+        tb, cb = _paired_arrays(rm, common, measure)
         pr = paired_compare(ta, ca, tb, cb, resamples=resamples, seed=seed, confidence=confidence)
         c = {"run": r.id, "vs": base.id, **pr.to_dict()}
         budgets = sorted(set(metrics[base.id].get("ddtree") or {}) & set(metrics[r.id].get("ddtree") or {}), key=int)
@@ -280,30 +371,15 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
             c["categories"] = {}
             for cat in sorted({str(v) for v in cats.values() if v is not None}):
                 ids_c = [i for i in common if str(cats[i]) == cat]
-                cpr = paired_compare(*_paired_arrays(row_maps[0], ids_c), *_paired_arrays(rm, ids_c),
+                cpr = paired_compare(*_paired_arrays(row_maps[0], ids_c, measure), *_paired_arrays(rm, ids_c, measure),
                                      resamples=resamples, seed=seed, confidence=confidence)
                 c["categories"][cat] = {"n": cpr.n, "macro": asdict(cpr.macro), "pooled": asdict(cpr.pooled),
                                         "wins": cpr.wins, "ties": cpr.ties, "losses": cpr.losses}
         comparisons.append(c)
     result["comparisons"] = comparisons
 
-    result["published"] = None
-    if published or use_published:
-        pub = load_published(published_file)
-        bench = find_benchmark(published, pub) if published else find_benchmark(base.suite or "", pub)
-        if published and bench is None:
-            raise CompareError(f"no published numbers for {published!r}; known: "
-                               + ", ".join(pub.get("benchmarks") or {}))
-        if bench:
-            row = published_row(bench, pub)
-            row["automatic"] = not published
-            tgt = str(row["setup"].get("target") or "")
-            if tgt and _norm(tgt) not in _norm(base.target or ""):
-                row["caveat"] = f"published for target {tgt}; these runs use {base.target}"
-            if row["setup"].get("block_size") and row["setup"]["block_size"] != B:
-                row["caveat"] = (row.get("caveat", "") + f"; published at B={row['setup']['block_size']}, "
-                                 f"these runs use B={B}").lstrip("; ")
-            result["published"] = row
+    result["published"], result["published_note"] = (published_for(base, published, published_file)
+                                                      if published or use_published else (None, None))
     return result
 
 
@@ -334,18 +410,28 @@ def side_by_side(result: dict) -> tuple[list[str], list[list[str]]]:
             r.append(pub_value)
         return r
 
-    rows = [row("prompts (paired)", lambda m: str(m["prompts"])),
-            row("tau_macro", lambda m: fnum(m["tau_macro"]), fnum(pub["tau"], 2) + " (aggregation not stated)" if pub else "—"),
-            row("tau_pooled", lambda m: fnum(m["tau_pooled"])),
-            row("cycles", lambda m: str(m["cycles"])), row("tokens", lambda m: str(m["tokens"]))]
+    temps = {r["id"]: r.get("temperature") for r in result["runs"]}
+    rows = [[ "temperature"] + [fnum(temps[i], 2) for i in ids] + ([fnum(pub["temperature"], 2)] if pub else []),
+            row("prompts (paired)", lambda m: str(m["prompts"])),
+            row("tau_macro (mean over prompts)", lambda m: fnum(m["tau_macro"])),
+            row("tau_macro_turns (mean over turns: z-lab, DDTree)", lambda m: fnum(m.get("tau_macro_turns")),
+                fnum(pub["tau"], 2) if pub else "—"),
+            row("tau_pooled (Σ tokens / Σ cycles)", lambda m: fnum(m["tau_pooled"])),
+            row("tau_sglang (as SGLang reports it)", lambda m: fnum(m.get("tau_sglang")))]
+    if any(M[i].get("expected") for i in ids):
+        rows.append(row("expected τ (offline T > 0: an estimate)",
+                        lambda m: fnum((m.get("expected") or {}).get("tau"))))
+    rows += [row("cycles", lambda m: str(m["cycles"])), row("tokens", lambda m: str(m["tokens"]))]
     budgets = sorted({b for i in ids for b in (M[i].get("ddtree") or {})}, key=int)
     for b in budgets:
         rows.append(row(f"DDTree-{b} tau_macro",
                         lambda m, b=b: fnum(((m.get("ddtree") or {}).get(b) or {}).get("tau_macro"))))
     if pub:
-        rows.append(row("DDTree tau (published, budget not stated)", lambda m: "—", fnum(pub["ddtree_tau"], 2)))
+        rows.append(row("DDTree tau (published: best budget of 16..1024)", lambda m: "—",
+                        fnum(pub["ddtree_tau"], 2) + (f" ({pub['ddtree_speedup']:.2f}×)" if pub.get("ddtree_speedup")
+                                                       else "")))
         if pub.get("speedup") is not None:
-            rows.append(row("speedup (published)", lambda m: fnum((m.get("online") or {}).get("speedup"), 2),
+            rows.append(row("speedup (published: DFlash)", lambda m: fnum((m.get("online") or {}).get("speedup"), 2),
                             f"{pub['speedup']:.2f}×"))
     if any(M[i].get("online") for i in ids):
         rows.append(row("online tokens/s", lambda m: fnum((m.get("online") or {}).get("tokens_per_s"), 1)))
@@ -359,7 +445,8 @@ def _names(result: dict) -> dict:
 
 
 def difference_rows(result: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["run vs baseline", "n", "Δ tau_macro [95% CI]", "p", "Δ tau_pooled [95% CI]", "p",
+    tau = "expected τ" if result.get("measure") == EXPECTED else "tau"
+    head = ["run vs baseline", "n", f"Δ {tau}_macro [95% CI]", "p", f"Δ {tau}_pooled [95% CI]", "p",
             "win / tie / loss"]
     rows = []
     nm = _names(result)
@@ -418,7 +505,8 @@ def env_warning_lines(result: dict) -> list[str]:
 
 def stats_note(result: dict) -> str:
     s = result["stats"]
-    return (f"Differences are run − baseline ({result['baseline']}) over {result['paired_prompts']} paired prompts; "
+    return (f"Differences of {s.get('of', 'τ per prompt')} are run − baseline ({result['baseline']}) over "
+            f"{result['paired_prompts']} paired prompts; "
             f"{int(s['confidence'] * 100)}% CI: {s['ci']}, {s['resamples']} resamples, seed {s['seed']}; "
             f"p: {s['test']} ({s['resamples']} resamples, exact when 2^n ≤ resamples).")
 
@@ -461,9 +549,12 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
         src = pub["source"]
         doc.para(f"Published column: {pub['name']} — {pub['label']}. Source: {src.get('title')} "
                  f"({src.get('authors')}, arXiv {src.get('arxiv')}), {src.get('measures')}; setup "
-                 f"{pub['setup'].get('target')}, T={pub['setup'].get('temperature')}, "
-                 f"B={pub['setup'].get('block_size')}." + (f" Caveat: {pub['caveat']}." if pub.get("caveat") else ""),
+                 f"{pub['setup'].get('target')}, T={pub['temperature']:g}, B={pub['setup'].get('block_size')}; "
+                 f"τ {pub['setup'].get('tau')}." + (f" Caveat: {pub['caveat']}." if pub.get("caveat") else ""),
                  cls="published")
+    if result.get("published_note"):
+        doc.para(result["published_note"].capitalize() + ".", cls="note")
+    doc.para(TAU_CONVENTIONS, cls="note")
     other = [f"{d['field']}: " + ", ".join(f"{k}={v}" for k, v in d["values"].items())
              for d in result["other_differences"]]
     if other:
@@ -473,23 +564,99 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     return doc.write(out_dir, "compare")
 
 
-def compare_labels(labels: Sequence[str], runs_root: Path, *, force: bool = False, resamples: int = 10000,
-                   seed: int = 0, published: Optional[str] = None, use_published: bool = True,
-                   out: Optional[Path] = None) -> dict:
-    """Resolve run labels in ``runs_root`` and compare them; unless refused, write compare.md/.html
-    (default folder: ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
-    from .runs import list_runs, resolve
+# --------------------------------------------------------------------------- picking runs
 
+@dataclass
+class Picked:
+    """The runs ``compare`` compares, one per label, and why each; ``paired`` False when no
+    choice pairs (then the newest of each, and the closest candidate pairs)."""
+    runs: list[EvalRun]
+    why: list[str]
+    paired: bool
+    closest: list[dict]
+
+
+def _prompt_count(r: EvalRun):
+    return len(r.results) or r.meta.get("prompts")
+
+
+def _mismatch_names(a: EvalRun, b: EvalRun) -> list[str]:
+    """Why ``b`` does not pair with ``a``, briefly, ``b``'s value first: ``mode online vs
+    offline``, ``prompts 12 vs 2`` (a different prompt count is said as such, not as the hash of
+    the prompt set it changes), ``max_new_tokens 32 vs 256``."""
+    out = []
+    for m in key_mismatches(a, b) or check_pair(a, b)[0]:
+        name = m.field.removeprefix("decoding setting ")
+        if m.field.startswith(("suite sha256", "prompt ids")) and _prompt_count(a) != _prompt_count(b):
+            name, m = "prompts", replace(m, value=str(_prompt_count(b)), baseline_value=str(_prompt_count(a)))
+        text = f"{name} {m.value} vs {m.baseline_value}"
+        if text not in out:
+            out.append(text)
+    return out
+
+
+def pick_runs(labels: Sequence[str], candidates: Sequence[list[EvalRun]]) -> Picked:
+    """For each label, of the runs it may mean (``candidates``, from the resolver), the newest
+    that pair with each other: the newest baseline run that has a pairing run of every other
+    label, and each other label's newest run pairing with it. Finished runs are preferred."""
+    pools = [sorted([r for r in c if r.status == "done"] or list(c), key=EvalRun.sort_key, reverse=True)
+             for c in candidates]
+    for base in pools[0]:
+        partners = [next((r for r in pool if r.id != base.id and not check_pair(base, r)[0]), None)
+                    for pool in pools[1:]]
+        if all(partners):
+            runs = [base, *partners]
+            why = [_why(label, run, pool, base if i else None) for i, (label, run, pool)
+                   in enumerate(zip(labels, runs, pools))]
+            return Picked(runs, why, True, [])
+    runs = [pool[0] for pool in pools]
+    why = [f"{label} → {r.id} (the newest {label} run; no {label} run pairs with runs of the other labels)"
+           for label, r in zip(labels, runs)]
+    closest = []
+    for label, pool in zip(labels[1:], pools[1:]):
+        pairs = [(a, b, _mismatch_names(a, b)) for a in pools[0][:20] for b in pool[:20] if a.id != b.id]
+        pairs.sort(key=lambda p: len(p[2]))      # fewest mismatches first; stable: newest first among equals
+        closest += [{"label": label, "runs": [a.id, b.id], "mismatches": m, "why": _differ(m)}
+                    for a, b, m in pairs[:3]]
+    return Picked(runs, why, False, closest)
+
+
+def _differ(fields: list[str]) -> str:
+    return ", ".join(fields) if fields else "the same run"
+
+
+def _why(label: str, run: EvalRun, pool: list[EvalRun], base: Optional[EvalRun]) -> str:
+    """``v5 → ID (the newest v5 run that pairs with ...; skipped 2 newer: ID (mode), ...)``."""
+    if label == run.id:
+        return f"{label} → {run.id} (named by its id)"
+    newer = [r for r in pool if r.sort_key() > run.sort_key()]
+    if not newer:
+        return f"{label} → {run.id} (the newest {label} run)"
+    if base is None:
+        return f"{label} → {run.id} (the newest {label} run with a pairing run of every other label; " \
+               f"{len(newer)} newer one(s) have none)"
+    skipped = ", ".join(f"{r.id} ({_differ(_mismatch_names(base, r))})" for r in newer[:3])
+    more = f" and {len(newer) - 3} more" if len(newer) > 3 else ""
+    return f"{label} → {run.id} (the newest {label} run that pairs with {base.id}; skipped newer: {skipped}{more})"
+
+
+def compare_labels(labels: Sequence[str], candidates: Sequence[list[EvalRun]], runs_root: Path, *,
+                   force: bool = False, resamples: int = 10000, seed: int = 0, published: Optional[str] = None,
+                   use_published: bool = True, out: Optional[Path] = None) -> dict:
+    """Pick the runs for ``labels`` (:func:`pick_runs`; ``candidates``: every run each label may
+    mean) and compare them; unless refused, write compare.md/.html (default folder:
+    ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
     if len(labels) < 2:
         raise CompareError("compare needs at least two runs (A is the baseline)")
     if resamples < 100:
         raise CompareError("--resamples must be at least 100")
-    all_runs = list_runs(runs_root)
-    runs = [resolve(lb, runs_root, runs=all_runs) for lb in labels]
-    result = compare_runs(runs, force=force, resamples=resamples, seed=seed, published=published,
+    picked = pick_runs(labels, candidates)
+    result = compare_runs(picked.runs, force=force, resamples=resamples, seed=seed, published=published,
                           use_published=use_published)
+    result["picked"] = [{"label": lb, "id": r.id, "why": w} for lb, r, w in zip(labels, picked.runs, picked.why)]
+    result["closest"] = picked.closest
     if not result["refused"]:
-        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in runs]))
+        md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in picked.runs]))
         result["outputs"] = {"md": str(md_path), "html": str(html_path)}
     return result
 

@@ -23,3 +23,16 @@ class OperationFailed(DflashOpsError):
     """The operation ran and failed: a host, a transfer, a worker."""
 
     exit_code = 1
+
+
+def nearest(word: str, choices, n: int = 3, cutoff: float = 0.5) -> list[str]:
+    """The choices closest to a mistyped ``word`` (the one "did you mean" of every message)."""
+    import difflib
+
+    return difflib.get_close_matches(str(word), [str(c) for c in choices], n=n, cutoff=cutoff)
+
+
+def did_you_mean(word: str, choices) -> str:
+    """`` (did you mean 'x'?)`` or ``''``."""
+    near = nearest(word, choices, 1)
+    return f" (did you mean '{near[0]}'?)" if near else ""

@@ -14,15 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from .errors import OperationFailed
+from .catalog import EMBEDDED
+from .errors import InputError, OperationFailed
 from .inventory import Host, Inventory
 from .jobs import HostJob
 from .runrecord import EvalRequest, RunRecord, Shard
 from .ship import ship
 from .transport import runner_for
 
-EMBEDDED = "embedded"
 INSPECT = ("remote.inspect",)   # the worker's drafter/target compatibility check
+THINKING = ("off", "on", "default")
+MAX_DDTREE_BUDGET = 1024        # remote/offline.py's MAX_BUDGET (tests/test_sampling_eval.py checks they agree)
 
 
 class EvalError(OperationFailed):
@@ -35,17 +37,43 @@ class RunUnfinished(EvalError):
     exit_code = 4
 
 
-def split_drafter(spec: str | None) -> tuple[str | None, str | None]:
-    """``v5:step20k`` -> ("v5", "step20k"); a path is kept whole."""
-    if spec and "/" not in spec and ":" in spec:
-        label, ckpt = spec.split(":", 1)
-        return label, ckpt or None
-    return spec, None
+def default_device(host: Host, req: EvalRequest) -> str | None:
+    """``--device``, else CPU on ``local`` and on a host whose inventory says ``gpus: 0``, else
+    the worker's default (CUDA)."""
+    return req.device or ("cpu" if host.is_local or host.gpus == 0 else None)
 
 
 def parallel(fn, items) -> list:
     with ThreadPoolExecutor(max_workers=max(1, len(items))) as pool:
         return [f.result() for f in [pool.submit(fn, i) for i in items]]
+
+
+def ddtree_budgets(req: EvalRequest) -> list[int] | None:
+    """The request's DDTree budgets (None: the worker's default), checked as the worker checks them."""
+    if req.ddtree_budgets is None:
+        return None
+    try:
+        budgets = [int(b) for b in req.ddtree_budgets.split(",") if b.strip()]
+    except ValueError:
+        raise InputError(f"--ddtree: not a comma-separated list of integers: {req.ddtree_budgets!r}") from None
+    if any(not 1 <= b <= MAX_DDTREE_BUDGET for b in budgets):
+        raise InputError(f"--ddtree: each budget must be 1..{MAX_DDTREE_BUDGET}, got {req.ddtree_budgets!r}")
+    return budgets
+
+
+def check_request(req: EvalRequest) -> None:
+    """Refuse what the worker would refuse, before any host is touched (one line each)."""
+    if req.thinking not in THINKING:
+        raise InputError(f"--thinking must be one of {', '.join(THINKING)}, not {req.thinking!r}")
+    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
+        raise InputError(f"sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0 (got "
+                         f"{req.temperature:g}, {req.top_p:g}, {req.top_k})")
+    if req.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1")
+    if ddtree_budgets(req) and req.temperature > 0 and req.mode == "offline":
+        raise InputError("--ddtree at --temperature > 0 offline: a sampled DDTree is verified by the target's own "
+                         "sampling at every node, which an offline walk cannot do; offline at T > 0 reports the "
+                         "expected acceptance (an estimate) instead (leave out --ddtree)")
 
 
 # ----------------------------------------------------------------------------- pre-flight
@@ -73,9 +101,10 @@ def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest) -> None
     if free is not None and free < req.min_free_gb * 2**30:
         raise EvalError(f"host {host.name}: only {free / 2**30:.1f} GiB free in {host.workdir} "
                         f"(need {req.min_free_gb:g} GiB for the worker and its results)")
-    wants_gpu = (req.device or ("cpu" if host.is_local else "cuda")).startswith("cuda")
+    wants_gpu = (default_device(host, req) or "cuda").startswith("cuda")
     if wants_gpu and not (report.cuda or "").startswith("yes"):
-        raise EvalError(f"host {host.name}: no CUDA GPU visible to torch (pass --device cpu to run on CPU)")
+        raise EvalError(f"host {host.name}: no CUDA GPU visible to torch (pass --device cpu to run on CPU, "
+                        f"or set `gpus: 0` for it in the inventory)")
 
 
 def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
@@ -95,62 +124,42 @@ def list_dir(runner, python: str, path: str) -> list[str] | None:
     return json.loads(res.stdout) if res.ok else None
 
 
-def _run_checkpoint(host: Host, runner, label: str, ckpt: str | None, run) -> str:
-    """A training run's checkpoint folder on the eval host (``<checkpoints>/<run>/<folder>``):
-    ``ckpt`` in any spelling of a step, or a folder name; without one the newest."""
-    from .catalog import resolve_checkpoint
-
-    if not host.checkpoints:
-        raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
-    root = f"{host.checkpoints.rstrip('/')}/{run.name}"
-    folders = [f for f in (list_dir(runner, host.python, root) or []) if not f.startswith(".")]
-    if not folders:
-        raise EvalError(f"host {host.name}: no checkpoints of run {run.name} in {root} "
-                        f"(copy one there with: dflash-ops sync-ckpt {ckpt or 'STEP'} --run {run.name})")
-    if ckpt is not None:
-        return f"{root}/{resolve_checkpoint(ckpt, run, folders)}"
-    stepped = sorted((f for f in folders if run.step_of(f) is not None), key=run.step_of)
-    if not stepped:
-        raise EvalError(f"drafter {label}: name a checkpoint ({label}:NAME); {root} holds {', '.join(folders[:10])}")
-    return f"{root}/{stepped[-1]}"
-
-
-def catalog_paths(host: Host, runner, label: str, ckpt: str | None, target: str | None) -> tuple[str, str]:
-    """Drafter and target folders on ``host`` for ``label[:ckpt]`` (the catalog) or paths."""
-    from .catalog import load_catalog
-
-    cat = load_catalog()
-    entry = None if "/" in label else cat.drafter(label)
-    if entry is None:
-        drafter_path = label
-    elif entry.path:
-        drafter_path = entry.path
-    else:
-        drafter_path = _run_checkpoint(host, runner, label, ckpt, cat.run(entry.run))
-    if target and "/" in target:
-        return drafter_path, target
-    if target or (entry and entry.target):
-        return drafter_path, cat.target(target or entry.target).path
-    raise EvalError(f"no target for drafter {label}: pass --target LABEL|PATH or set `target:` "
-                    f"for it in configs/drafters.yaml")
-
-
 def resolve_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
-    """(drafter folder, target folder) on ``host`` for the request."""
-    label, ckpt = split_drafter(req.drafter)
-    if label == EMBEDDED or req.target == EMBEDDED:
-        drafter, target = embedded_models(host, runner, code_dir)
-        return (drafter if label == EMBEDDED else label), (target if req.target in (None, EMBEDDED) else req.target)
-    return catalog_paths(host, runner, label, ckpt, req.target)
+    """(drafter folder, target folder) on ``host`` for the request, whose names were resolved
+    before it was made (orchestrator/resolve.py): a folder, a training run's checkpoint folder
+    under the host's ``checkpoints`` root, or the embedded demo pair."""
+    embedded = req.drafter == EMBEDDED or req.target == EMBEDDED
+    drafter, target = embedded_models(host, runner, code_dir) if embedded else (None, None)
+    if req.drafter != EMBEDDED:
+        if req.drafter_run:
+            if not host.checkpoints:
+                raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
+            root = f"{host.checkpoints.rstrip('/')}/{req.drafter_run}"
+            if req.checkpoint not in (list_dir(runner, host.python, root) or []):
+                raise EvalError(f"host {host.name}: no checkpoint {req.checkpoint} of run {req.drafter_run} in {root} "
+                                f"(copy it there with: dflash-ops sync-ckpt {req.drafter} --to {host.name})")
+            drafter = f"{root}/{req.checkpoint}"
+        elif req.drafter_path:
+            drafter = req.drafter_path
+        else:
+            raise EvalError(f"the run's request names no drafter folder ({req.drafter}): it was recorded by an "
+                            f"older dflash-ops; start a new eval")
+    if req.target != EMBEDDED:
+        target = req.target_path
+    return drafter, target
 
 
-def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventory) -> HostJob:
+def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventory,
+                  on_phase: Callable[[str], None] | None = None) -> HostJob:
     """Pre-flight on one host, before any GPU time: environment, ship the worker, locate and check
     the drafter and target there; the shard learns where its worker runs."""
     req, shard = record.eval_request, record.shards[index]
+    phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
+    phase("connecting")
     check_host_ready(host, inventory, req)
+    phase("pre-flight: shipping the worker, checking drafter and target")
     runner = runner_for(host, inventory)
     code_dir = ship(runner, host.python, host.workdir)
     drafter_path, target_path = resolve_models(host, runner, code_dir, req)
@@ -170,12 +179,15 @@ def prepare_shard(record: RunRecord, index: int, host: Host, inventory: Inventor
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:
     args = ["--target", shard.target_path, "--drafter", shard.drafter_path, "--suite", req.suite,
             "--mode", req.mode, "--out", f"{shard.run_dir}/out", "--max-new-tokens", str(req.max_new_tokens),
-            "--thinking", req.thinking, "--ddtree-budgets", req.ddtree_budgets, "--host-label", host.name]
+            "--thinking", req.thinking, "--temperature", repr(float(req.temperature)), "--top-p",
+            repr(float(req.top_p)), "--top-k", str(req.top_k), "--seed", str(req.seed), "--host-label", host.name]
+    if req.ddtree_budgets is not None:
+        args += ["--ddtree-budgets", req.ddtree_budgets]
     if req.prompts:
         args += ["--prompts", str(req.prompts)]
     if req.max_blocks:
         args += ["--max-blocks", str(req.max_blocks)]
-    device = req.device or ("cpu" if host.is_local else None)
+    device = default_device(host, req)
     if device:
         args += ["--device", device]
     if req.dtype:
@@ -193,22 +205,22 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
 
 
 def start(record: RunRecord, inventory: Inventory, resume: bool = False,
-          on_preflight: Callable[[str], None] | None = None) -> dict[int, HostJob]:
-    """Pre-flight every shard's host (in parallel), then start every worker detached."""
+          on_phase: Callable[[str, str], None] | None = None) -> dict[int, HostJob]:
+    """Pre-flight every shard's host (in parallel), then start every worker detached.
+    ``on_phase(host, phase)`` hears each step: connecting, pre-flight, starting the worker."""
     hosts = [inventory.get(s.host) for s in record.shards]
 
     def prepare(i: int) -> HostJob:
-        if on_preflight:
-            on_preflight(record.shards[i].host)
-        return prepare_shard(record, i, hosts[i], inventory)
+        return prepare_shard(record, i, hosts[i], inventory,
+                             on_phase=(lambda phase: on_phase(hosts[i].name, phase)) if on_phase else None)
 
     jobs = dict(enumerate(parallel(prepare, list(range(len(record.shards))))))
     req = record.eval_request
     for i, job in jobs.items():
+        if on_phase:
+            on_phase(hosts[i].name, "starting the worker")
         job.start(worker_args(req, record.shards[i], hosts[i], resume=resume))
-    label, _ = split_drafter(req.drafter)
-    resolved = None if req.target else (EMBEDDED if label == EMBEDDED else record.shards[0].target_path)
-    record.started(resolved_target=resolved)
+    record.started()
     return jobs
 
 
@@ -276,7 +288,8 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     env["suite"] = {**env["suite"], "ids": [r["id"] for r in rows], "shard": None}
     env["shards"] = envs
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
-    summary = summarize(rows, env["settings"]["block_size"], env["settings"]["mode"])
+    settings = env["settings"]
+    summary = summarize(rows, settings["block_size"], settings["mode"], max_length=settings.get("verify_block"))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

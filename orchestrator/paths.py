@@ -4,15 +4,19 @@
   host's workdir is its ``local/`` folder unless ``$DFLASH_OPS_HOME`` names another.
 - user config: ``$XDG_CONFIG_HOME/dflash-ops/`` (default ``~/.config/dflash-ops/``), holding
   ``inventory.yaml`` and ``drafters.yaml``.
-- a config file is found as: the explicit flag, its environment variable, the current
-  directory, the user config folder (:func:`find_config`); then the caller's default.
-- defaults shipped with the package (``orchestrator/configs/``): the example catalog and the
-  published numbers, found in a wheel install as in a checkout.
+- a config file (inventory, catalog) is found as: the explicit flag, its environment variable,
+  the current directory, the user config folder (:func:`locate`); else there is none: the
+  examples shipped with the package are templates for ``dflash-ops init``, never read silently.
+- files shipped with the package (``orchestrator/configs/``): the example inventory and catalog
+  (templates) and the published numbers, found in a wheel install as in a checkout.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import InputError
 
 APP = "dflash-ops"
 HOME_ENV_VAR = "DFLASH_OPS_HOME"
@@ -38,21 +42,83 @@ def local_home() -> str:
     return os.environ.get(HOME_ENV_VAR) or str(cache_dir() / "local")
 
 
-def find_config(explicit: str | os.PathLike | None, env_var: str, here: str, user_name: str) -> Path | None:
-    """``explicit``, else ``$ENV_VAR``, else ``./HERE`` if it exists, else ``USER_CONFIG/USER_NAME``
-    if it exists, else None. An explicit or environment path is returned even if missing (the
-    loader says so)."""
+@dataclass(frozen=True)
+class ConfigKind:
+    """A kind of config file and where it is looked for, in order."""
+    what: str          # "inventory" | "catalog"
+    flag: str          # the command-line option
+    env_var: str
+    here: str          # relative to the current directory
+    user_name: str     # in the user config folder
+
+    def places(self) -> list[str]:
+        return [self.flag, f"${self.env_var}", f"./{self.here}", str(config_dir() / self.user_name)]
+
+
+INVENTORY = ConfigKind("inventory", "--inventory", "DFLASH_OPS_INVENTORY", "inventory.yaml", "inventory.yaml")
+CATALOG = ConfigKind("catalog", "--catalog", "DFLASH_OPS_CATALOG", "configs/drafters.yaml", "drafters.yaml")
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """Where a config file was found (``path`` None: nowhere), and by which rule."""
+    kind: ConfigKind
+    path: Path | None
+    source: str | None   # the flag, the environment variable, the current directory or the user folder
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return (f"no {self.kind.what} file found (looked for {', '.join(self.kind.places()[1:])}; "
+                    f"`dflash-ops init` writes one)")
+        via = self.source if self.source.startswith(("-", "$")) else f"the {self.source}"
+        return f"{self.kind.what}: {self.path} (from {via})"
+
+
+def locate(kind: ConfigKind, explicit: str | os.PathLike | None = None) -> ConfigFile:
+    """The one discovery rule: ``explicit`` (the flag), else ``$ENV_VAR``, else ``./HERE`` if it
+    exists, else ``USER_CONFIG/USER_NAME`` if it exists, else nothing (never a shipped example).
+    An explicit or environment path is returned even if missing (the loader says so)."""
     if explicit:
-        return Path(explicit).expanduser()
-    env = os.environ.get(env_var)
+        return ConfigFile(kind, Path(explicit).expanduser(), kind.flag)
+    env = os.environ.get(kind.env_var)
     if env:
-        return Path(env).expanduser()
-    for candidate in (Path(here), config_dir() / user_name):
-        if candidate.exists():
-            return candidate
-    return None
+        return ConfigFile(kind, Path(env).expanduser(), f"${kind.env_var}")
+    if Path(kind.here).exists():
+        return ConfigFile(kind, Path(kind.here), "current directory")
+    user = config_dir() / kind.user_name
+    if user.exists():
+        return ConfigFile(kind, user, "user config folder")
+    return ConfigFile(kind, None, None)
+
+
+def find_config(explicit: str | os.PathLike | None, env_var: str, here: str, user_name: str) -> Path | None:
+    """The path :func:`locate` finds for a kind of file given by its parts (None: none)."""
+    return locate(ConfigKind("config", "", env_var, here, user_name), explicit).path
 
 
 def shipped(name: str) -> Path:
     """A default file shipped in the package (``orchestrator/configs/NAME``)."""
     return SHIPPED / name
+
+
+class TemplateExists(InputError):
+    """``init`` would overwrite a file the user may have edited."""
+
+
+def write_templates(project_dir: str | os.PathLike | None = None, force: bool = False) -> list[Path]:
+    """``dflash-ops init``: the commented example inventory and catalog, copied for the user to
+    edit into the user config folder, or into ``project_dir`` where running dflash-ops finds
+    them (``./inventory.yaml``, ``./configs/drafters.yaml``). Existing files are kept unless
+    ``force`` (TemplateExists names them)."""
+    if project_dir is None:
+        dest = {"inventory.yaml": config_dir() / INVENTORY.user_name, "drafters.yaml": config_dir() / CATALOG.user_name}
+    else:
+        dest = {"inventory.yaml": Path(project_dir) / INVENTORY.here, "drafters.yaml": Path(project_dir) / CATALOG.here}
+    there = [p for p in dest.values() if p.exists()]
+    if there and not force:
+        raise TemplateExists(f"{', '.join(map(str, there))} already exists: edit it, or pass --force to "
+                             f"replace it with the commented example")
+    for name, path in dest.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(shipped(name).read_text())
+    return list(dest.values())

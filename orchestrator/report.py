@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from .render import Document, fnum
+from .run_metrics import TAU_CONVENTIONS, multi_turn_note
 from .runs import EvalRun, load_run
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
@@ -29,15 +30,47 @@ def versions_text(env: dict) -> str:
     return ", ".join(f"{k} {v[k]}" for k in v) if v else "—"
 
 
+def variant_text(variant: dict | None) -> str:
+    """The drafter variant the worker found (``python -m remote.inspect`` prints it in full)."""
+    if not variant:
+        return "—"
+    parts = [str(variant.get("architecture", "?")), f"{variant.get('mask_rule', '?')} mask rule",
+             f"{variant.get('drafts_per_block', '?')} drafts per block"]
+    if variant.get("sample_from_anchor"):
+        parts.append("sample_from_anchor")
+    if str(variant.get("vocab", "")).startswith("reduced"):
+        parts.append(str(variant["vocab"]).split(":")[0] + " vocabulary")
+    return ", ".join(parts)
+
+
+def decoding_text(settings: dict) -> str:
+    """The decoding settings a run used (docs/run-format.md, env.json ``settings``)."""
+    t = float(settings.get("temperature") or 0.0)
+    parts = ["greedy (T=0)" if t == 0 else
+             f"sampled: T={t:g}, top_p={settings.get('top_p', 1.0):g}, top_k={settings.get('top_k', 0)}, "
+             f"seed={settings.get('seed', 0)}"]
+    thinking = settings.get("enable_thinking")
+    parts.append("thinking " + ("template default" if thinking is None else ("on" if thinking else "off")))
+    if settings.get("stop_token_ids") is not None:
+        parts.append(f"stop tokens {settings['stop_token_ids']}")
+    return ", ".join(parts)
+
+
 # --------------------------------------------------------------------------- tables
 
 def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
     env = run.env
     rows = [("run", run.id), ("drafter", run.label), ("target", str(run.target or "—")),
             ("suite", str(run.suite or "—")), ("host", str(run.host or "—")), ("status", run.status),
-            ("mode", str(m.get("mode") or run.mode or "—")), ("block size", str(m["block_size"])),
-            ("prompts", fnum(m["prompts"])), ("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"])),
-            ("tau_macro", fnum(m["tau_macro"])), ("tau_pooled", fnum(m["tau_pooled"]))]
+            ("mode", str(m.get("mode") or run.mode or "—")), ("block size", str(m["block_size"]))]
+    if m.get("max_length", m["block_size"]) != m["block_size"]:
+        rows.append(("longest acceptance (sample_from_anchor: B drafts + bonus)", str(m["max_length"])))
+    rows += [("decoding", decoding_text(run.settings)),
+             ("prompts", fnum(m["prompts"])), ("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"])),
+             ("tau_macro", fnum(m["tau_macro"])), ("tau_macro_turns", fnum(m.get("tau_macro_turns"))),
+             ("tau_pooled", fnum(m["tau_pooled"])), ("tau_sglang", fnum(m.get("tau_sglang")))]
+    if m.get("expected"):
+        rows.append(("expected τ (offline, T > 0: an estimate)", fnum(m["expected"]["tau"])))
     for b, v in sorted((m.get("ddtree") or {}).items(), key=lambda kv: int(kv[0])):
         rows.append((f"DDTree-{b} tau_macro", fnum(v["tau_macro"])))
         rows.append((f"DDTree-{b} tau_pooled", fnum(v["tau_pooled"])))
@@ -47,15 +80,17 @@ def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
         if on.get("target_tokens_per_s") is not None:
             rows.append(("target greedy tokens/s", fnum(on.get("target_tokens_per_s"), 2)))
             rows.append(("speedup", fnum(on.get("speedup"), 3)))
-        if "lossless" in on:
+        if on.get("lossless") is None and "lossless" in on:
+            rows.append(("lossless", "not checked per prompt at T > 0 (a sample has no single right output)"))
+        elif "lossless" in on:
             rows.append(("lossless (output == target greedy)", fnum(on["lossless"])))
     s = run.settings
     rows += [("device", str(env.get("device") or "—")), ("GPU", str(env.get("gpu") or "—")),
              ("dtype", str(env.get("dtype") or "—")), ("kernel path", str(env.get("kernel_path") or "—")),
              ("versions", versions_text(env)), ("drafter sha256", short_sha(env.get("drafter") or {})),
              ("drafter format", str((env.get("drafter") or {}).get("format") or "—")),
-             ("settings", ", ".join(f"{k}={s[k]}" for k in ("max_new_tokens", "max_blocks", "enable_thinking",
-                                                           "reference") if k in s) or "—"),
+             ("drafter variant", variant_text((env.get("drafter") or {}).get("variant"))),
+             ("settings", ", ".join(f"{k}={s[k]}" for k in ("max_new_tokens", "max_blocks", "reference") if k in s) or "—"),
              ("created", run.created_at or "—")]
     return rows
 
@@ -91,15 +126,17 @@ def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
 
 
 def _detail_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    B = m["block_size"]
     out = []
     ppa = m["per_position_acceptance"]
     acc = m.get("all_anchors_accuracy")
     cum = m.get("all_anchors_cumulative")
     head = ["k", "acceptance"] + (["teacher-forced accuracy", "cumulative"] if acc else [])
     rows = [[str(k), fnum(ppa[k - 1])] + ([fnum(acc[k - 1]), fnum(cum[k - 1])] if acc else [])
-            for k in range(1, B)]
+            for k in range(1, len(ppa) + 1)]
     out.append(("Per-position acceptance (τ_pooled = 1 + Σ)", head, rows))
+    if m.get("expected"):
+        out.append(("Expected acceptance per draft (offline, T > 0: an estimate)", ["k", "mean α_k"],
+                    [[str(k), fnum(a)] for k, a in enumerate(m["expected"]["alpha"], 1)]))
     h = m["acceptance_histogram"]
     out.append(("Acceptance-length histogram", ["length", "cycles", "share"],
                 [[k, str(h[k]), fnum(h[k] / m["cycles"] if m["cycles"] else 0.0)] for k in sorted(h, key=int)]))
@@ -123,6 +160,10 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
              "All numbers are recomputed from `results.jsonl`.")
     doc.warnings("Warnings", run_warnings(run))
     doc.table(["metric", "value"], summary_rows(run, m), heading="Summary", cls="summary")
+    for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",
+                 TAU_CONVENTIONS):
+        if note:
+            doc.para(note, cls="note")
     for key, heading, png in report_plots(run):
         doc.plot(key, heading, png, missing="no data in this run")
     for heading, head, rows in _detail_tables(m):

@@ -13,13 +13,32 @@ from typing import Optional
 
 from remote.metrics import category_summary, out_of_range, row_stats, summarize
 
+TAU_CONVENTIONS = ("τ counts the tokens one draft–verify cycle commits, bonus token included. tau_macro: mean of "
+                   "per-prompt τ; tau_macro_turns: mean over responses, one per turn of a multi-turn prompt (how "
+                   "z-lab's benchmark.py and DDTree average MT-Bench; equal to tau_macro on single-turn suites); "
+                   "tau_pooled: Σ tokens / Σ cycles (vLLM, Spec-Bench); tau_sglang: Σ completion_tokens / "
+                   "Σ spec_verify_ct exactly as SGLang reports it (every response's first token counted), to set "
+                   "beside a served SGLang number.")
 
-def compute_metrics(rows: list[dict], block_size: int, mode: Optional[str] = None) -> dict:
-    """summary.json's fields recomputed from the rows, plus ``per_prompt``, ``categories`` and
-    ``out_of_range_lengths``."""
-    m = summarize(rows, int(block_size), mode)
+
+def multi_turn_note(m: dict) -> Optional[str]:
+    """What a report says of a multi-turn suite (None for single-turn runs)."""
+    if not m.get("responses") or m["responses"] == m.get("prompts"):
+        return None
+    return (f"Multi-turn suite: {m['responses']} responses (turns) over {m['prompts']} prompts. z-lab and DDTree "
+            f"average per turn: tau_macro_turns is the number to set beside theirs.")
+
+
+def compute_metrics(rows: list[dict], block_size: int, mode: Optional[str] = None,
+                    max_length: Optional[int] = None) -> dict:
+    """summary.json's fields recomputed from the rows, plus ``max_length``, ``per_prompt``,
+    ``categories`` and ``out_of_range_lengths``. ``max_length``: the most tokens one cycle can commit
+    (the run's ``verify_block``: B, or B + 1 for a sample_from_anchor drafter; default B)."""
+    longest = int(max_length or block_size)
+    m = summarize(rows, int(block_size), mode, max_length=longest)
+    m["max_length"] = longest
     per_prompt = [list(r.get("acceptance_lengths") or []) for r in rows]
-    m["out_of_range_lengths"] = out_of_range(per_prompt, int(block_size))
+    m["out_of_range_lengths"] = out_of_range(per_prompt, longest)
     m["per_prompt"] = [{"id": r.get("id"), "category": r.get("category"), **row_stats(a),
                         "stored_tau": r.get("tau"), "stored_tokens": r.get("tokens"),
                         "stored_cycles": r.get("cycles")} for r, a in zip(rows, per_prompt)]
@@ -55,10 +74,12 @@ def summary_disagreements(computed: dict, summary: Optional[dict]) -> list[str]:
         out.append(f"{len(bad_rows)} row(s) of results.jsonl store tau/tokens/cycles that disagree with "
                    f"their acceptance_lengths ({ids}); the lengths are used")
     if computed.get("out_of_range_lengths"):
-        out.append(f"{computed['out_of_range_lengths']} acceptance length(s) outside 1..{computed['block_size']}")
+        out.append(f"{computed['out_of_range_lengths']} acceptance length(s) outside "
+                   f"1..{computed.get('max_length') or computed['block_size']}")
     if summary is None:
         return out
-    for key in ("prompts", "cycles", "tokens", "tau_macro", "tau_pooled", "block_size"):
+    for key in ("prompts", "cycles", "tokens", "tau_macro", "tau_pooled", "tau_macro_turns", "tau_sglang",
+                "block_size"):
         if key in summary and not _close(summary[key], computed.get(key)):
             out.append(f"summary.json {key} = {summary[key]} but results.jsonl gives {_fmt(computed.get(key))}")
     if "mode" in summary and computed.get("mode") and summary["mode"] != computed["mode"]:
@@ -74,6 +95,9 @@ def summary_disagreements(computed: dict, summary: Optional[dict]) -> list[str]:
         if isinstance(sv, list) and cv is not None:
             if len(sv) != len(cv) or not all(_close(a, b) for a, b in zip(sv, cv)):
                 out.append(f"summary.json {key} differs from results.jsonl")
+    se, ce = summary.get("expected"), computed.get("expected")
+    if isinstance(se, dict) and not _close(se.get("tau"), (ce or {}).get("tau")):
+        out.append(f"summary.json expected.tau = {se.get('tau')} but results.jsonl gives {_fmt((ce or {}).get('tau'))}")
     for b, v in (summary.get("ddtree") or {}).items():
         cv = (computed.get("ddtree") or {}).get(str(b))
         if cv is None:

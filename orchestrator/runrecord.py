@@ -18,15 +18,20 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .catalog import parse_step, step_name
+
 RUN_FILE = "run.json"
 
 
 @dataclass
 class EvalRequest:
-    """What the user asked for (kept in run.json so `eval --resume` repeats it)."""
+    """What the user asked for, with every name resolved (kept in run.json so `eval --resume`
+    repeats it without the catalog): the drafter is ``drafter_path`` on every host, or checkpoint
+    folder ``checkpoint`` of training run ``drafter_run`` under each host's ``checkpoints`` root,
+    or the embedded demo; the target is ``target_path`` (or the embedded demo's)."""
     hosts: list[str]
-    drafter: str | None = None
-    target: str | None = None
+    drafter: str | None = None      # what it resolved to, as a user would type it (v5:step_20000)
+    target: str | None = None       # the target's label (catalog), `embedded`, or its folder
     suite: str = "default"
     prompts: int | None = 2
     mode: str = "offline"
@@ -35,11 +40,19 @@ class EvalRequest:
     device: str | None = None
     dtype: str | None = None
     sglang: str = "auto"            # auto (the host's, offline mode) | off | URL
-    thinking: str = "default"
-    ddtree_budgets: str = "8,16,32,64"
+    thinking: str = "off"           # off | on | default (the chat template's own); the worker's default
+    ddtree_budgets: str | None = None   # None: the worker's default (8,16,32,64 greedy, none at T > 0)
+    temperature: float = 0.0        # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
     all_anchors: bool = False
     min_free_gb: float = 1.0
     verify_weights: bool = False    # sha256 of the weights vs the sync manifest (slow on 17 GB)
+    drafter_path: str | None = None
+    drafter_run: str | None = None
+    checkpoint: str | None = None
+    target_path: str | None = None
 
 
 @dataclass
@@ -67,8 +80,10 @@ def now_iso() -> str:
 
 
 def run_id(drafter: str, checkpoint: str | None, host: str, when: datetime | None = None) -> str:
+    """``20261202-210130-v5-step20k-ct129`` (the checkpoint as its short step name)."""
     when = when or datetime.now()
-    parts = [when.strftime("%Y%m%d-%H%M%S"), drafter, checkpoint or "", host]
+    step = parse_step(checkpoint) if checkpoint else None
+    parts = [when.strftime("%Y%m%d-%H%M%S"), drafter, step_name(step) if step is not None else checkpoint or "", host]
     return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", p).strip("_") for p in parts if p)
 
 
@@ -87,15 +102,18 @@ class RunRecord:
     status: str
     request: dict
     shards: list[Shard] = field(default_factory=list)
+    step: int | None = None         # the checkpoint's training step (``checkpoint`` is its folder)
     folder: Path | None = field(default=None, repr=False, compare=False)   # runs/<id>, not saved
 
     # --- creating, reading, writing ------------------------------------------------------------
 
     @classmethod
-    def create(cls, runs_dir: Path, request: EvalRequest, label: str, checkpoint: str | None) -> "RunRecord":
+    def create(cls, runs_dir: Path, request: EvalRequest, label: str, checkpoint: str | None,
+               step: int | None = None) -> "RunRecord":
+        """A new run of drafter ``label`` at checkpoint folder ``checkpoint`` (training ``step``)."""
         hosts = request.hosts
         rid = run_id(label, checkpoint, "+".join(hosts))
-        record = cls(id=rid, drafter=label, checkpoint=checkpoint, target=request.target or "default",
+        record = cls(id=rid, drafter=label, checkpoint=checkpoint, step=step, target=request.target or "default",
                      suite=request.suite, host=",".join(hosts), mode=request.mode, prompts=request.prompts,
                      created_at=now_iso(), status="preparing", request=asdict(request),
                      shards=[Shard(host=h, index=i, count=len(hosts)) for i, h in enumerate(hosts)],
@@ -129,10 +147,8 @@ class RunRecord:
         s.run_dir, s.code_dir, s.python = run_dir, code_dir, python
         s.drafter_path, s.target_path = drafter_path, target_path
 
-    def started(self, resolved_target: str | None = None) -> None:
+    def started(self) -> None:
         """Every worker was started (fresh or resumed)."""
-        if resolved_target:
-            self.target = resolved_target
         for s in self.shards:
             s.fetched, s.state = False, "running"
         self.status = "running"

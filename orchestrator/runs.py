@@ -5,14 +5,14 @@ A run folder (docs/run-format.md) holds the worker's ``results.jsonl``, ``summar
 """
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .errors import InputError
+from .catalog import parse_step, same_checkpoint
+from .errors import InputError, did_you_mean
 
 RUNS_ENV = "DFLASH_OPS_RUNS"
 
@@ -82,6 +82,12 @@ class EvalRun:
         return self.meta.get("checkpoint")
 
     @property
+    def step(self) -> Optional[int]:
+        """The checkpoint's training step (recorded, or read from the folder name)."""
+        step = self.meta.get("step")
+        return parse_step(str(self.checkpoint)) if step is None and self.checkpoint else step
+
+    @property
     def label(self) -> str:
         return f"{self.drafter}:{self.checkpoint}" if self.checkpoint else str(self.drafter)
 
@@ -114,6 +120,12 @@ class EvalRun:
         return max(16, int(longest))
 
     @property
+    def max_length(self) -> int:
+        """The most tokens one cycle can commit: B, or B + 1 for a sample_from_anchor drafter
+        (env.json's ``verify_block``)."""
+        return int(self.settings.get("verify_block") or self.block_size)
+
+    @property
     def status(self) -> str:
         return str(self.meta.get("status") or ("done" if self.summary is not None else "unknown"))
 
@@ -140,7 +152,7 @@ class EvalRun:
         if self._metrics is None:
             from .run_metrics import compute_metrics
 
-            self._metrics = compute_metrics(self.results, self.block_size, self.mode)
+            self._metrics = compute_metrics(self.results, self.block_size, self.mode, self.max_length)
         return self._metrics
 
     def sort_key(self) -> tuple:
@@ -183,52 +195,77 @@ def list_runs(directory: Optional[Path] = None) -> list[EvalRun]:
     return sorted(out, key=EvalRun.sort_key)
 
 
-def _newest(runs: list[EvalRun]) -> EvalRun:
-    """Newest finished run; a running/failed one only when none finished."""
-    done = [r for r in runs if r.status == "done"]
-    return max(done or runs, key=EvalRun.sort_key)
+LATEST = ("latest", "newest")
 
 
-def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[EvalRun]] = None) -> EvalRun:
-    """A run id exactly; a unique run-id prefix; `DRAFTER:CHECKPOINT` = newest run of that pair;
-    `DRAFTER` = newest run of that drafter; `CHECKPOINT` alone if only one drafter has it;
-    or a path to a run folder."""
-    d = Path(directory) if directory is not None else runs_dir()
-    runs = list_runs(d) if runs is None else runs
+def newest(runs: list[EvalRun], prefer: tuple[str, ...] = ("done",)) -> EvalRun:
+    """The newest run whose status is in ``prefer``; the newest of all when none is."""
+    preferred = [r for r in runs if r.status in prefer]
+    return max(preferred or runs, key=EvalRun.sort_key)
+
+
+def label_matches(run: EvalRun, drafter: str, checkpoint: Optional[str] = None) -> bool:
+    """Whether ``run`` is of drafter ``drafter`` (and checkpoint ``checkpoint`` in any spelling:
+    ``step20k``, ``20000``, ``step_20000``; ``latest`` = any)."""
+    if run.drafter != drafter:
+        return False
+    return checkpoint is None or checkpoint in LATEST or same_checkpoint(checkpoint, run.checkpoint, run.step)
+
+
+def find_runs(label: str, runs: list[EvalRun], directory: Path) -> list[EvalRun]:
+    """Every run ``label`` may mean, newest last: a run id or a path (that run); ``latest`` (the
+    newest run); ``DRAFTER`` or ``DRAFTER:CHECKPOINT`` in any spelling (all its runs);
+    ``CHECKPOINT`` alone when only one drafter has it; a unique run-id prefix. Unknown: RunError."""
     by_id = {r.id: r for r in runs}
     if label in by_id:
-        return by_id[label]
+        return [by_id[label]]
     p = Path(label)
     if (os.sep in label or label.startswith(".")) and p.is_dir():
-        return load_run(p)
-    if ":" in label:
-        drafter, _, ckpt = label.partition(":")
-        hits = [r for r in runs if r.drafter == drafter and (r.checkpoint or "") == ckpt]
-        if hits:
-            return _newest(hits)
-    else:
-        hits = [r for r in runs if r.drafter == label]
-        if hits:
-            return _newest(hits)
-        by_ckpt = [r for r in runs if r.checkpoint == label]
+        return [load_run(p)]
+    if label in LATEST and runs:
+        return [newest(runs)]
+    drafter, sep, ckpt = label.partition(":")
+    hits = [r for r in runs if label_matches(r, drafter, ckpt if sep else None)]
+    if hits:
+        return hits
+    if not sep:
+        by_ckpt = [r for r in runs if r.checkpoint and same_checkpoint(label, r.checkpoint, r.step)]
         drafters = sorted({str(r.drafter) for r in by_ckpt})
         if len(drafters) == 1:
-            return _newest(by_ckpt)
+            return by_ckpt
         if len(drafters) > 1:
             raise RunError(f"run label {label!r} is ambiguous: checkpoint {label} exists for drafters "
                            f"{', '.join(drafters)}; say " + " or ".join(f"{x}:{label}" for x in drafters))
     prefixed = [r for r in runs if r.id.startswith(label)]
     if len(prefixed) == 1:
-        return prefixed[0]
+        return prefixed
     if len(prefixed) > 1:
         raise RunError(f"run label {label!r} is ambiguous: it starts {len(prefixed)} run ids ("
                        + ", ".join(r.id for r in prefixed[:6]) + (" …" if len(prefixed) > 6 else "") + ")")
+    raise no_run(label, runs, directory)
+
+
+def no_run(label: str, runs: list[EvalRun], directory: Path) -> RunError:
+    """The one message for a name that matches no run."""
     candidates = sorted({r.id for r in runs} | {str(r.drafter) for r in runs if r.drafter}
                         | {r.label for r in runs if r.checkpoint})
-    close = difflib.get_close_matches(label, candidates, n=3, cutoff=0.5)
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    where = f"in {d}" if runs else f"({d} has no runs)"
-    raise RunError(f"no run matches {label!r} {where}{hint} (`dflash-ops runs` lists them)")
+    drafter, sep, _ = label.partition(":")
+    have = sorted({str(r.checkpoint) for r in runs if sep and r.drafter == drafter and r.checkpoint})
+    extra = f"; {drafter} has runs of {', '.join(have)}" if have else ""
+    if not runs:
+        return RunError(f"no run matches {label!r}: {directory} has no runs (another folder: --runs-dir or "
+                        f"$DFLASH_OPS_RUNS)")
+    return RunError(f"no run matches {label!r} in {directory}{did_you_mean(label, candidates)}{extra}; "
+                    f"`dflash-ops runs` lists them")
+
+
+def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[EvalRun]] = None,
+            prefer: tuple[str, ...] = ("done",)) -> EvalRun:
+    """The one run ``label`` means (:func:`find_runs`): of several, the newest whose status is in
+    ``prefer`` (finished runs for reports, running ones for `attach`/`cancel`)."""
+    d = Path(directory) if directory is not None else runs_dir()
+    runs = list_runs(d) if runs is None else runs
+    return newest(find_runs(label, runs, d), prefer)
 
 
 def filter_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[EvalRun]:
@@ -237,6 +274,25 @@ def filter_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status
 
     return [r for r in runs if ok(r.drafter, drafter) and ok(r.suite, suite) and ok(r.host, host)
             and ok(r.status, status) and ok(r.checkpoint, checkpoint)]
+
+
+def settings_text(settings: dict) -> str:
+    """The decoding settings of a run in a few words: ``greedy, 256 tok, think off``."""
+    if not settings:
+        return "-"
+    t = settings.get("temperature")
+    parts = [f"T={t:g}" if t else "greedy"]
+    if t and settings.get("top_p") not in (None, 1, 1.0):
+        parts.append(f"top-p {settings['top_p']:g}")
+    if t and settings.get("top_k"):
+        parts.append(f"top-k {settings['top_k']}")
+    if settings.get("max_new_tokens"):
+        parts.append(f"{settings['max_new_tokens']} tok")
+    if settings.get("max_blocks"):
+        parts.append(f"≤{settings['max_blocks']} blocks")
+    if "enable_thinking" in settings:
+        parts.append({True: "think on", False: "think off"}.get(settings["enable_thinking"], "think default"))
+    return ", ".join(parts)
 
 
 def run_rows(runs: list[EvalRun]) -> list[dict]:
@@ -248,7 +304,8 @@ def run_rows(runs: list[EvalRun]) -> list[dict]:
             tau, n = m["tau_macro"], m["prompts"]
         except Exception:  # a damaged results.jsonl must not hide the other runs
             tau, n = None, r.meta.get("prompts")
-        rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "target": r.target,
-                     "suite": r.suite, "prompts": n, "prompts_planned": r.meta.get("prompts"),
-                     "tau_macro": tau, "host": r.host, "created_at": r.created_at, "status": r.status})
+        rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "step": r.step, "label": r.label,
+                     "target": r.target, "suite": r.suite, "mode": r.mode, "settings": settings_text(r.settings),
+                     "prompts": n, "prompts_planned": r.meta.get("prompts"), "tau_macro": tau, "host": r.host,
+                     "created_at": r.created_at, "status": r.status})
     return rows

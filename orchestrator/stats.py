@@ -90,6 +90,21 @@ def paired_bootstrap(tok_a, cyc_a, tok_b, cyc_b, *, resamples: int = 10000, seed
             Interval(pooled_a, pooled_b, pooled_b - pooled_a, *_percentile(pooled_s, confidence)))
 
 
+def bootstrap_tau(tokens, cycles, *, resamples: int = 2000, seed: int = 0, confidence: float = 0.95,
+                  chunk: int = 2000) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Percentile bootstrap CIs of ONE run's (tau_macro, tau_pooled), resampling prompts; inputs
+    are per-prompt token and cycle counts (the trajectory's error bars)."""
+    t, c = np.asarray(tokens, dtype=np.float64), np.asarray(cycles, dtype=np.float64)
+    if len(t) == 0:
+        raise ValueError("no prompts")
+    tau = t / c
+    macro, pooled = [], []
+    for w in _weights(len(t), resamples, np.random.default_rng(seed), chunk):
+        macro.append(w @ tau / len(t))
+        pooled.append((w @ t) / (w @ c))
+    return _percentile(np.concatenate(macro), confidence), _percentile(np.concatenate(pooled), confidence)
+
+
 def paired_permutation_test(tok_a, cyc_a, tok_b, cyc_b, *, resamples: int = 10000, seed: int = 0,
                             chunk: int = 4000) -> tuple[float, float, bool]:
     """Two-sided p-values (macro, pooled) for H0 "the two runs are exchangeable within each

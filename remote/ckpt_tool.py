@@ -12,8 +12,9 @@ Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...
   point anywhere on the host) or unfinished ``*.part`` files
 * ``save-manifest DIR``  (stdin: JSON) caches a manifest if the files still match it
 * ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
-* ``send FILE SIZE MTIME_NS OFFSET [--hash]``  bytes [OFFSET, SIZE) on stdout, then a trailer
-  ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on resume)
+* ``send FILE SIZE MTIME_NS OFFSET [--hash] [--cache DIR]``  bytes [OFFSET, SIZE) on stdout, then a
+  trailer ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on
+  resume); with ``--cache`` the hash goes into DIR's manifest cache too
 * ``recv RUNDIR CKPT REL SIZE OFFSET MTIME_NS TOKEN [--sha256 X]``  (stdin: the ``send`` stream)
   appends to ``.staging-CKPT/REL.part``, hashes in flight, verifies, fsyncs, renames to REL
 * ``hold RUNDIR CKPT TOKEN [--wait S] [--idle S]``  takes the checkpoint lock (flock) and serves control
@@ -170,9 +171,10 @@ def cmd_list(args: list) -> None:
                 "size": sum(st.st_size for _, st in files), "files": len(files),
                 "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
                 "complete": os.path.exists(os.path.join(full, MANIFEST)),
+                "paths": [rel for rel, _ in files][:1000],
             })
         runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
-    out(json.dumps({"runs": runs}))
+    out(json.dumps({"runs": runs, "now": time.time()}))
 
 
 def sha256_file(path: str, limit: int | None = None, h=None):
@@ -204,11 +206,37 @@ def _load_cache(d: str) -> dict:
 
 def _write_json_atomic(path: str, data) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _cache_update(d: str, entries: list) -> None:
+    """Merge ``entries`` into the folder's manifest cache: read-modify-write under a flock on the
+    folder, so parallel senders of one checkpoint keep each other's entries. A read-only source
+    is left as it is (the cache only saves hashing next time)."""
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        cache = _load_cache(d)
+        cache.update((e["path"], e) for e in entries if e.get("sha256"))
+        _write_json_atomic(os.path.join(d, MANIFEST), {"files": sorted(cache.values(), key=lambda e: e["path"])})
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
 
 
 def manifest(d: str, compute: bool) -> dict:
@@ -231,11 +259,8 @@ def manifest(d: str, compute: bool) -> dict:
         raise ToolError(f"checkpoint folder {d} holds no files")
     data = {"files": files}
     if hashed:
-        try:
-            _write_json_atomic(os.path.join(d, MANIFEST), data)
-        except OSError:
-            pass  # read-only source: the manifest is still returned
-    return dict(data, hashed=hashed)
+        _cache_update(d, files)
+    return dict(data, hashed=hashed, now=time.time())
 
 
 def cmd_manifest(args: list) -> None:
@@ -262,7 +287,8 @@ def cmd_save_manifest(args: list) -> None:
 
 
 def cmd_send(args: list) -> None:
-    (path, size, mtime_ns, offset), opts = parse(args, ("FILE", "SIZE", "MTIME_NS", "OFFSET"), {"--hash": 0})
+    (path, size, mtime_ns, offset), opts = parse(args, ("FILE", "SIZE", "MTIME_NS", "OFFSET"),
+                                                 {"--hash": 0, "--cache": 1})
     size, mtime_ns, offset = int(size), int(mtime_ns), int(offset)
     do_hash = "--hash" in opts
     try:
@@ -314,6 +340,11 @@ def cmd_send(args: list) -> None:
         raise ToolError(f"{path} changed while it was sent")
     trailer = b"DFLT" + (h.hexdigest() if h is not None else NO_HASH).encode() + b"\n"
     os.write(outfd, trailer)
+    cache_dir = opts.get("--cache")
+    if h is not None and cache_dir:  # the next sync (or listing) of this folder needs no hashing
+        rel = os.path.relpath(path, cache_dir)
+        if not rel.startswith(".."):
+            _cache_update(cache_dir, [{"path": rel, **_ident(st), "sha256": h.hexdigest()}])
 
 
 # --- destination side ------------------------------------------------------------------------

@@ -230,6 +230,7 @@ def run(args) -> dict:
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", 2)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     log(f"loading target {args.target} on {device} ({dtype})")
+    emit("phase", phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
     target = load_target(args.target, device, dtype)
     for p in target.parameters():
         p.requires_grad_(False)

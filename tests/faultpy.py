@@ -56,9 +56,12 @@ def plant(spec: dict, tool_args: list) -> None:
 def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
-    if sys.argv[2] != "-c":
-        raise SystemExit("faultpy: expected SPEC -c CODE ARGS")
-    code, args = sys.argv[3], sys.argv[4:]
+    argv = sys.argv[2:]
+    if argv[:1] == ["-S"]:  # the tool runs as `python -S -c` (no site-packages)
+        argv = argv[1:]
+    if argv[0] != "-c":
+        raise SystemExit("faultpy: expected SPEC [-S] -c CODE ARGS")
+    code, args = argv[1], argv[2:]
     plant(spec, args[1:])            # args[0] is the tool itself (ckpt_tool's bootstrap pops it)
     sys.argv = ["-c", *args]
     exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})

@@ -101,6 +101,47 @@ def speculators_drafter(folder: Path, target, *, dflash2: bool = False, layer_ty
     return model.eval()
 
 
+def train_speculators(model, target, sequences, prompt_len: int, steps: int = 300, lr: float = 3e-3,
+                      max_anchors: int = 16) -> float:
+    """Train a speculators drafter briefly with speculators' own training step (its ``forward``:
+    anchor-block mask, KL to the verifier's logits, its position decay; DFlash2 adds its selector
+    loss), eager losses on CPU. The verifier is ``target``'s own final norm and head, so the drafter
+    learns the target's next-token distribution. Returns the last loss."""
+    from speculators.losses.eager import kl_div_loss, tv_loss
+
+    from remote.target import target_features
+
+    layer_ids = [i - 1 for i in model.config.aux_hidden_state_layer_ids]      # z-lab convention
+    data = []
+    for ids in sequences:
+        store = {}
+        hook = target.model.norm.register_forward_hook(lambda m, i, o: store.__setitem__("last", i[0]))
+        with torch.no_grad():
+            _, features = target_features(target, ids, layer_ids)
+        hook.remove()
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[:, prompt_len:] = 1
+        data.append((ids, features, store["last"], loss_mask))
+    with torch.no_grad():
+        model.verifier_norm.weight.copy_(target.model.norm.weight)
+    params = [p for n, p in model.named_parameters() if "verifier" not in n and "embed_tokens" not in n]
+    opt = torch.optim.AdamW(params, lr=lr)
+    dflash2 = "candidate_selector" in dict(model.named_children())
+    model.train()
+    torch.manual_seed(0)
+    for step in range(steps):
+        ids, features, last, loss_mask = data[step % len(data)]
+        _, loss, _ = model(hidden_states=features, input_ids=ids, loss_mask=loss_mask,
+                           verifier_last_hidden_states=last, document_ids=torch.zeros_like(ids),
+                           max_anchors=max_anchors, loss_config={"kl_div": (kl_div_loss, 1.0)},
+                           **({"tv_loss_fn": tv_loss} if dflash2 else {}))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())
+
+
 # ----------------------------------------------------------------------------- reference forwards
 
 @torch.no_grad()

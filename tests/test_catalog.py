@@ -51,9 +51,10 @@ def test_escaping_names_are_refused(bad):
         check_name(bad)
 
 
-def test_shipped_catalog_loads(monkeypatch):
-    monkeypatch.chdir(Path(__file__).parent.parent)
-    cat = load_catalog()
+def test_shipped_catalog_loads():
+    from orchestrator.paths import shipped
+
+    cat = load_catalog(shipped("drafters.yaml"))      # the example `dflash-ops init` copies
     assert cat.run("v5").pattern == "step_{step}"
     d = cat.drafter("v5:step20k")
     assert d.run == "v5" and d.format == "state_dict" and cat.target(d.target).path
@@ -116,7 +117,8 @@ def test_catalog_discovery_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DFLASH_OPS_CATALOG", raising=False)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    assert load_catalog().path == shipped("drafters.yaml")     # the example shipped in the package
+    assert load_catalog().path is None and not load_catalog().drafters   # the shipped example is never read
+    assert "no catalog file" in str(load_catalog().found) and shipped("drafters.yaml").exists()
     user = tmp_path / "config" / "dflash-ops" / "drafters.yaml"
     user.parent.mkdir(parents=True)
     user.write_text("runs: {user_run: {}}\n")

@@ -65,9 +65,9 @@ def test_a_part_file_in_the_source_is_refused_and_named(env):
 def test_files_named_like_flags_arrive_intact(env):
     """A file named `--sha256` was taken for the flag of `recv` (its argv was scanned whole)."""
     src = env.ckpt(3, {"--sha256": b"not a flag\n", "--idle": b"nor this\n", "--hash": b"x" * 5000,
-                       "model.safetensors": 1})
+                       "model.safetensors": 1, "config.json": b"{}\n"})
     res = env.sync("3")
-    assert res.verified == 4 and not res.resent
+    assert res.verified == 5 and not res.resent
     identical(src, env.dst_run / "step_3")
 
 

@@ -84,11 +84,12 @@ def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3/3" in proc.stdout and "tau_pooled" in proc.stdout
     run_dir = only_run(runs)
-    assert "-v9-100-eval" in run_dir.name
+    assert "v9:100 → v9:step_100 on eval" in proc.stdout          # what the name resolved to
+    assert "-v9-step100-eval" in run_dir.name
     for name in ("results.jsonl", "summary.json", "env.json", "report.md", "report.html", "worker.log", "run.json"):
         assert (run_dir / name).exists(), name
     record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "done" and record["checkpoint"] == "100"
+    assert record["status"] == "done" and (record["checkpoint"], record["step"]) == ("step_100", 100)
     assert record["shards"][0]["drafter_path"].endswith("/checkpoints/v9/step_100")
     env = json.loads((run_dir / "env.json").read_text())
     assert env["host"] == "eval"

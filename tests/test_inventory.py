@@ -14,6 +14,7 @@ from orchestrator.inventory import InventoryError, load_inventory
 from orchestrator.transport import runner_for
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "orchestrator" / "configs" / "inventory.yaml"   # the example `dflash-ops init` copies
 
 
 def write(tmp_path: Path, text: str, name: str = "inventory.yaml") -> Path:
@@ -29,7 +30,7 @@ def error_of(path: Path, **kw) -> str:
 
 
 def test_repo_inventory_describes_the_story():
-    inv = load_inventory(REPO / "inventory.yaml")
+    inv = load_inventory(EXAMPLE)
     ct200, ct129 = inv.get("ct200"), inv.get("ct129")
     assert ct200.roles == ("train",) and ct200.gpus == 8 and ct200.checkpoints == "/data/dflash/checkpoints"
     assert ct129.roles == ("eval",) and ct129.sglang == "http://127.0.0.1:30000" and ct129.gpus == 1
@@ -135,7 +136,7 @@ def test_bad_top_level(tmp_path):
 
 
 def test_unknown_host_did_you_mean(tmp_path):
-    inv = load_inventory(REPO / "inventory.yaml")
+    inv = load_inventory(EXAMPLE)
     with pytest.raises(InventoryError, match=r"unknown host 'ct20'.*did you mean 'ct200'"):
         inv.get("ct20")
 
@@ -154,7 +155,7 @@ def test_cli_bad_inventory_is_one_clean_red_line(tmp_path):
 
 
 def test_cli_unknown_host_on_command_line(tmp_path):
-    res = CliRunner().invoke(app, ["--inventory", str(REPO / "inventory.yaml"), "hosts", "check", "ct20"])
+    res = CliRunner().invoke(app, ["--inventory", str(EXAMPLE), "hosts", "check", "ct20"])
     assert res.exit_code == 2
     assert "unknown host 'ct20'" in res.output and "did you mean 'ct200'" in res.output
     assert "Traceback" not in res.output

@@ -119,7 +119,7 @@ def test_runs_command_lists_and_filters(runs):
     assert res.exit_code == 0, res.output
     for rid in ("20261201-1000-zlab-ct129", "20261202-2041-v5-step20k-ct129", "20261203-0900-v6-step20k-ct129"):
         assert rid in res.output
-    for col in ("drafter", "checkpoint", "target", "suite", "prompts", "τ", "host", "date", "status"):
+    for col in ("drafter", "target", "mode", "suite", "prompts", "settings", "τ", "host", "date", "status"):
         assert col in res.output
     res = invoke("runs", "--runs-dir", str(runs), "--drafter", "v5", "--json")
     rows = json.loads(res.output)
@@ -209,14 +209,19 @@ def test_html_report_renders_in_headless_chromium(runs, tmp_path):
     blueish = int(((b > 150) & (r < 90) & (g > 90) & (g < 150)).sum())
     assert blueish > 800, f"no plot colours in the screenshot ({blueish} blue pixels)"
 
-    # the embedded images decode in the page: probe naturalWidth from a copy with a tiny script
+    assert_images_decode(exe, tmp_path, html_path, 4)
+
+
+def assert_images_decode(exe: str, tmp_path: Path, html_path: Path, count: int) -> None:
+    """The page's ``count`` embedded images decode in Chromium: naturalWidth probed from a copy
+    of the page with a tiny script."""
     probe = tmp_path / "probe.html"
     probe.write_text(html_path.read_text().replace("</body>", IMG_PROBE + "</body>"))
     res = _run_chromium(exe, tmp_path, ["--dump-dom", "--virtual-time-budget=5000", probe.as_uri()])
     m = re.search(r"IMGPROBE\[([^\]]*)\]", res.stdout)
     assert m, res.stdout[-500:] + res.stderr[-2000:]
     entries = m.group(1).split(",")
-    assert len(entries) == 4
+    assert len(entries) == count
     for e in entries:
         complete, size = e.split(":")
         w, h = map(int, size.split("x"))

@@ -159,3 +159,21 @@ def test_permutation_test_matches_scipy():
     for ours, stat in ((p_m, macro_stat), (p_p, pooled_stat)):
         ref = scipy_p(ta, ca, tb, cb, stat, 20000, seed=2)
         assert abs(ours - ref) < 4 * np.sqrt(max(ref * (1 - ref), 1e-4) / 20000) + 1e-3, (ours, ref)
+
+
+def test_one_run_bootstrap_matches_scipy_and_is_seeded():
+    """bootstrap_tau (the trajectory's error bars) vs scipy.stats.bootstrap's percentile CI."""
+    from scipy import stats
+
+    from orchestrator.stats import bootstrap_tau
+
+    rng = np.random.default_rng(3)
+    cyc = rng.integers(20, 60, size=40)
+    tok = (cyc * rng.uniform(2.0, 5.0, size=40)).round()
+    (lo, hi), (plo, phi) = bootstrap_tau(tok, cyc, resamples=20000, seed=1)
+    ref = stats.bootstrap((tok / cyc,), np.mean, n_resamples=20000, method="percentile", random_state=1)
+    assert lo == pytest.approx(ref.confidence_interval.low, abs=0.02)
+    assert hi == pytest.approx(ref.confidence_interval.high, abs=0.02)
+    pooled = tok.sum() / cyc.sum()
+    assert plo < pooled < phi
+    assert bootstrap_tau(tok, cyc, seed=5) == bootstrap_tau(tok, cyc, seed=5)

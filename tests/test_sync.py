@@ -54,7 +54,8 @@ class Env:
         self.inv_path = lab.write_inventory(tmp / "inventory.yaml", eval=eval_over)
         self.inv = load_inventory(self.inv_path)
         self.cat_path = tmp / "drafters.yaml"
-        self.cat_path.write_text(json.dumps({"runs": {self.run: {"dir": self.run, "pattern": "step_{step}"}}}))
+        self.cat_path.write_text(json.dumps({"runs": {self.run: {"dir": self.run, "pattern": "step_{step}",
+                                                                  "settle": 0}}}))  # files written just now
         self.catalog = parse_catalog(json.loads(self.cat_path.read_text()), self.cat_path)
         self.src_run = lab.train.root / "checkpoints" / self.run
         self.dst_run = (eval_ckpts or lab.eval.root / "checkpoints") / self.run
@@ -244,7 +245,7 @@ def test_corrupt_part_is_detected_and_resent(env):
 def test_cut_link_fails_in_bounded_time_and_rerun_completes(env, ssh_lab):
     if not ssh_lab.isolated:
         pytest.skip(f"needs network namespaces: {ssh_lab.fallback_reason}")
-    src = env.ckpt(7, {"model.safetensors": 400})
+    src = env.ckpt(7, {"model.safetensors": 400, "config.json": b"{}\n"})
     box: dict = {}
 
     def go():
@@ -299,7 +300,7 @@ def test_not_enough_space_is_refused_before_a_byte_moves(ssh_lab, tmp_path):
 
 
 def test_concurrent_second_sync_refuses_or_waits_never_interleaves(env):
-    src = env.ckpt(9, {"model.safetensors": 500})
+    src = env.ckpt(9, {"model.safetensors": 500, "config.json": b"{}\n"})
     box: dict = {}
     first = threading.Thread(target=lambda: box.setdefault("a", env.sync("9")))
     first.start()
@@ -311,7 +312,7 @@ def test_concurrent_second_sync_refuses_or_waits_never_interleaves(env):
     waiter.start()
     first.join(120)
     waiter.join(120)
-    assert box["a"].bytes_moved == 500 * MiB
+    assert box["a"].bytes_moved == 500 * MiB + 3  # + config.json
     assert box["b"].bytes_moved == 0 and box["b"].plan.up_to_date  # waited, then found it done
     identical(src, env.dst_run / "step_9")
 

@@ -41,7 +41,8 @@ def offline_run(embedded_pair, tmp_path_factory):
 def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pair):
     out, proc = offline_run
     ev = events(proc)
-    assert ev[0]["event"] == "start" and ev[-1]["event"] == "end"
+    assert ev[0] == {"event": "phase", "phase": "loading target", "device": "cpu", "dtype": "float32"}
+    assert ev[1]["event"] == "start" and ev[-1]["event"] == "end"
     assert [e["done"] for e in ev if e["event"] == "prompt"] == [1, 2, 3]
     results = rows(out)
     assert len(results) == 3 and len({r["id"] for r in results}) == 3
@@ -86,7 +87,7 @@ def test_resume_skips_finished_prompts_and_drops_a_torn_line(embedded_pair, tmp_
     refused = worker(*common, "--prompts", 4, check=False)
     assert refused.returncode == 2 and "--resume" in refused.stderr
     proc = worker(*common, "--prompts", 4, "--resume")
-    assert events(proc)[0] == {"event": "start", "prompts": 4, "done": 2, "mode": "offline"}
+    assert events(proc)[1] == {"event": "start", "prompts": 4, "done": 2, "mode": "offline"}
     assert len([e for e in events(proc) if e["event"] == "prompt"]) == 2
     after = rows(tmp_path)
     assert [r["id"] for r in after[:2]] == [r["id"] for r in first] and len({r["id"] for r in after}) == 4

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from . import evals, hosts, runs, sync
+from . import config, evals, hosts, runs, sync, watch
 from .context import options
 from .guard import GuardedGroup
 
@@ -37,14 +37,14 @@ def main_options(
     inventory: Optional[str] = typer.Option(
         None, "--inventory", "-i", metavar="PATH",
         help="Inventory file (default: $DFLASH_OPS_INVENTORY, ./inventory.yaml, "
-             "$XDG_CONFIG_HOME/dflash-ops/inventory.yaml, else only `local`)."),
+             "$XDG_CONFIG_HOME/dflash-ops/inventory.yaml, else only `local`; `dflash-ops config` shows which)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
 ):
     options(ctx).inventory_path = inventory
 
 
-for group in (hosts, runs, evals, sync):
+for group in (hosts, runs, evals, sync, config, watch):
     group.register(app)
 
 

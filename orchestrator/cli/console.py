@@ -1,46 +1,101 @@
 """The one place output is made for a terminal: rich consoles on stdout/stderr, the red error
-line, tables, and plain JSON for ``--json``."""
+line, tables, and plain JSON for ``--json``.
+
+Widths: a terminal's own width (or ``$COLUMNS``); a pipe without ``$COLUMNS`` gets 200 columns so
+table rows stay on one line. A table never cuts a cell: where its rows fit, it is a table; where
+they do not, a list (one record per row, ``column value`` pairs).
+"""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Sequence
 
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group
 from rich.markup import escape
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
+
+PIPE_WIDTH = 200
 
 
-def _console(stream, stderr: bool) -> Console:
-    # not a terminal (a pipe, a test): wide enough that table rows stay on one line
-    return Console(file=stream, width=None if stream.isatty() else 200, highlight=False, soft_wrap=stderr)
+def _console(stream) -> Console:
+    width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else PIPE_WIDTH
+    return Console(file=stream, width=width, highlight=False)
 
 
 def out() -> Console:
     """The console on stdout (results)."""
-    return _console(sys.stdout, stderr=False)
+    return _console(sys.stdout)
 
 
 def err() -> Console:
     """The console on stderr (progress, warnings, errors)."""
-    return _console(sys.stderr, stderr=True)
+    return _console(sys.stderr)
 
 
 def error_line(message: str) -> None:
-    err().print(f"[bold red]error:[/] [red]{escape(message)}[/]")
+    """The one red line of an expected failure (never wrapped: one line, whatever the width)."""
+    err().print(f"[bold red]error:[/] [red]{escape(message)}[/]", soft_wrap=True)
 
 
 def print_json(data) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+class Tabular:
+    """A table that fits the console it is printed on: a rich table when every cell fits on one
+    line, else a list with one record per row (nothing is ever cut: ids stay whole)."""
+
+    def __init__(self, title, header, cells, right, caption, show_header, transpose):
+        self.title, self.header, self.cells = title, list(header), cells
+        self.right, self.caption, self.show_header, self.transpose = set(right), caption, show_header, transpose
+
+    def widths(self, max_width: int) -> list[int] | None:
+        """Each column's width, when every cell fits on one line within ``max_width``; None when
+        they do not (a table whose cells wrap is hard to read: it becomes a list)."""
+        columns = [[Text(h)] * self.show_header + [r[i] for r in self.cells] for i, h in enumerate(self.header)]
+        full = [max(max(cell_len(line) for line in t.plain.splitlines() or [""]) for t in col) for col in columns]
+        return full if sum(full) + 3 * len(full) + 1 <= max_width else None   # + padding and borders
+
+    def table(self, widths: list[int]) -> Table:
+        t = Table(title=self.title, caption=self.caption, show_header=self.show_header)
+        for h, w in zip(self.header, widths):
+            t.add_column(escape(h), justify="right" if h in self.right else "left", width=w, overflow="fold")
+        for r in self.cells:
+            t.add_row(*r)
+        return t
+
+    def records(self) -> Group:
+        """One record per row (or, ``transpose``d, per column): its first cell, then the other
+        cells as ``column value`` pairs."""
+        parts = [Text(self.title, style="italic")] if self.title else []
+        header, cells = self.header, self.cells
+        if self.transpose:
+            header = [self.header[0]] + [r[0].plain for r in self.cells]
+            cells = [[Text(h)] + [r[i] for r in self.cells] for i, h in enumerate(self.header) if i]
+        for r in cells:
+            parts.append(Text.assemble(r[0], style="bold"))
+            pairs = Text(" · ").join(Text.assemble((f"{h} ", "dim"), c)
+                                     for h, c in zip(header[1:], r[1:]) if c.plain not in ("", "-", "—"))
+            parts.append(Padding(pairs, (0, 0, 0, 2), expand=False))
+        if self.caption:
+            parts.append(Text(self.caption, style="dim"))
+        return Group(*parts)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions):
+        widths = self.widths(options.max_width)
+        yield self.table(widths) if widths else self.records()
+
+
 def table(title: str | None, header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[str] = (),
-          caption: str | None = None, show_header: bool = True, markup: bool = False) -> Table:
-    """A rich table; cells are escaped unless ``markup`` (then they may carry [colour] tags).
-    Columns named in ``right`` are right-aligned."""
-    t = Table(title=title, caption=caption, show_header=show_header)
-    for h in header:
-        t.add_column(escape(h), justify="right" if h in right else "left")
-    for r in rows:
-        t.add_row(*[str(c) if markup else escape(str(c)) for c in r])
-    return t
+          caption: str | None = None, show_header: bool = True, markup: bool = False,
+          transpose: bool = False) -> Tabular:
+    """A table that fits the terminal (see :class:`Tabular`); cells are escaped unless ``markup``
+    (then they may carry [colour] tags). Columns named in ``right`` are right-aligned.
+    ``transpose``: as a list, one record per column (a table of runs side by side)."""
+    cells = [[Text.from_markup(str(c)) if markup else Text(str(c)) for c in r] for r in rows]
+    return Tabular(title, header, cells, right, caption, show_header, transpose)

@@ -1,4 +1,5 @@
-"""What the global options give every command: the inventory (loaded on first use)."""
+"""What the global options give every command: the names resolver (orchestrator/resolve.py) over
+the inventory, the catalog and the runs folder, built on first use."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,14 +10,15 @@ import typer
 @dataclass
 class Options:
     inventory_path: str | None = None
-    _inventory: object = field(default=None, repr=False)
+    _names: dict = field(default_factory=dict, repr=False)
 
-    def inventory(self):
-        if self._inventory is None:
-            from ..inventory import load_inventory
+    def names(self, catalog: str | None = None, runs_dir: str | None = None):
+        if (catalog, runs_dir) not in self._names:
+            from ..resolve import Resolver
 
-            self._inventory = load_inventory(self.inventory_path)
-        return self._inventory
+            self._names[catalog, runs_dir] = Resolver(inventory=self.inventory_path, catalog=catalog,
+                                                      runs_root=runs_dir)
+        return self._names[catalog, runs_dir]
 
 
 def options(ctx: typer.Context) -> Options:
@@ -26,10 +28,15 @@ def options(ctx: typer.Context) -> Options:
     return root.obj
 
 
+def names(ctx: typer.Context, *, catalog: str | None = None, runs_dir: str | None = None):
+    """The command's resolver: every name the user typed goes through it."""
+    return options(ctx).names(catalog, runs_dir)
+
+
 def inventory(ctx: typer.Context):
-    return options(ctx).inventory()
+    return names(ctx).inventory
 
 
 RUNS_DIR_HELP = "Runs folder (default: $DFLASH_OPS_RUNS, else ./runs)."
 CATALOG_HELP = ("Catalog (default: $DFLASH_OPS_CATALOG, ./configs/drafters.yaml, "
-                "$XDG_CONFIG_HOME/dflash-ops/drafters.yaml).")
+                "$XDG_CONFIG_HOME/dflash-ops/drafters.yaml; `dflash-ops config` shows which).")

@@ -1,49 +1,98 @@
 """`dflash-ops eval`, `attach`, `cancel` and `parity`."""
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import typer
 from rich.markup import escape
 
 from . import console
-from .context import RUNS_DIR_HELP, inventory
+from .context import CATALOG_HELP, RUNS_DIR_HELP
+from .context import names as context_names
 from .guard import INTERRUPTED
 
 
-def _follow(record, jobs, out) -> None:
-    """Follow the run with one progress bar per unfinished shard; Ctrl-C detaches (exit 130)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+class _Progress:
+    """One progress line per unfinished shard: its host, the phase it is in (pre-flight, waiting
+    for the worker, loading target, drafting, finished), prompts done, and the τ the summary
+    leads with (τ macro: the mean of per-prompt τ; the expected τ at T > 0 offline)."""
 
+    def __init__(self, record, out):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Column
+
+        self.record = record
+        # the prompt just finished comes last, in what width is left: on a narrow terminal it is cut
+        last = Column(max_width=max(10, out.width - 58), no_wrap=True, overflow="ellipsis")
+        self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(bar_width=12),
+                             MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}"), TimeElapsedColumn(),
+                             TextColumn("{task.fields[last]}", table_column=last), console=out, transient=False)
+        self.tasks = {s.index: self.bars.add_task("", total=None, host=s.host, phase="waiting", tau="-", last="")
+                      for s in record.shards if not s.fetched}
+        self.taus: dict[int, list[float]] = {i: [] for i in self.tasks}
+        self.done: dict[int, int] = {i: 0 for i in self.tasks}
+        self.ended: set[int] = set()     # the worker wrote its summary (it is finishing or finished)
+        self.errors: dict[int, str] = {}
+
+    def on_event(self, i: int, ev: dict) -> None:
+        kind, task = ev.get("event"), self.tasks[i]
+        if kind == "phase":
+            self.bars.update(task, phase=ev.get("phase", ""))
+        elif kind == "start":
+            self.done[i] = ev.get("done", 0)
+            self.bars.update(task, total=ev["prompts"], completed=self.done[i], phase="drafting")
+        elif kind == "prompt":
+            tau = ev.get("tau") if ev.get("tau") is not None else ev.get("expected_tau")
+            if tau is not None:
+                self.taus[i].append(tau)
+            self.done[i] = ev["done"]
+            macro = sum(self.taus[i]) / len(self.taus[i]) if self.taus[i] else None
+            self.bars.update(task, completed=ev["done"], tau="-" if macro is None else f"{macro:.2f}",
+                             last=f"{ev['id']}: {ev['cycles']} blocks, τ {'-' if tau is None else f'{tau:.2f}'}")
+        elif kind == "end":
+            self.ended.add(i)
+            self.bars.update(task, phase="finished")
+        elif kind == "exit":
+            self.ended.add(i)
+            self.bars.update(task, phase="finished" if ev.get("state") == "done" else str(ev.get("state")))
+        elif kind == "error":
+            self.errors[i] = ev.get("message", "")
+
+    def interrupted(self) -> str:
+        """What is true when the user presses Ctrl-C: which workers still run, which finished."""
+        rid, shards = self.record.id, self.record.shards
+        running = [s for s in shards if not s.fetched and s.index not in self.ended]
+        unfetched = [s for s in shards if not s.fetched and s.index in self.ended]
+        if running:
+            done = {s.index: self.done.get(s.index, 0) for s in running}
+            where = ", ".join(f"{s.host} ({done[s.index]} prompt{'' if done[s.index] == 1 else 's'} done)"
+                              for s in running)
+            return (f"Detached. The worker keeps running on {where}. Re-attach with: [bold]dflash-ops attach {rid}[/]"
+                    f"  (cancel with: dflash-ops cancel {rid})")
+        if unfetched:
+            return (f"Detached. The worker on {', '.join(s.host for s in unfetched)} had already finished; its "
+                    f"results are not fetched yet: [bold]dflash-ops attach {rid}[/] fetches them and writes the report.")
+        return (f"Interrupted after the results were fetched into {self.record.folder}; the report may be missing: "
+                f"[bold]dflash-ops show {rid}[/] writes it.")
+
+
+def _follow_and_finish(record, jobs, out) -> None:
+    """Follow the run, then merge, report and summarize it; Ctrl-C detaches (exit 130) and says
+    what is true at that moment."""
     from ..evaluate import follow
 
-    progress = Progress(TextColumn("[bold]{task.fields[host]}[/]"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("prompts  τ {task.fields[tau]}  {task.fields[last]}"), TimeElapsedColumn(),
-                        console=out, transient=False)
-    bars = {i: progress.add_task("", total=None, host=s.host, tau="-", last="")
-            for i, s in enumerate(record.shards) if not s.fetched}
-    errors: dict[int, str] = {}
-
-    def on_event(i: int, ev: dict) -> None:
-        kind = ev.get("event")
-        if kind == "start":
-            progress.update(bars[i], total=ev["prompts"], completed=ev.get("done", 0))
-        elif kind == "prompt":
-            progress.update(bars[i], completed=ev["done"], tau=f"{ev['tau_running']:.2f}",
-                            last=f"{ev['id']}: {ev['cycles']} blocks, τ {ev['tau']:.2f}")
-        elif kind == "error":
-            errors[i] = ev.get("message", "")
-
+    progress = _Progress(record, out)
     try:
-        with progress:
-            errors.update(follow(record, jobs, on_event))
+        with progress.bars:
+            progress.errors.update(follow(record, jobs, progress.on_event))
+        for i, msg in progress.errors.items():
+            out.print(f"[red]{escape(record.shards[i].host)}: {escape(msg)}[/]")
+        _finish(record, jobs, out)
     except KeyboardInterrupt:
         record.detached()
-        out.print(f"\n[yellow]Detached. The run continues on {record.host}.[/] Re-attach with: "
-                  f"[bold]dflash-ops attach {record.id}[/]  (cancel with: dflash-ops cancel {record.id})")
+        out.print(f"\n[yellow]{progress.interrupted()}[/]")
         raise typer.Exit(INTERRUPTED) from None
-    for i, msg in errors.items():
-        out.print(f"[red]{escape(record.shards[i].host)}: {escape(msg)}[/]")
 
 
 def _finish(record, jobs, out) -> None:
@@ -58,12 +107,15 @@ def _finish(record, jobs, out) -> None:
             out.print(escape(tail or "(no log)"))
         raise
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-    rows = [[key, fmt(summary.get(key))] for key in ("mode", "prompts", "cycles", "tokens", "tau_macro", "tau_pooled")]
+    rows = [[key, fmt(summary.get(key))] for key in ("tau_macro", "tau_macro_turns", "tau_pooled",
+                                                      "tau_sglang", "mode", "prompts", "cycles", "tokens")]
+    if summary.get("expected"):
+        rows.append(["expected τ (offline T > 0: estimate)", fmt(summary["expected"].get("tau"))])
     rows += [[f"DDTree-{b} τ (macro)", fmt(t.get("tau_macro"))] for b, t in (summary.get("ddtree") or {}).items()]
     online = summary.get("online")
     if online:
         rows += [["tokens/s", fmt(online.get("tokens_per_s"))], ["speedup vs target", fmt(online.get("speedup"))],
-                 ["lossless", str(online.get("lossless"))]]
+                 ["lossless", "n/a (sampled)" if online.get("lossless") is None else str(online["lossless"])]]
     acc = summary.get("per_position_acceptance") or []
     if acc:
         rows.append(["acceptance @1..4", " ".join(f"{a:.2f}" for a in acc[:4])])
@@ -72,74 +124,105 @@ def _finish(record, jobs, out) -> None:
     out.print(f"report:  {escape(str(html_path))}")
 
 
-def _open_run(run: str, runs_dir: str | None, need: str = "run.json"):
-    from ..runrecord import RunRecord
-    from ..runs import RunError, runs_dir as find_runs_dir
+def _located(names, choice, host, sync: bool, out, err):
+    """A training-run drafter's checkpoint on ``host``; one only on the training host is synced
+    with ``--sync`` (or when the user says yes), else refused with the command that syncs it."""
+    from ..resolve import NotSynced
+    from .sync import run_sync
 
-    root = find_runs_dir(runs_dir)
-    if not (root / run / need).exists() or not (root / run / "run.json").exists():
-        raise RunError(f"no {'finished ' if need != 'run.json' else ''}run {run!r} in {root}")
-    return RunRecord.load(root / run)
+    with err.status(f"{host.name}: connecting, looking for the checkpoints of training run {choice.run.name} ..."):
+        choice = names.locate_checkpoint(choice, host, from_source=sync)
+    if choice.synced:
+        return choice
+    what, src = f"{choice.label}:{choice.checkpoint}", choice.source
+    if not sync and sys.stdin.isatty() and err.is_terminal:
+        sync = typer.confirm(f"{what} is on {src.name} but not on {host.name}. Sync it now?", default=True, err=True)
+    if not sync:
+        raise NotSynced(f"{what} is on {src.name} but not on {host.name}: add --sync to copy it first, or run "
+                        f"`dflash-ops sync-ckpt {what} --to {host.name}`")
+    run_sync(names, choice.checkpoint, run=choice.run.name, src=src.name, dst=host.name, typed=choice.typed or what)
+    choice.synced, choice.source = True, None
+    return choice
 
 
 def eval_cmd(
     ctx: typer.Context,
     host: List[str] = typer.Option(["local"], "--host", "-H", help="Eval host(s); several shard the prompts."),
     drafter: Optional[str] = typer.Option(None, "--drafter", "-d",
-                                          help="LABEL[:CKPT] from configs/drafters.yaml, a folder on the host, "
-                                               "or 'embedded' (default on `local`)."),
+                                          help="LABEL[:CKPT] from the catalog, a folder on the host, or 'embedded' "
+                                               "(default: the catalog's `default:`, else the newest synced "
+                                               "checkpoint of its training run; 'embedded' on `local`)."),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="Target label or folder on the host."),
     suite: str = typer.Option("default", "--suite", help="Built-in suite name or a JSONL path on the host."),
     prompts: Optional[int] = typer.Option(2, "--prompts", "-n", help="First N prompts (0 = all)."),
     mode: str = typer.Option("offline", "--mode", help="offline (walk the reference) or online (real spec decoding)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     max_blocks: Optional[int] = typer.Option(None, "--max-blocks", help="Offline: at most N blocks per prompt."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda; cpu on `local`)."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda; cpu on `local` and "
+                                                                 "on hosts with `gpus: 0`)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)."),
     sglang: str = typer.Option("auto", "--sglang", help="Reference completions: auto (the host's SGLang in offline "
                                                          "mode), off (local greedy), or a URL as seen from the host."),
-    thinking: str = typer.Option("default", "--thinking", help="Chat template thinking: default | on | off."),
-    ddtree: str = typer.Option("8,16,32,64", "--ddtree", help="DDTree budgets ('' to skip)."),
+    thinking: str = typer.Option("off", "--thinking", help="Chat template thinking: off (as z-lab's published runs) "
+                                                            "| on | default (the template's own)."),
+    ddtree: Optional[str] = typer.Option(None, "--ddtree", help="Offline DDTree node budgets, each 1..1024 ('' to "
+                                                                "skip; default 8,16,32,64 greedy, none at T > 0)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (online: lossless "
+                                                                 "speculative sampling; offline: expected τ, an estimate)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed (each prompt's seed derives from it and the prompt id)."),
     all_anchors: bool = typer.Option(False, "--all-anchors", help="Also every completion position as an anchor."),
+    sync: bool = typer.Option(False, "--sync", help="Copy the checkpoint from the training host first when the eval "
+                                                    "host lacks it (no checkpoint named: the training host's newest)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
     verify_weights: bool = typer.Option(False, "--verify-weights",
                                         help="Pre-flight: check the weights' sha256 against the sync manifest."),
+    catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
+    log_to: List[str] = typer.Option([], "--log-to", help="Also log the run to mlflow | tensorboard | wandb "
+                                                         "(optional extras; see README)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..evaluate import EMBEDDED, split_drafter, start
+    from ..evaluate import check_request, start
     from ..runrecord import EvalRequest, RunRecord
-    from ..runs import runs_dir as find_runs_dir
 
-    out = console.out()
-    inv = inventory(ctx)
+    out, err = console.out(), console.err()
+    names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
     if mode not in ("offline", "online"):
         raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
+    from ..tracking import check_trackers
+
+    trackers = check_trackers(log_to)
     if resume:
-        record = _open_run(resume, runs_dir)
+        record = names.run_record(resume, prefer=("running", "failed", "cancelled"))
     else:
-        hosts = [inv.get(h) for h in host]
-        label, ckpt = split_drafter(drafter or (EMBEDDED if hosts[0].is_local else None))
-        if label is None:
-            raise InputError("name a drafter: --drafter LABEL[:CKPT] (configs/drafters.yaml) or a folder on the host")
-        req = EvalRequest(hosts=[h.name for h in hosts], drafter=label if ckpt is None else f"{label}:{ckpt}",
-                          target=target, suite=suite, prompts=prompts or None, mode=mode,
-                          max_new_tokens=max_new_tokens, max_blocks=max_blocks, device=device, dtype=dtype,
-                          sglang=sglang, thinking=thinking, ddtree_budgets=ddtree, all_anchors=all_anchors,
-                          verify_weights=verify_weights)
-        record = RunRecord.create(find_runs_dir(runs_dir), req, label, ckpt)
-    status = console.err().status("pre-flight ...") if not as_json else None
+        hosts = [names.host(h, role="eval") for h in host]
+        choice = names.drafter(drafter, hosts[0], target)
+        if choice.run:
+            choice = _located(names, choice, hosts[0], sync, out, err)
+        (err if as_json else out).print(escape(choice.statement(hosts[0].name)))
+        req = EvalRequest(hosts=[h.name for h in hosts], drafter=choice.resolved, target=choice.target, suite=suite,
+                          prompts=prompts or None, mode=mode, max_new_tokens=max_new_tokens, max_blocks=max_blocks,
+                          device=device, dtype=dtype, sglang=sglang, thinking=thinking, ddtree_budgets=ddtree,
+                          all_anchors=all_anchors, verify_weights=verify_weights, drafter_path=choice.path,
+                          drafter_run=choice.run.name if choice.run else None,
+                          checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path,
+                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        check_request(req)
+        record = RunRecord.create(names.runs_root, req, choice.label, req.checkpoint, choice.step)
+    status = err.status("pre-flight ...") if not as_json else None
     if status:
         status.start()
     try:
-        jobs = start(record, inv, resume=bool(resume),
-                     on_preflight=lambda h: status.update(f"pre-flight on {h} ...") if status else None)
+        jobs = start(record, names.inventory, resume=bool(resume),
+                     on_phase=lambda h, phase: status.update(f"{h}: {phase} ...") if status else None)
     finally:
         if status:
             status.stop()
@@ -152,51 +235,60 @@ def eval_cmd(
             out.print(f"follow with: dflash-ops attach {record.id}")
         return
     out.print(f"run [bold]{record.id}[/] started on {record.host}")
-    _follow(record, jobs, out)
-    _finish(record, jobs, out)
+    _follow_and_finish(record, jobs, out)
+    if trackers:
+        from ..tracking import log_run
+
+        for where in log_run(trackers, record.folder, record.folder.parent):
+            out.print(f"logged to {escape(where)}")
 
 
-def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
+RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its newest run), or latest."
+
+
+def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
     from ..evaluate import jobs_of
 
-    record = _open_run(run, runs_dir)
-    jobs = jobs_of(record, inventory(ctx))
+    names = context_names(ctx, runs_dir=runs_dir)
+    record = names.run_record(run, prefer=("running",))
+    jobs = jobs_of(record, names.inventory)
     record.following()
-    out = console.out()
-    _follow(record, jobs, out)
-    _finish(record, jobs, out)
+    _follow_and_finish(record, jobs, console.out())
 
 
-def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
+def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Stop a run's workers (finished prompts stay on the host; `eval --resume RUN` continues)."""
     import json
 
     from ..evaluate import cancel
 
-    for host, state in cancel(_open_run(run, runs_dir), inventory(ctx)).items():
+    names = context_names(ctx, runs_dir=runs_dir)
+    record = names.run_record(run, prefer=("running",))
+    for host, state in cancel(record, names.inventory).items():
         console.out().print(f"{escape(host)}: {escape(json.dumps(state))}")
 
 
-def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help="Run id."),
+def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                max_anchors: int = typer.Option(2000, "--max-anchors", help="Anchors to check (from the run's completions)."),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Teacher-forced per-position accuracy of the run's checkpoint computed the training way
     (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions."""
     from ..parity import ParityError, run_parity
 
-    record = _open_run(run, runs_dir, need="results.jsonl")
+    names = context_names(ctx, runs_dir=runs_dir)
+    record = names.run_record(run, prefer=("done",), need="results.jsonl")
     out = console.out()
-    with console.err().status(f"parity on {record.shards[0].host} ..."):
-        report = run_parity(record, inventory(ctx), max_anchors)
+    with console.err().status(f"parity of {record.id} on {record.shards[0].host} ..."):
+        report = run_parity(record, names.inventory, max_anchors)
     paths = ("training", "eval", "eval_ctx_plus_one")
     acc, tau = report["accuracy"], report["tau_estimate"]
     rows = [[str(k + 1), *(f"{acc[m][k]:.3f}" for m in paths)] for k in range(len(acc["training"]))]
     rows.append(["τ est.", *(f"{tau[m]:.2f}" for m in paths)])
     head = ["slot k", "training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (seed bug)"]
-    out.print(console.table(f"parity {run}: teacher-forced accuracy over {report['anchors']} anchors", head, rows,
+    out.print(console.table(f"parity {record.id}: teacher-forced accuracy over {report['anchors']} anchors", head, rows,
                             right=head))
     if not report["agree"]:
         raise ParityError(f"training and eval paths disagree on {report['draft_disagreements']} draft tokens")

@@ -7,6 +7,7 @@ import typer
 
 from . import console
 from .context import inventory
+from .context import names as context_names
 
 hosts_app = typer.Typer(help="List the inventory's hosts; `hosts check` probes them.", invoke_without_command=True)
 
@@ -27,7 +28,7 @@ def hosts(ctx: typer.Context,
             f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
         rows.append([h.name, ",".join(h.roles), address, h.python, h.workdir or "-", h.checkpoints or "-",
                      h.sglang or "-", "-" if h.gpus is None else str(h.gpus)])
-    console.out().print(console.table(f"hosts ({inv.path or 'built-in only'})", [
+    console.out().print(console.table(f"hosts ({context_names(ctx).inventory_file})", [
         "name", "roles", "address", "python", "workdir", "checkpoints", "sglang", "gpus"], rows))
 
 
@@ -45,8 +46,9 @@ def hosts_check(
 
     from ..hostcheck import HostCheckFailed, check_hosts
 
-    inv = inventory(ctx)
-    selected = [inv.get(n) for n in names] if names else list(inv)
+    resolver = context_names(ctx)
+    inv = resolver.inventory
+    selected = [resolver.host(n) for n in names] if names else list(inv)
     reports = check_hosts(selected, timeout=timeout, inventory=inv)
     failed = [r.name for r in reports if not r.ok]
     if as_json:

@@ -10,21 +10,24 @@ from rich.panel import Panel
 
 from . import console
 from .context import RUNS_DIR_HELP
+from .context import names as context_names
 
 
 def runs_cmd(
-    drafter: Optional[str] = typer.Option(None, "--drafter", help="Only runs of this drafter label."),
+    ctx: typer.Context,
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Only runs of this drafter (LABEL or LABEL:CKPT)."),
     suite: Optional[str] = typer.Option(None, "--suite", help="Only runs of this suite."),
     host: Optional[str] = typer.Option(None, "--host", help="Only runs on this host."),
     status: Optional[str] = typer.Option(None, "--status", help="Only runs with this status (done, failed, running)."),
     as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
-    """List runs: id, drafter, checkpoint, target, suite, prompts, τ, host, date, status."""
-    from ..runs import filter_runs, list_runs, run_rows, runs_dir as find_runs_dir
+    """List runs: id, drafter:checkpoint, target, mode, suite, prompts, decoding settings, τ, host, date, status."""
+    from ..runs import filter_runs, run_rows
 
-    d = find_runs_dir(runs_dir)
-    rows = run_rows(filter_runs(list_runs(d), drafter=drafter, suite=suite, host=host, status=status))
+    names = context_names(ctx, runs_dir=runs_dir)
+    d = names.runs_root
+    rows = run_rows(filter_runs(names.filter_runs(drafter, host), suite=suite, status=status))
     if as_json:
         console.print_json(rows)
         return
@@ -38,18 +41,19 @@ def runs_cmd(
         n = "-" if row["prompts"] is None else str(row["prompts"])
         if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
             n += f"/{row['prompts_planned']}"
-        table_rows.append([escape(row["id"]), *(escape(str(row[k] or "-")) for k in ("drafter", "checkpoint", "target",
-                                                                                      "suite")),
-                           n, "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
+        table_rows.append([escape(row["id"]), *(escape(str(row[k] or "-")) for k in ("label", "target", "mode", "suite")),
+                           n, escape(row["settings"]), "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
                            escape(str(row["host"] or "-")), escape(row["created_at"][:16].replace("T", " ")),
                            f"[{colors.get(row['status'], 'white')}]{escape(row['status'])}[/]"])
-    console.out().print(console.table(f"runs ({d})", ["id", "drafter", "checkpoint", "target", "suite", "prompts",
+    console.out().print(console.table(f"runs ({d})", ["id", "drafter", "target", "mode", "suite", "prompts", "settings",
                                                      "τ macro", "host", "date", "status"], table_rows,
                                       right=("prompts", "τ macro"), markup=True))
 
 
 def show_cmd(
-    run: str = typer.Argument(..., help="A run id, a drafter label (newest run) or DRAFTER:CHECKPOINT."),
+    ctx: typer.Context,
+    run: str = typer.Argument(..., help="A run id (or a unique prefix), a drafter label or LABEL:CKPT (its newest "
+                                        "run), or latest."),
     rewrite: bool = typer.Option(False, "--rewrite", help="Rewrite report.md/report.html even if current."),
     as_json: bool = typer.Option(False, "--json", help="Print the run's metrics and report paths as JSON."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
@@ -57,9 +61,7 @@ def show_cmd(
     """Print a run's summary and the paths of its report (written if missing or stale)."""
     from ..render import fnum
     from ..report import current_report, run_warnings, summary_rows
-    from ..runs import resolve, runs_dir as find_runs_dir
-
-    r = resolve(run, find_runs_dir(runs_dir))
+    r = context_names(ctx, runs_dir=runs_dir).eval_run(run)
     md_path, html_path = current_report(r, rewrite)
     m = r.metrics
     warnings = run_warnings(r)
@@ -80,7 +82,9 @@ def show_cmd(
 
 
 def compare_cmd(
-    runs: List[str] = typer.Argument(..., help="Runs to compare (labels or ids); the first is the baseline."),
+    ctx: typer.Context,
+    runs: List[str] = typer.Argument(..., help="Runs to compare: labels (LABEL, LABEL:CKPT: the newest runs that "
+                                               "pair), ids or latest; the first is the baseline."),
     force: bool = typer.Option(False, "--force", help="Compare even when the runs do not pair (common prompts)."),
     resamples: int = typer.Option(10000, "--resamples", help="Bootstrap / permutation resamples."),
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap and permutation test."),
@@ -92,23 +96,35 @@ def compare_cmd(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Pair runs prompt by prompt and compare them with the first: τ, per-position acceptance,
-    DDTree, win/tie/loss, paired-bootstrap CIs and p-values. Exit code 3 when the runs do not pair."""
+    DDTree, win/tie/loss, paired-bootstrap CIs and p-values. For a label, the newest runs that pair
+    with the others are picked (and named, with why). Exit code 3 when no runs pair."""
     from ..compare import (category_rows, compare_labels, difference_rows, env_warning_lines, per_position_rows,
                            refusal, side_by_side, stats_note)
-    from ..runs import runs_dir as find_runs_dir
 
-    result = compare_labels(runs, find_runs_dir(runs_dir), force=force, resamples=resamples, seed=seed,
+    names = context_names(ctx, runs_dir=runs_dir)
+    candidates = [names.eval_runs(label) for label in runs] if len(runs) > 1 else []
+    result = compare_labels(runs, candidates, names.runs_root, force=force, resamples=resamples, seed=seed,
                             published=published, use_published=not no_published, out=Path(out) if out else None)
     if as_json:
         console.print_json(result)
+    con = console.out()
+    if not as_json:
+        for p in result["picked"]:
+            con.print(escape(p["why"]))
     mismatches = "\n".join(f"• {escape(m['message'])}" for m in result["mismatches"])
     if result["refused"]:
         if not as_json:
-            console.err().print(Panel(mismatches, title="runs do not pair", border_style="red"))
+            closest = "\n".join(f"• {escape(' + '.join(c['runs']))}: {escape(c['why'])}" for c in result["closest"])
+            if closest:
+                a, b = result["closest"][0]["runs"]
+                closest += f"\nrun the eval that would pair, or compare a pair anyway: dflash-ops compare {a} {b} --force"
+            console.err().print(Panel(mismatches, title="the newest runs do not pair", border_style="red"))
+            if closest:
+                console.err().print(Panel(closest, title="no runs of these labels pair; the closest candidates",
+                                          border_style="yellow"))
         raise refusal(result)
     if as_json:
         return
-    con = console.out()
     if result["mismatches"]:
         con.print(Panel(mismatches, title="FORCED: runs do not pair (--force)", border_style="red"))
     env_lines = env_warning_lines(result)
@@ -118,16 +134,18 @@ def compare_cmd(
     for w in result["warnings"]:
         con.print(f"[yellow]! {escape(w)}[/]")
     pub = result.get("published")
-    caption = (f"{pub['name']}: {pub['label']} ({pub['source'].get('title')}, arXiv {pub['source'].get('arxiv')})"
-               + (f"; {pub['caveat']}" if pub.get("caveat") else "")) if pub else None
+    caption = (f"{pub['name']} at T={pub['temperature']:g}: {pub['label']} ({pub['source'].get('title')}, arXiv "
+               f"{pub['source'].get('arxiv')})" + (f"; {pub['caveat']}" if pub.get("caveat") else "")) if pub else None
+    if result.get("published_note"):
+        con.print(f"[dim]{escape(result['published_note'])}[/]")
     tables = [("side by side", side_by_side(result), caption),
               ("difference vs baseline", difference_rows(result), stats_note(result)),
               ("per-position acceptance", per_position_rows(result), None)]
     if category_rows(result):
         tables.append(("per category (τ macro)", category_rows(result), None))
     for title, (head, rows), cap in tables:
-        con.print(console.table(title, head, rows, right=head[1:], caption=cap))
-    con.print(f"compare report: {escape(result['outputs']['md'])}\n                {escape(result['outputs']['html'])}")
+        con.print(console.table(title, head, rows, right=head[1:], caption=cap, transpose=title == "side by side"))
+    con.print(f"compare report:\n  {escape(result['outputs']['md'])}\n  {escape(result['outputs']['html'])}")
 
 
 def register(app: typer.Typer) -> None:

@@ -7,7 +7,8 @@ import typer
 from rich.markup import escape
 
 from . import console
-from .context import CATALOG_HELP, inventory
+from .context import CATALOG_HELP
+from .context import names as context_names
 
 
 class _SyncBars:
@@ -41,13 +42,17 @@ class _SyncBars:
         self.bars.stop()
 
 
-def _print_plan(out, plan) -> None:
+def _print_plan(out, plan, typed: str | None = None) -> None:
     from ..render import human_bytes
 
-    out.print(console.table(f"{plan.src.name}:{plan.src_dir} → {plan.dst.name}:{plan.dst_final}",
-                            ["file", "size", "action", "from"],
+    if typed:
+        out.print(escape(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
+    out.print(escape(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
+    out.print(console.table(None, ["file", "size", "action", "from"],
                             [[f.path, human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
                              for f in plan.files], right=("size", "from")))
+    if plan.incomplete:
+        out.print(f"[yellow]not complete yet on {escape(plan.src.name)}: {escape(plan.incomplete)}; a sync now is refused[/]")
     if plan.up_to_date:
         out.print("[green]already on the destination and verified: nothing to move[/]")
     elif plan.final_exists:
@@ -57,10 +62,34 @@ def _print_plan(out, plan) -> None:
         out.print(f"to move: {human_bytes(plan.to_move)} of {human_bytes(plan.total)}{free}")
 
 
+def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: str | None = None, jobs: int = 4,
+             dry_run: bool = False, direct: bool | None = None, lock_wait: float = 60.0):
+    """One sync with its plan, progress bars (on a terminal) and result line; `sync-ckpt` and
+    `eval --sync` both run it."""
+    from ..render import human_bytes
+    from ..sync import sync_checkpoint
+
+    err, out = console.err(), console.out()
+    result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst, jobs=jobs,
+                             dry_run=dry_run, direct=direct, lock_wait=lock_wait,
+                             progress=_SyncBars(err) if err.is_terminal else None,
+                             on_plan=lambda p: _print_plan(out, p, typed))
+    if dry_run:
+        return result
+    p = result.plan
+    moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
+    extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
+    out.print(f"[green]✔[/] {p.run}:{p.checkpoint} on {p.dst.name}: {moved}; "
+              f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
+    return result
+
+
 def sync_ckpt_cmd(
     ctx: typer.Context,
-    name: str = typer.Argument(..., help="Checkpoint: step20k, 20000, step_20000, 20k, a folder name, or latest."),
-    run: Optional[str] = typer.Option(None, "--run", help="Training run (configs/drafters.yaml; default: newest)."),
+    name: str = typer.Argument(..., help="Checkpoint: step20k, 20000, step_20000, 20k, a folder name, or latest; "
+                                         "LABEL:CKPT names the training run too (v5:step20k)."),
+    run: Optional[str] = typer.Option(None, "--run", help="Training run or drafter label (default: the run with the "
+                                                          "newest checkpoint)."),
     src: Optional[str] = typer.Option(None, "--from", metavar="HOST", help="Source host (default: the train host)."),
     dst: Optional[str] = typer.Option(None, "--to", metavar="HOST", help="Destination host (default: the eval host)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (send/resume/skip per file); move nothing."),
@@ -71,28 +100,16 @@ def sync_ckpt_cmd(
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
 ):
     """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
-    from ..catalog import load_catalog
-    from ..render import human_bytes
-    from ..sync import sync_checkpoint
-
-    inv = inventory(ctx)
-    err, out = console.err(), console.out()
-    result = sync_checkpoint(inv, load_catalog(catalog), name, run=run, src_name=src, dst_name=dst, jobs=jobs,
-                             dry_run=dry_run, direct=direct, lock_wait=lock_wait,
-                             progress=_SyncBars(err) if err.is_terminal else None,
-                             on_plan=lambda p: _print_plan(out, p))
-    if dry_run:
-        return
-    p = result.plan
-    moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
-    extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
-    out.print(f"[green]✔[/] {p.run}/{p.checkpoint} on {p.dst.name}:{p.dst_final}: {moved}; "
-              f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
+    names = context_names(ctx, catalog=catalog)
+    training_run, ckpt = names.checkpoint_name(name, run)
+    source, dest = names.role_host("train", src), names.role_host("eval", dst)
+    run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
+             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, lock_wait=lock_wait)
 
 
 def ckpts_cmd(
     ctx: typer.Context,
-    run: Optional[str] = typer.Argument(None, help="Training run (default: all runs in the catalog)."),
+    run: Optional[str] = typer.Argument(None, help="Training run or drafter label (default: all runs in the catalog)."),
     src: Optional[str] = typer.Option(None, "--from", metavar="HOST", help="Training host (default: by role)."),
     dst: Optional[str] = typer.Option(None, "--to", metavar="HOST", help="Eval host (default: by role)."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
@@ -102,11 +119,16 @@ def ckpts_cmd(
     from dataclasses import asdict
     from datetime import datetime
 
-    from ..catalog import load_catalog
     from ..render import human_bytes
     from ..sync import list_checkpoints
 
-    rows, warnings = list_checkpoints(inventory(ctx), load_catalog(catalog), run, src_name=src, dst_name=dst)
+    names = context_names(ctx, catalog=catalog)
+    training_run = names.training_run(run) if run else None
+    source = names.role_host("train", src)
+    if dst:
+        names.host(dst, "eval")
+    rows, warnings = list_checkpoints(names.inventory, names.catalog, training_run.name if training_run else None,
+                                      src_name=source.name, dst_name=dst)
     if as_json:
         console.print_json({"checkpoints": [asdict(r) for r in rows], "warnings": warnings})
         return

@@ -17,7 +17,10 @@ def list_runs(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[T
     args: list[str] = ["list", host.checkpoints or "/"]
     for r in runs:
         args += ["--run", r.name, root_for(r), r.pattern]
-    return run_tool(runner, host, *args, timeout=120)["runs"]
+    answer = run_tool(runner, host, *args, timeout=120)
+    for info in answer["runs"].values():
+        info["now"] = answer["now"]  # the host's clock, for the completeness rule
+    return answer["runs"]
 
 
 @dataclass

@@ -38,6 +38,7 @@ class SyncPlan:
     up_to_date: bool = False
     final_exists: bool = False
     free_bytes: int | None = None
+    incomplete: str | None = None  # dry run: why the checkpoint is not complete yet (sync/complete.py)
 
     @property
     def dst_final(self) -> str:

@@ -28,8 +28,10 @@ def tool_blob() -> str:
 
 
 def tool_argv(host: Host, *args: str | int) -> list[str]:
-    """``python -c BOOTSTRAP BLOB ARGS``: the tool travels as an argument, stdin stays free."""
-    return [host.python, "-c", BOOTSTRAP, tool_blob(), *(str(a) for a in args)]
+    """``python -S -c BOOTSTRAP BLOB ARGS``: the tool travels as an argument, stdin stays free.
+    ``-S``: the tool is stdlib only, and a host's site-packages (``.pth`` hooks, editable
+    installs) cost more start-up time than the tool's whole run on a small file."""
+    return [host.python, "-S", "-c", BOOTSTRAP, tool_blob(), *(str(a) for a in args)]
 
 
 def tool_error(stderr: str, fallback: str) -> str:

@@ -16,6 +16,7 @@ from ..catalog import Catalog
 from ..inventory import Inventory
 from ..render import human_bytes
 from ..transport import TransportError, runner_for
+from .complete import judge_manifest, newest_complete, require_complete
 from .listing import list_runs
 from .lock import Holder
 from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
@@ -49,9 +50,14 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             raise SyncError(f"source and destination are the same folder: {plan.src_dir}")
         manifest_f = bg.submit(run_tool, srun, src, "manifest", plan.src_dir, timeout=600)
         dconn.result()
-        if dry_run:
+        source = manifest_f.result()  # the completeness rule, before the destination is touched
+        if not dry_run:
+            instead = newest_complete(info, r) if name in ("latest", "newest") else None
+            require_complete(source["files"], source["now"], r, src.name, plan.src_dir, instead)
+        else:
+            plan.incomplete = judge_manifest(source["files"], source["now"], r).reason or None
             st = run_tool(drun, dst, "state", plan.dst_rundir, ckpt, timeout=120)
-            src_files = manifest_f.result()["files"]
+            src_files = source["files"]
             plan.final_exists = st["final_exists"]
             plan.up_to_date = st["final_exists"] and same_manifest(st["final_manifest"], src_files)
             make_plan(plan, src_files, st)
@@ -66,7 +72,7 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             pinger.start()
             holder.send("STATE")
             st = json.loads(holder.expect("STATE ", 120))
-            src_files = manifest_f.result()["files"]
+            src_files = source["files"]
             plan.final_exists = st["final_exists"]
             if st["final_exists"]:
                 if any(e.get("sha256") is None for e in src_files):
@@ -97,12 +103,15 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                  progress=progress)
             manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                                    "sha256": f.sha256} for f in plan.files]}
-            # cache the manifest on the source (for the next sync) while the destination finalizes,
-            # keyed by the inode and ctime listed at the start: a file rewritten since is not cached
+            # each sender that hashed its file cached the sha256 on the source itself; only a file
+            # skipped on a hash the destination verified (none on the source yet) is cached here,
+            # while the destination finalizes, keyed by the inode and ctime listed at the start
             listed = {e["path"]: e for e in src_files}
-            cache = {"files": [{**listed[e["path"]], **e} for e in manifest["files"]]}
-            saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
-                              input=json.dumps(cache), timeout=60)
+            saved = None
+            if any(f.action == "skip" and not listed[f.path].get("sha256") for f in plan.files):
+                cache = {"files": [{**listed[e["path"]], **e} for e in manifest["files"]]}
+                saved = bg.submit(run_tool, srun, src, "save-manifest", plan.src_dir,
+                                  input=json.dumps(cache), timeout=60)
             holder.send("FINALIZE " + json.dumps(manifest))
             holder.expect("DONE", 300)
             result.seconds = time.monotonic() - started
@@ -111,7 +120,8 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
         finally:
             holder.close()
         try:
-            saved.result()
+            if saved is not None:
+                saved.result()
         except (SyncError, TransportError):
             pass
         return result

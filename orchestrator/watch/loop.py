@@ -1,0 +1,350 @@
+"""`dflash-ops watch RUN`: poll the training host, pick the new complete checkpoints, sync each
+to an eval host, evaluate it with the same settings every time, and append it to the trajectory.
+
+One pass (``--once``) = list the run's checkpoints (with the completeness rule, sync/complete.py)
+→ select (every new one, or one per ``--every N`` steps; newest first) → one worker thread per eval
+host takes the next checkpoint: sync (resumable) → eval (detached worker, followed) → record →
+trajectory report. The state (state.py) is written before each step starts, so a killed watch
+resumes where it stopped; a failure is recorded with its reason and retried on later passes, at
+most ``max_attempts`` times.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from ..catalog import Catalog, CatalogError, TrainingRun
+from ..errors import DflashOpsError, OperationFailed
+from ..runrecord import EvalRequest, RunRecord
+from .state import MAX_ATTEMPTS, Point, RunLock, WatchState
+
+if TYPE_CHECKING:
+    from ..resolve import Resolver
+
+Say = Callable[[str, str], None]  # (level: info|warn|alarm, message)
+
+# the eval settings that must be the same for every point of a trajectory
+SETTING_KEYS = ("suite", "prompts", "mode", "max_new_tokens", "max_blocks", "device", "dtype", "sglang",
+                "thinking", "ddtree_budgets", "all_anchors", "temperature", "top_p", "top_k", "seed")
+
+
+class WatchAlarm(OperationFailed):
+    """Eval τ departs from the training run's own τ metric by more than --alarm-ratio."""
+
+    exit_code = 6
+
+
+class PassFailed(OperationFailed):
+    """Some checkpoint of the pass failed (recorded in the state; retried on a later pass)."""
+
+
+@dataclass
+class WatchOptions:
+    run: str                          # training run (or a drafter label that names one)
+    hosts: list[str]                  # eval hosts; one eval at a time on each
+    settings: dict                    # EvalRequest fields in SETTING_KEYS
+    every: int | None = None          # one checkpoint per N training steps (None: every one)
+    baseline: str | None = None       # a drafter label evaluated once with the same settings
+    alarm_ratio: float | None = None  # eval τ vs the training metric, either way
+    max_attempts: int = MAX_ATTEMPTS
+    src: str | None = None            # training host (default: by role)
+    log_to: list[str] = field(default_factory=list)  # experiment trackers (orchestrator/tracking.py)
+
+
+@dataclass
+class PassResult:
+    evaluated: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    waiting: list[tuple[str, str]] = field(default_factory=list)   # (checkpoint, why not complete)
+    alarms: list[str] = field(default_factory=list)
+
+    def raise_for_outcome(self, report: Path) -> None:
+        """``--once``'s exit: the alarm (6) first, then failed checkpoints (1)."""
+        if self.alarms:
+            raise WatchAlarm(f"{self.alarms[-1]}; see {report}")
+        if self.failed:
+            raise PassFailed(f"failed this pass (recorded, retried later): {', '.join(self.failed)}; see {report}")
+
+
+def drafter_for(catalog: Catalog, name: str) -> tuple[TrainingRun, str]:
+    """(training run, drafter label) for RUN: a training run with a drafter entry, or a drafter label."""
+    if name in catalog.drafters and catalog.drafters[name].run:
+        return catalog.run(catalog.drafters[name].run), name
+    run = catalog.run(name)
+    labels = [d.label for d in catalog.drafters.values() if d.run == run.name]
+    if not labels:
+        raise CatalogError(f"run {run.name} has no drafter in the catalog (add `drafters: {run.name}: "
+                           f"{{run: {run.name}, format: ..., target: ...}}`); watch evaluates it through one")
+    return run, (run.name if run.name in labels else labels[0])
+
+
+def select(checkpoints: list[dict], state: WatchState, every: int | None) -> list[dict]:
+    """The listed checkpoints to work on, newest first: complete, not done or given up, and with
+    ``every`` only the first checkpoint at or after each multiple of N steps."""
+    stepped = [c for c in checkpoints if c["step"] is not None]
+    if every:
+        first: dict[int, int] = {}
+        for c in stepped:
+            b = c["step"] // every
+            first[b] = min(first.get(b, c["step"]), c["step"])
+        stepped = [c for c in stepped if first[c["step"] // every] == c["step"]]
+    todo = [c for c in stepped if c["verdict"].complete and
+            state.points.get(c["name"], Point(c["name"], c["step"])).status not in ("done", "gave_up")]
+    return sorted(todo, key=lambda c: -c["step"])
+
+
+def headline(summary: dict) -> dict:
+    """What the trajectory keeps of an eval's summary."""
+    keys = ("prompts", "tau_macro", "tau_pooled", "per_position_acceptance", "mode")
+    out = {k: summary.get(k) for k in keys}
+    out["ddtree"] = {str(b): (t or {}).get("tau_macro") for b, t in (summary.get("ddtree") or {}).items()}
+    return out
+
+
+class Watcher:
+    def __init__(self, names: "Resolver", opts: WatchOptions, say: Say,
+                 on_event: Callable[[str, dict], None] | None = None, sync_kw: dict | None = None):
+        self.names = names    # the resolver `eval` uses: the eval of each point is named like one typed by hand
+        self.inv, self.catalog, self.opts, self.say = names.inventory, names.catalog, opts, say
+        runs_root = names.runs_root
+        self.run, self.label = drafter_for(catalog, opts.run)
+        self.runs_root = Path(runs_root)
+        self.folder = self.runs_root / f"watch-{self.run.name}"
+        self.on_event = on_event or (lambda host, ev: None)
+        self.sync_kw = sync_kw or {}
+        self.lock = threading.Lock()  # guards the state across host threads
+        self.state: WatchState | None = None
+        self.train_series: dict = {}
+
+    # --- one pass ----------------------------------------------------------------------------
+
+    def run_pass(self) -> PassResult:
+        from ..sync.complete import judge_listed
+        from ..sync.listing import list_runs
+        from ..transport import runner_for
+
+        result = PassResult()
+        src = self.inv.pick("train", self.opts.src)
+        with runner_for(src, self.inv) as srun:
+            info = list_runs(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
+            self.train_series = self._training_metrics(srun, src)
+        if not info.get("exists", True):
+            self.say("warn", f"run {self.run.name}: {info['dir']} does not exist on {src.name} (yet)")
+        for c in info["checkpoints"]:
+            c["verdict"] = judge_listed(c, info["now"], self.run)
+            if c["step"] is not None and not c["verdict"].complete:
+                result.waiting.append((c["name"], c["verdict"].reason))
+        for name, why in result.waiting:
+            self.say("info", f"{name}: not complete yet ({why}); later")
+        b = self.state.baseline
+        if self.opts.baseline and b.get("status") != "done" and b.get("attempts", 0) < self.opts.max_attempts:
+            self._baseline()
+        todo = select(info["checkpoints"], self.state, self.opts.every)
+        if todo:
+            self.say("info", f"to evaluate (newest first): {', '.join(c['name'] for c in todo)}")
+        work: queue.Queue = queue.Queue()
+        for c in todo:
+            work.put(c)
+
+        def host_worker(host: str) -> None:
+            while True:
+                try:
+                    c = work.get_nowait()
+                except queue.Empty:
+                    return
+                ok = self._checkpoint(c["name"], c["step"], host)
+                with self.lock:
+                    (result.evaluated if ok else result.failed).append(c["name"])
+
+        threads = [threading.Thread(target=host_worker, args=(h,), daemon=True) for h in self.opts.hosts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+        result.alarms = self.alarms()
+        for a in result.alarms:
+            self.say("alarm", a)
+        self.write_report()
+        return result
+
+    def _training_metrics(self, srun, src) -> dict:
+        from .trainlog import TrainLogError, fetch_series
+
+        try:
+            return fetch_series(srun, src, self.run)
+        except TrainLogError as e:
+            self.say("warn", str(e))
+            return {}
+
+    # --- one checkpoint ------------------------------------------------------------------------
+
+    def _checkpoint(self, name: str, step: int, host: str) -> bool:
+        from ..sync import sync_checkpoint
+        from ..sync.complete import IncompleteCheckpoint
+
+        with self.lock:
+            p = self.state.point(name, step)
+        try:
+            summary = self._resume_eval(p)
+            if summary is None:
+                with self.lock:
+                    self.state.mark(p, "syncing", host=host)
+                self.say("info", f"{name}: syncing to {host}")
+                self.on_event(host, {"event": "sync", "checkpoint": name})
+                sync_checkpoint(self.inv, self.catalog, name, run=self.run.name, src_name=self.opts.src,
+                                dst_name=host, **self.sync_kw)
+                summary = self._evaluate(p, f"{self.label}:{name}", host, lambda rid: self._mark(p, "evaluating",
+                                                                                                 eval_run=rid))
+        except IncompleteCheckpoint as e:
+            self.say("info", f"{name}: {e}")
+            with self.lock:
+                self.state.mark(p, "waiting", reason=str(e))
+            return False
+        except DflashOpsError as e:
+            with self.lock:
+                self.state.failed(p, str(e), self.opts.max_attempts)
+            self.say("warn", f"{name}: failed (attempt {p.attempts} of {self.opts.max_attempts}): {e}")
+            return False
+        with self.lock:
+            self.state.mark(p, "done", summary=headline(summary), reason=None)
+        self._track(p.eval_run, step)
+        tau = summary.get("tau_macro")
+        self.say("info", f"{name} (step {step}): τ {tau:.3f}" if tau is not None else f"{name}: done")
+        self.write_report()
+        return True
+
+    def _track(self, eval_run: str | None, step: int) -> None:
+        """The point's eval run into the experiment trackers (a failure there is a warning)."""
+        if not self.opts.log_to or not eval_run:
+            return
+        from .. import tracking
+
+        try:
+            for where in tracking.log_run(self.opts.log_to, self.runs_root / eval_run, self.runs_root, step=step,
+                                          group=self.run.name):
+                self.say("info", f"logged {eval_run} to {where}")
+        except Exception as e:  # noqa: BLE001 — a tracker's own failure must not lose the point
+            self.say("warn", f"logging {eval_run} to {', '.join(self.opts.log_to)} failed: {e}")
+
+    def _mark(self, p: Point, status: str, **fields) -> None:
+        with self.lock:
+            self.state.mark(p, status, **fields)
+
+    def _resume_eval(self, p: Point) -> dict | None:
+        """The summary of ``p``'s eval run when it finished, or after re-attaching to it when its
+        worker still runs (a watch killed mid-eval); None when it must be (re)started."""
+        if not p.eval_run or not (self.runs_root / p.eval_run / "run.json").exists():
+            return None
+        record = RunRecord.load(self.runs_root / p.eval_run)
+        if record.status == "done" and (record.folder / "summary.json").exists():
+            import json
+
+            return json.loads((record.folder / "summary.json").read_text())
+        if record.status != "running":
+            return None
+        self.say("info", f"{p.name}: re-attaching to eval run {record.id}")
+        from ..evaluate import jobs_of
+
+        record.following()
+        return self._follow(record, jobs_of(record, self.inv))
+
+    def _evaluate(self, p: Point | None, drafter: str, host: str, on_id: Callable[[str], None]) -> dict:
+        """Evaluate checkpoint ``p`` of the watched run (or, with ``p`` None, the drafter named
+        ``drafter``: the baseline) on ``host``, its names resolved the way `eval` resolves them."""
+        from ..evaluate import check_request, start
+
+        eval_host = self.inv.get(host)
+        choice = self.names.drafter(drafter, eval_host)
+        if choice.run is not None and p is None:
+            choice = self.names.locate_checkpoint(choice, eval_host)
+        checkpoint, step = (p.name, p.step) if p is not None else (choice.checkpoint, choice.step)
+        req = EvalRequest(hosts=[host], drafter=choice.resolved if p is None else f"{choice.label}:{p.name}",
+                          target=choice.target, drafter_path=choice.path,
+                          drafter_run=choice.run.name if choice.run else None,
+                          checkpoint=checkpoint if choice.run else None, target_path=choice.target_path,
+                          **self.opts.settings)
+        check_request(req)
+        record = RunRecord.create(self.runs_root, req, choice.label, req.checkpoint, step if choice.run else None)
+        on_id(record.id)
+        self.say("info", f"{drafter}: evaluating on {host} (run {record.id})")
+        jobs = start(record, self.inv)
+        return self._follow(record, jobs)
+
+    def _follow(self, record: RunRecord, jobs) -> dict:
+        from ..evaluate import RunUnfinished, finish, follow
+
+        lost = follow(record, jobs, lambda i, ev: self.on_event(record.shards[i].host, ev))
+        if lost:
+            raise RunUnfinished("; ".join(lost.values()))
+        summary, _ = finish(record)
+        return summary
+
+    def _baseline(self) -> None:
+        b = self.state.baseline
+        label = self.opts.baseline
+        try:
+            if b.get("eval_run") and (self.runs_root / b["eval_run"] / "summary.json").exists():
+                import json
+
+                summary = json.loads((self.runs_root / b["eval_run"] / "summary.json").read_text())
+            else:
+                summary = self._evaluate(None, label, self.opts.hosts[0],
+                                         lambda rid: self._set_baseline(label=label, status="evaluating", eval_run=rid))
+        except DflashOpsError as e:
+            self._set_baseline(label=label, status="failed", reason=str(e), attempts=b.get("attempts", 0) + 1)
+            self.say("warn", f"baseline {label}: failed: {e}")
+            return
+        self._set_baseline(label=label, status="done", summary=headline(summary), reason=None)
+
+    def _set_baseline(self, **fields) -> None:
+        with self.lock:
+            self.state.baseline.update(fields)
+            self.state.save()
+
+    # --- alarms and the report ---------------------------------------------------------------
+
+    def alarms(self) -> list[str]:
+        """Eval τ vs the training run's own τ metric at the same step, for the newest point."""
+        from .trainlog import value_at
+
+        ratio, tag = self.opts.alarm_ratio, self.run.tau_metric
+        series = self.train_series.get(tag) if tag else None
+        done = self.state.done_points()
+        if not ratio or not series or not done:
+            return []
+        p = done[-1]
+        train, tau = value_at(series, p.step), p.summary.get("tau_macro")
+        if train is None or not tau or train <= 0:
+            return []
+        if max(train / tau, tau / train) > ratio:
+            return [f"ALARM {p.name} (step {p.step}): eval τ {tau:.3f} vs training {tag} {train:.3f} — "
+                    f"{max(train / tau, tau / train):.1f}× apart (limit {ratio:g}×)"]
+        return []
+
+    def write_report(self) -> tuple[Path, Path]:
+        from .trajectory import write_trajectory
+
+        with self.lock:
+            return write_trajectory(self.folder, self.state, self.runs_root, self.train_series,
+                                    self.run.tau_metric, self.alarms())
+
+    # --- the command ---------------------------------------------------------------------------
+
+    def watch(self, once: bool, every_s: float, stop: threading.Event | None = None) -> PassResult:
+        """One pass (``once``) or passes every ``every_s`` seconds until ``stop``; holds the run's lock."""
+        stop = stop or threading.Event()
+        settings = {**self.opts.settings, "every": self.opts.every, "baseline": self.opts.baseline}
+        with RunLock(self.folder, self.run.name):
+            self.state = WatchState.open(self.folder, self.run.name, settings)
+            self.state.save()
+            if self.state.points:
+                self.write_report()  # as the state says, whatever stopped the last watch
+            while True:
+                result = self.run_pass()
+                if once or stop.wait(every_s):
+                    return result

@@ -1,0 +1,141 @@
+"""``runs/watch-<RUN>/trajectory.md`` + self-contained ``trajectory.html``: eval τ vs training
+step with bootstrap CIs per point, per-position acceptance over steps (a heat map), the baseline
+drafter as a band, the training run's own logged metrics on the same axis, and the alarms."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..plots import _figure, _png
+from ..render import Document, fnum
+from .state import WatchState
+
+
+def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths."""
+    from ..stats import bootstrap_tau
+
+    path = run_dir / "results.jsonl"
+    if not path.exists():
+        return None
+    toks, cycs = [], []
+    for line in path.read_text().splitlines():
+        lengths = json.loads(line).get("acceptance_lengths") or []
+        if lengths:
+            toks.append(sum(lengths))
+            cycs.append(len(lengths))
+    return bootstrap_tau(toks, cycs) if toks else None
+
+
+def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, float]] | None,
+             train_tag: str | None) -> bytes | None:
+    if not points:
+        return None
+    fig, ax = _figure()
+    steps = [p["step"] for p in points]
+    tau = [p["tau_macro"] for p in points]
+    lo = [p["tau_macro"] - p["ci"][0][0] if p["ci"] else 0 for p in points]
+    hi = [p["ci"][0][1] - p["tau_macro"] if p["ci"] else 0 for p in points]
+    ax.errorbar(steps, tau, yerr=[lo, hi], marker="o", ms=4, capsize=3, color="C0", label="eval τ (macro, 95% CI)")
+    pooled = [p["tau_pooled"] for p in points]
+    ax.plot(steps, pooled, marker=".", ls="--", color="C0", alpha=0.5, label="eval τ (pooled)")
+    for i, b in enumerate(sorted({b for p in points for b in p["ddtree"]}, key=int)):
+        ys = [(p["step"], p["ddtree"].get(b)) for p in points if p["ddtree"].get(b) is not None]
+        if ys:
+            ax.plot(*zip(*ys), marker="^", ms=3, lw=1, color=f"C{i + 2}", label=f"DDTree-{b} τ")
+    if baseline:
+        ax.axhline(baseline["tau"], color="C7", lw=1)
+        if baseline.get("ci"):
+            ax.axhspan(*baseline["ci"], color="C7", alpha=0.2, label=f"baseline {baseline['label']} (95% CI)")
+        else:
+            ax.lines[-1].set_label(f"baseline {baseline['label']}")
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], color="C3", lw=1.2, label=f"training: {train_tag}")
+    return _png(fig, ax, "τ vs training step", "training step", "τ (accepted tokens per block)")
+
+
+def plot_acceptance(points: list[dict]) -> bytes | None:
+    rows = [p for p in points if p["acceptance"]]
+    if not rows:
+        return None
+    import numpy as np
+
+    k = max(len(p["acceptance"]) for p in rows)
+    grid = np.full((k, len(rows)), np.nan)
+    for j, p in enumerate(rows):
+        grid[:len(p["acceptance"]), j] = p["acceptance"]
+    fig, ax = _figure(8.0, 3.6)
+    ax.plot([], [], alpha=0, label=f"{len(rows)} checkpoints")  # _png draws a legend
+    im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
+                   extent=(-0.5, len(rows) - 0.5, 0.5, k + 0.5))
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([str(p["step"]) for p in rows], rotation=45, fontsize=7)
+    fig.colorbar(im, ax=ax, label="P(accepted at k)")
+    return _png(fig, ax, "per-position acceptance over training", "training step", "block position k", grid_axis="y")
+
+
+def plot_training(series: dict[str, list[tuple[int, float]]], skip: str | None) -> bytes | None:
+    others = {t: v for t, v in series.items() if t != skip and v}
+    if not others:
+        return None
+    fig, ax = _figure(8.0, 3.2)
+    for i, (tag, vals) in enumerate(sorted(others.items())):
+        ax.plot([s for s, _ in vals], [v for _, v in vals], color=f"C{i}", label=tag)
+    return _png(fig, ax, "the training run's own metrics", "training step", "value")
+
+
+def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
+    out = []
+    for p in state.done_points():
+        s = p.summary
+        out.append({"name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
+                    "ddtree": s.get("ddtree") or {}, "acceptance": s.get("per_position_acceptance") or [],
+                    "ci": tau_cis(runs_root / p.eval_run) if p.eval_run else None, "eval_run": p.eval_run,
+                    "prompts": s.get("prompts")})
+    return out
+
+
+def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: dict, tau_tag: str | None,
+                     alarms: list[str]) -> tuple[Path, Path]:
+    from .trainlog import value_at
+
+    points = trajectory_points(state, runs_root)
+    doc = Document(f"Trajectory of training run {state.run}")
+    doc.warnings("Alarm: eval τ departs from the training metric", alarms)
+    st = state.settings
+    doc.para(f"Every point is one checkpoint evaluated with the same settings: suite `{st.get('suite')}`, "
+             f"{st.get('prompts') or 'all'} prompts, mode `{st.get('mode')}`, max new tokens {st.get('max_new_tokens')}, "
+             f"thinking `{st.get('thinking')}`, DDTree budgets `{st.get('ddtree_budgets') or 'none'}`. "
+             f"CIs: 95% percentile bootstrap over prompts.", "note")
+    base = None
+    b = state.baseline
+    if b.get("status") == "done":
+        ci = tau_cis(runs_root / b["eval_run"]) if b.get("eval_run") else None
+        base = {"label": b["label"], "tau": b["summary"]["tau_macro"], "ci": ci[0] if ci else None}
+    budgets = sorted({k for p in points for k in p["ddtree"]}, key=int)
+    tags = sorted(train)
+    header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]", *[f"DDTree-{k}" for k in budgets],
+              *[f"training {t}" for t in tags], "eval run"]
+    rows = []
+    for p in points:
+        ci = p["ci"]
+        rows.append([str(p["step"]), p["name"],
+                     f"{fnum(p['tau_macro'], 3)}" + (f" [{ci[0][0]:.3f}, {ci[0][1]:.3f}]" if ci else ""),
+                     f"{fnum(p['tau_pooled'], 3)}" + (f" [{ci[1][0]:.3f}, {ci[1][1]:.3f}]" if ci else ""),
+                     *[fnum(p["ddtree"].get(k), 3) for k in budgets],
+                     *[fnum(value_at(train[t], p["step"]), 4) for t in tags], p["eval_run"] or "—"])
+    doc.table(header, rows, heading="Points")
+    if base:
+        doc.para(f"Baseline **{base['label']}** (same settings): τ macro {base['tau']:.3f}"
+                 + (f" [{base['ci'][0]:.3f}, {base['ci'][1]:.3f}]" if base["ci"] else "") + ".")
+    doc.plot("tau", "τ vs training step", plot_tau(points, base, train.get(tau_tag) if tau_tag else None, tau_tag),
+             "no checkpoint evaluated yet")
+    doc.plot("acceptance", "Per-position acceptance over training", plot_acceptance(points),
+             "no per-position acceptance yet")
+    doc.plot("training", "Training metrics", plot_training(train, tau_tag))
+    pending = [p for p in sorted(state.points.values(), key=lambda p: p.step) if p.status != "done"]
+    if pending:
+        doc.table(["step", "checkpoint", "status", "attempts", "reason"],
+                  [[str(p.step), p.name, p.status, str(p.attempts), p.reason or ""] for p in pending],
+                  heading="Not (yet) in the trajectory")
+    return doc.write(folder, "trajectory")
