@@ -287,7 +287,6 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> lis
 
 
 def start(record: RunRecord, inventory: Inventory, resume: bool = False,
-def start(record: RunRecord, inventory: Inventory, resume: bool = False,
           on_phase: Callable[[str, str], None] | None = None) -> dict[int, HostJob]:
     """Pre-flight every host once (in parallel), place the shards (``--gpus``), then start every
     worker detached, each with its GPU as ``CUDA_VISIBLE_DEVICES``. ``on_phase(host, phase)`` hears

@@ -216,10 +216,45 @@ class DFlashAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
-        k = torch.cat([ctx_kv[0], k_blk], dim=2)
-        v = torch.cat([ctx_kv[1], v_blk], dim=2)
+        if isinstance(ctx_kv, ContextKV):
+            k, v = ctx_kv.with_block(k_blk, v_blk)
+        else:
+            k, v = torch.cat([ctx_kv[0], k_blk], dim=2), torch.cat([ctx_kv[1], v_blk], dim=2)
         out = attend(q, k, v, mask)  # visibility is entirely in `mask` (None: everything)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class ContextKV:
+    """One layer's context K/V (``[b, n_kv, length, d]``) in buffers with room after the context, for
+    online decoding: :meth:`append` copies only the new positions (capacity doubles when full), and
+    :meth:`with_block` writes a block's K/V right after the context and returns views of
+    ``[context ; block]``, so no cycle copies the whole context (a concatenation would, twice per
+    layer). The block's K/V are scratch: the next append overwrites them."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v, self.length = k[:, :, :0], v[:, :, :0], 0
+        self.append(k, v)
+
+    def _reserve(self, n: int) -> None:
+        if self.length + n <= self.k.shape[2]:
+            return
+        cap = max(64, 2 * (self.length + n))
+        k, v = (x.new_empty(*x.shape[:2], cap, x.shape[3]) for x in (self.k, self.v))
+        k[:, :, :self.length], v[:, :, :self.length] = self.k[:, :, :self.length], self.v[:, :, :self.length]
+        self.k, self.v = k, v
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        self._reserve(n)
+        self.k[:, :, self.length:self.length + n] = k
+        self.v[:, :, self.length:self.length + n] = v
+        self.length += n
+
+    def with_block(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        self._reserve(k.shape[2])
+        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        return self.k[:, :, :end], self.v[:, :, :end]
 
 
 def sdpa_attend(q, k, v, mask):
@@ -376,12 +411,11 @@ def flex_anchor_mask(layout: AnchorLayout, rule: LayerRule):
 
 @dataclass
 class SplitAnchorMask:
-    """The anchor-block mask in two parts, for :func:`split_attend`: ``context [b, 1, n*B, T]``
-    and ``block [b, 1, n, B, B]`` (each block with itself). Same visibility as
+    """The anchor-block mask block by block, for :func:`split_attend`: ``blocks [b*n, 1, B, T+B]``,
+    each block's slots over the keys ``[context (T) ; its own block (B)]``. Same visibility as
     :func:`dense_anchor_mask`, without materialising the (n*B)^2 block-to-block part that is zero
     outside the diagonal blocks."""
-    context: torch.Tensor
-    block: torch.Tensor
+    blocks: torch.Tensor
 
 
 def split_anchor_mask(layout: AnchorLayout, rule: LayerRule) -> SplitAnchorMask:
@@ -394,27 +428,35 @@ def split_anchor_mask(layout: AnchorLayout, rule: LayerRule) -> SplitAnchorMask:
     q_blk = q_idx.view(nq // B, B)                                   # [n, B] slots of each block
     kv_blk = T + q_blk                                               # the same block's keys
     block = mod(b[:, None, None, None], None, q_blk[None, :, :, None], kv_blk[None, :, None, :])
-    return SplitAnchorMask(context=context[:, None], block=block[:, None])
+    n = nq // B
+    blocks = torch.cat([context.view(nb * n, B, T), block.reshape(nb * n, B, B)], -1)
+    return SplitAnchorMask(blocks=blocks[:, None])
 
 
-def split_attend(q, k, v, mask: SplitAnchorMask):
-    """Exact softmax attention over ``[context ; own block]`` from the two mask parts (merged with a
-    shared max, so it equals SDPA with the dense mask up to summation order)."""
+def split_attend(q, k, v, mask: SplitAnchorMask, group: int = 64):
+    """Attention of each block over ``[context ; own block]``: one fused SDPA per group of up to
+    ``group`` blocks, the shared context K/V broadcast to every block of the group (bounded
+    memory; no (n*B)^2 or [h, n*B, T] score tensors in Python). Equals SDPA with the dense mask
+    up to summation order."""
     b, h, nq, d = q.shape
-    T = mask.context.shape[-1]
-    B = mask.block.shape[-1]
-    if k.shape[1] != h:
-        k, v = k.repeat_interleave(h // k.shape[1], 1), v.repeat_interleave(h // v.shape[1], 1)
-    scale = d ** -0.5
-    s_ctx = (q @ k[:, :, :T].transpose(-1, -2) * scale).masked_fill(~mask.context, float("-inf"))
-    qb = q.view(b, h, nq // B, B, d)
-    kb, vb = k[:, :, T:].reshape(b, h, nq // B, B, d), v[:, :, T:].reshape(b, h, nq // B, B, d)
-    s_blk = (qb @ kb.transpose(-1, -2) * scale).masked_fill(~mask.block, float("-inf"))
-    s_blk = s_blk.reshape(b, h, nq, B)
-    m = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True))
-    p_ctx, p_blk = (s_ctx - m).exp(), (s_blk - m).exp()
-    out = p_ctx @ v[:, :, :T] + (p_blk.view(b, h, nq // B, B, B) @ vb).view(b, h, nq, d)
-    return out / (p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True))
+    n_kv, B = k.shape[1], mask.blocks.shape[-2]
+    n, T = nq // B, k.shape[2] - nq
+    qb = q.view(b, h, n, B, d).transpose(1, 2)                      # [b, n, h, B, d]
+
+    def own(x, lo, hi):                     # [b, kv, T+nq, d] -> blocks lo..hi-1: [b*(hi-lo), kv, T+B, d]
+        ctx = x[:, None, :, :T].expand(b, hi - lo, n_kv, T, d)
+        blk = x[:, :, T + lo * B:T + hi * B].reshape(b, n_kv, hi - lo, B, d).transpose(1, 2)
+        return torch.cat([ctx, blk], 3).reshape(b * (hi - lo), n_kv, T + B, d)
+
+    masks = mask.blocks.view(b, n, 1, B, T + B)
+    outs = []
+    for lo in range(0, n, group):
+        hi = min(n, lo + group)
+        out = F.scaled_dot_product_attention(qb[:, lo:hi].reshape(b * (hi - lo), h, B, d), own(k, lo, hi),
+                                             own(v, lo, hi), attn_mask=masks[:, lo:hi].reshape(-1, 1, B, T + B),
+                                             enable_gqa=h != n_kv)
+        outs.append(out.view(b, hi - lo, h, B, d))
+    return torch.cat(outs, 1).transpose(1, 2).reshape(b, h, nq, d)
 
 
 _flex_compiled = None
@@ -441,6 +483,8 @@ def flex_available(device: torch.device) -> bool:
 def anchor_mask(rule: LayerRule, anchor_pos: int, n_slots: int, device) -> torch.Tensor | None:
     """The rule for one block at ``anchor_pos`` over keys ``[context 0..p-1 ; block]``:
     ``[1, 1, n_slots, p + n_slots]`` (None when every key is visible)."""
+    if not rule.causal and rule.window is None:          # the context [:p] and the whole block
+        return None
     q_pos = anchor_pos + torch.arange(n_slots, device=device)[:, None]
     k_pos = torch.cat([torch.arange(anchor_pos, device=device), anchor_pos + torch.arange(n_slots, device=device)])
     k_in_block = torch.arange(anchor_pos + n_slots, device=device) >= anchor_pos
@@ -518,21 +562,26 @@ class DFlashDrafter(nn.Module):
 
         ``new_target_hidden [1, c, K*H]`` are the features of positions ``p - c .. p - 1``;
         ``past_kv`` the context K/V of the positions before them (None: ``c == p``). Returns the
-        block's hidden states and the context K/V of positions ``0 .. p - 1`` (the block's own K/V
-        are not kept: the next anchor's context ends where this block begins)."""
+        block's hidden states and the context K/V of positions ``0 .. p - 1`` as :class:`ContextKV`
+        per layer (the block's own K/V are not kept: the next anchor's context ends where this block
+        begins). ``past_kv`` may also be ``(k, v)`` pairs (copied once into :class:`ContextKV`)."""
         n, c, dev = noise_embedding.shape[1], new_target_hidden.shape[1], noise_embedding.device
         positions = torch.arange(anchor_pos - c, anchor_pos + n, device=dev)[None]
         cos, sin = self.rope(positions, noise_embedding.dtype)
         new_kv = self.context_kv(new_target_hidden, (cos[:, :c], sin[:, :c]))
-        if past_kv is not None:
-            new_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(past_kv, new_kv)]
+        if past_kv is None:
+            kv = [ContextKV(k, v) for k, v in new_kv]
+        else:
+            kv = [past if isinstance(past, ContextKV) else ContextKV(*past) for past in past_kv]
+            for layer_kv, (k, v) in zip(kv, new_kv):
+                layer_kv.append(k, v)
         masks = [anchor_mask(rule, anchor_pos, n, dev) for rule in self.rules]
-        hidden = self(noise_embedding, (cos[:, c:], sin[:, c:]), new_kv, masks)
-        return hidden, new_kv
+        hidden = self(noise_embedding, (cos[:, c:], sin[:, c:]), kv, masks)
+        return hidden, kv
 
     # -- path 2: all anchors at once, training-style mask
     def forward_anchors(self, target_hidden, noise_embedding, anchor_idx, position_ids=None, doc_ids=None,
-                        attention: str = "auto") -> torch.Tensor:
+                        attention: str = "auto", ctx_kv: list | None = None) -> torch.Tensor:
         """All blocks of a batch in one forward.
 
         ``target_hidden [b, T, K*H]``; ``noise_embedding [b, n*B, H]`` (block j occupies slots
@@ -542,7 +591,11 @@ class DFlashDrafter(nn.Module):
 
         ``attention``: ``dense`` (boolean mask + SDPA, the reference), ``split`` (the same mask
         in context and own-block parts, CPU default: no (n*B)^2 block-to-block scores), ``flex``
-        (flex_attention BlockMask, CUDA default), ``auto``."""
+        (flex_attention BlockMask, CUDA default), ``auto``.
+
+        ``ctx_kv``: the context K/V of ``target_hidden``'s positions (:meth:`context_kv`), when the
+        caller computed them once for many calls (offline eval: every chunk of anchors of a
+        sequence shares one context); ``target_hidden`` then only gives the shapes."""
         b, T, _ = target_hidden.shape
         dev = target_hidden.device
         if position_ids is None:
@@ -556,7 +609,8 @@ class DFlashDrafter(nn.Module):
                          "split": (split_anchor_mask, split_attend)}[attention]
         built = {rule: build(layout, rule) for rule in set(self.rules)}
         dtype = noise_embedding.dtype
-        ctx_kv = self.context_kv(target_hidden, self.rope(position_ids, dtype))
+        if ctx_kv is None:
+            ctx_kv = self.context_kv(target_hidden, self.rope(position_ids, dtype))
         return self(noise_embedding, self.rope(layout.query_pos, dtype), ctx_kv, [built[r] for r in self.rules],
                     attend, self.block_size)
 

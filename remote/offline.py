@@ -57,6 +57,7 @@ class DraftTable:
     top: dict = field(default_factory=dict)      # anchor -> DDTree children data
     alpha: dict = field(default_factory=dict)    # anchor -> [α_k] (T > 0)
     blocks_drafted: int = 0
+    ctx_kv: list | None = None         # context K/V of every position, computed once (first chunk)
 
     def num_drafts(self, anchor: int) -> int:
         """Drafts the cycle at ``anchor`` verifies (fewer near the end, as z-lab's last block)."""
@@ -85,17 +86,27 @@ class DraftTable:
     def _batched(self, anchors: list[int]) -> None:
         """Full blocks, all anchors in one forward through the anchor-block mask."""
         idx = torch.tensor(anchors, dtype=torch.long, device=self.ids.device)
-        B = self.drafter.block_size
-        hidden = self.drafter.forward_anchors(self.target_hidden[:, :max(anchors) + 1],
-                                              self._noise(self.ids[idx], B)[None], idx[None])
+        d, B, T = self.drafter, self.drafter.block_size, max(anchors) + 1
+        hidden = d.forward_anchors(self.target_hidden[:, :T], self._noise(self.ids[idx], B)[None], idx[None],
+                                   ctx_kv=[(k[:, :, :T], v[:, :, :T]) for k, v in self._context_kv()])
         self._store(anchors, self.drafter.draft_slots(hidden.view(len(anchors), B, -1)))
+
+    def _context_kv(self) -> list:
+        """K/V of the fused context at every position: they do not depend on the anchor, so one
+        projection serves every chunk (the seed harness re-projected ``[:p]`` for every anchor)."""
+        if self.ctx_kv is None:
+            d, th = self.drafter, self.target_hidden
+            positions = torch.arange(th.shape[1], device=th.device)[None]
+            self.ctx_kv = d.context_kv(th, d.rope(positions, th.dtype))
+        return self.ctx_kv
 
     def _single(self, anchor: int) -> None:
         """A cut last block: one anchor, context ``[:anchor]``."""
         n = self.num_drafts(anchor)
         slots = n + (0 if self.drafter.config.sample_from_anchor else 1)
+        past = [(k[:, :, :anchor], v[:, :, :anchor]) for k, v in self._context_kv()]
         hidden, _ = self.drafter.draft(self._noise(self.ids[anchor:anchor + 1], slots)[None], anchor,
-                                       self.target_hidden[:, :anchor])
+                                       self.target_hidden[:, anchor:anchor], past)
         self._store([anchor], self.drafter.draft_slots(hidden))
 
     def _store(self, anchors: list[int], hidden: torch.Tensor) -> None:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks in one prepared run (under 8 minutes on one CUDA GPU): the gpu-marked tests, then
+# the online and offline benchmarks on CUDA in bfloat16 (the drafter's batched path uses
+# flex_attention there), then one table. Without a CUDA GPU it says so and exits 0.
+#
+#   benchmarks/gpu.sh            (PYTHON=... to pick the interpreter; LOG_DIR=... to keep the logs)
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+LOG_DIR=${LOG_DIR:-$(mktemp -d)}
+mkdir -p "$LOG_DIR"
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "benchmarks/gpu.sh: no CUDA GPU here (torch.cuda.is_available() is false); nothing run."
+    exit 0
+fi
+
+gpu=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))')
+fla=$("$PY" -c 'import importlib.util as u; print("installed" if u.find_spec("fla") else "not installed")')
+flex=$("$PY" -c 'import torch.nn.attention.flex_attention; print("available")' 2>/dev/null || echo "unavailable")
+echo "GPU: $gpu   date: $(date -u +%Y-%m-%dT%H:%MZ)   torch $("$PY" -c 'import torch; print(torch.__version__)')"
+echo "flash-linear-attention: $fla   flex_attention: $flex   logs: $LOG_DIR"
+
+rows=()
+step() {                      # step NAME TIMEOUT_S GREP_PATTERN COMMAND...
+    local name=$1 limit=$2 pattern=$3; shift 3
+    local log="$LOG_DIR/$name.log" t0=$SECONDS rc
+    echo "== $name (limit ${limit}s)"
+    timeout "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    tail -n 8 "$log"
+    local line
+    line=$(grep -E "$pattern" "$log" | tail -n 1 | tr -s ' ')
+    case $rc in
+        0) status=ok ;;
+        124) status="timed out" ;;
+        *) status="failed (rc $rc)" ;;
+    esac
+    rows+=("$(printf '%-16s %-14s %5ss  %s' "$name" "$status" "$((SECONDS - t0))" "${line:-"-"}")")
+}
+
+step gpu-tests 300 "passed|failed|skipped" "$PY" -m pytest -q -m gpu tests/test_gpu.py
+step online 120 "ratio ours" "$PY" benchmarks/bench_online.py --device cuda --dtype bfloat16 \
+    --hidden 1024 --layers 16 --new-tokens 128 --prompts 4 --repeats 2
+step offline 150 "ratio ours" "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16 \
+    --hidden 1024 --completion 2048 --full
+
+echo
+echo "== summary ($gpu)"
+printf '%-16s %-14s %6s  %s\n' step status time "result"
+for r in "${rows[@]}"; do echo "$r"; done
+exit 0
