@@ -288,7 +288,13 @@ class Resolver:
 
     def run_record(self, name: str, prefer: tuple[str, ...] = ("running",), need: str = "run.json") -> RunRecord:
         """The record of the run ``name`` means, for commands that act on it (attach, cancel,
-        resume, parity); ``need``: a file the run must have."""
+        resume, parity); ``need``: a file the run must have. A run named by its exact id is read
+        from its folder even when its files are too damaged to be listed (the error names run.json)."""
+        folder = self.runs_root / name
+        if name and "/" not in name and name not in (".", "..") and (folder / "run.json").is_file():
+            if not (folder / need).exists():
+                raise RunError(f"run {name} has no results yet (no {need} in {folder})")
+            return RunRecord.load(folder)
         run = self.eval_run(name, prefer)
         for f in dict.fromkeys(("run.json", need)):
             if not (run.path / f).exists():

@@ -119,7 +119,7 @@ def _run_with_checkpoint(lab, tmp_path, files: dict) -> tuple[str, object, Path]
             (src / name).write_bytes(spec)
         else:
             write_file(src / name, spec, salt=name.encode())
-    cat = parse_catalog({"runs": {run: {"dir": run}}}, tmp_path / "drafters.yaml")
+    cat = parse_catalog({"runs": {run: {"dir": run, "settle": 0}}}, tmp_path / "drafters.yaml")  # written just now
     return run, cat, src
 
 

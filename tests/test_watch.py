@@ -137,7 +137,7 @@ class Run:
             return {}
 
     def eval_runs(self) -> list[str]:
-        return sorted(p.name for p in self.runs.glob(f"*-{self.name}-step_*") if (p / "run.json").exists())
+        return sorted(p.name for p in self.runs.glob(f"*-{self.name}-step*") if (p / "run.json").exists())
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
