@@ -425,9 +425,30 @@ def _still_owner(p: dict, token: str) -> bool:
     return False  # nobody holds it: our holder is gone
 
 
+RECV_ARGS = ("RUNDIR", "CKPT", "REL", "SIZE", "OFFSET", "MTIME_NS", "TOKEN")
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
 def cmd_recv(args: list) -> int:
-    (rundir, ckpt, rel, size, offset, mtime_ns, token), opts = parse(
-        args, ("RUNDIR", "CKPT", "REL", "SIZE", "OFFSET", "MTIME_NS", "TOKEN"), {"--sha256": 1})
+    """Receive one file; a full disk is answered ``NOSPACE ARRIVED`` (the bytes of the file now in
+    its .part, kept for the resume), not left to surface as the sender's broken pipe."""
+    try:
+        return _recv(args)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        (rundir, ckpt, rel, *_), _ = parse(args, RECV_ARGS, {"--sha256": 1})
+        part = os.path.join(paths(rundir, ckpt)["staging"], safe_rel(rel)) + ".part"
+        try:
+            arrived = os.stat(part).st_size
+        except OSError:
+            arrived = 0
+        out(f"NOSPACE {arrived}")
+        return 7
+
+
+def _recv(args: list) -> int:
+    (rundir, ckpt, rel, size, offset, mtime_ns, token), opts = parse(args, RECV_ARGS, {"--sha256": 1})
     rel, size, offset, mtime_ns = safe_rel(rel), int(size), int(offset), int(mtime_ns)
     expected = opts.get("--sha256")
     p = paths(rundir, ckpt)

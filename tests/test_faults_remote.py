@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,6 +222,11 @@ def test_fault_then_rerun_moves_only_what_is_missing_and_ends_identical(ssh_lab,
                   "yes" if same else "NO"))
     assert same, (after, want)
     assert res.bytes_moved == missing, (outcome, before)
+    if fault == "disk-full":                       # the receiver's word, with the bytes really on disk
+        m = re.match(r"failed: no space left on eval:\S+ while moving (\S+): ([\d,]+) of ([\d,]+) bytes arrived", outcome)
+        assert m and "it resumes" in outcome, outcome
+        rel, arrived, size = m.group(1), int(m.group(2).replace(",", "")), int(m.group(3).replace(",", ""))
+        assert (arrived, size) == (before["parts"].get(rel, 0), sizes[rel]), (outcome, before)
     if point == "rename":                          # everything was verified before the fault
         assert missing == 0
     if point == "mid":                             # the first file had been verified: never sent again

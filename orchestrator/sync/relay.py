@@ -228,7 +228,7 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
                 progress.file_restarted(f, offset)
                 offset = 0
                 continue
-            raise SyncError(explain(f, t, status, derr, serr, src_rc, src, dst, alive, idle))
+            raise SyncError(explain(f, t, status, derr, serr, src_rc, src, dst, alive, idle, plan.dst_rundir))
 
     def watchdog() -> None:
         while not abort.wait(1.0):
@@ -274,9 +274,14 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
 
 
 def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc: str,
-             src: Host, dst: Host, alive, idle: float) -> str:
+             src: Host, dst: Host, alive, idle: float, dst_dir: str = "") -> str:
     where = f"{f.path} ({human_bytes(t.got)} of {human_bytes(f.size - f.offset)} this run)"
     keep = "what arrived is kept in the staging folder; run the same command again to resume"
+    if status.startswith("NOSPACE"):   # the receiver's own word, before the sender's broken pipe
+        arrived = int(status.split()[1])
+        return (f"no space left on {dst.name}:{dst_dir or '?'} while moving {f.path}: {arrived:,} of "
+                f"{f.size:,} bytes arrived (kept in the staging folder); free space there and run the same "
+                f"command again: it resumes")
     dead = alive[0] * alive[1]
     for host, err in ((dst, derr), (src, serr)):
         low = err.lower()
