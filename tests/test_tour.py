@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,12 @@ def project(ssh_lab, embedded_pair, tmp_path_factory):
     models = ssh_lab.eval.root / "models"
     shutil.copytree(pair["target"], models / "qwen-tiny", dirs_exist_ok=True)
     shutil.copytree(pair["drafter"], models / "zlab-tiny", dirs_exist_ok=True)
+    an_hour_ago = time.time() - 3600     # written earlier in training: past the catalog's settle time
     for step in (10000, 20000):
-        shutil.copytree(pair["drafter"], ssh_lab.train.root / "checkpoints" / "v5" / f"step_{step}", dirs_exist_ok=True)
+        ckpt = ssh_lab.train.root / "checkpoints" / "v5" / f"step_{step}"
+        shutil.copytree(pair["drafter"], ckpt, dirs_exist_ok=True)
+        for f in ckpt.rglob("*"):
+            os.utime(f, (an_hour_ago, an_hour_ago))
     shutil.rmtree(ssh_lab.eval.root / "checkpoints" / "v5", ignore_errors=True)
     lab = ssh_lab.inventory_dict(train={"roles": ["train"]}, eval={"roles": ["eval"], "gpus": 0})["hosts"]
     folder = tmp_path_factory.mktemp("tour")

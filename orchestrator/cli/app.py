@@ -48,5 +48,23 @@ for group in (hosts, runs, evals, sync, config, watch):
     group.register(app)
 
 
+def _quiet_channel_files_at_exit() -> None:
+    """paramiko's channel files (stdin/stdout/stderr of a remote command) whose channel is gone
+    raise ValueError from their ``__del__`` when Python collects them at exit: a traceback on the
+    user's terminal after a command that succeeded, with nothing lost. Those, and only those, are
+    not printed."""
+    import sys
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, ValueError) and \
+                getattr(unraisable.object, "__qualname__", "") == "BufferedFile.__del__":
+            return
+        previous(unraisable)
+    sys.unraisablehook = hook
+
+
 def main() -> None:
+    _quiet_channel_files_at_exit()
     app()

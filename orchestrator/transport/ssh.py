@@ -50,10 +50,6 @@ class _SSHHandle(ExecHandle):
     def close(self) -> None:
         super().close()
         self.chan.close()
-        for f in (self.stdin, self.stdout, self.stderr):
-            # a close whose flush failed on the dead channel leaves paramiko's file open, and its
-            # __del__ retries the flush at interpreter exit (a traceback on stderr): it is closed
-            f._closed = True
 
 
 class SSHRunner(Runner):
