@@ -227,10 +227,6 @@ def _raise(e: Exception):
 # --- loading -----------------------------------------------------------------------------------
 
 
-def default_catalog_path() -> Path | None:
-    return locate(CATALOG).path
-
-
 def _mapping(path: Path, where: str, value: Any) -> dict:
     if value is None:
         return {}

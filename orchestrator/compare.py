@@ -336,7 +336,6 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
     result["measure"] = measure or "tau"
     result["paired_prompts"] = len(common)
     result["paired_ids_sha256"] = hashlib.sha256("\n".join(map(str, common)).encode()).hexdigest()[:12]
-    B = base.block_size
     metrics = {}
     for r, rm in zip(runs, row_maps):
         m = compute_metrics([rm[i] for i in common], r.block_size, r.mode, r.max_length)

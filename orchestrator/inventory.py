@@ -15,7 +15,7 @@ from typing import Any, Callable
 import yaml
 
 from .errors import InputError
-from .paths import find_config, local_home, read_config_text
+from .paths import INVENTORY, local_home, locate, read_config_text
 
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -310,7 +310,7 @@ def _check_jump(path: Path, host: Host, inv: Inventory) -> None:
 
 
 def resolve_inventory_path(path: str | os.PathLike | None = None) -> Path | None:
-    return find_config(path, ENV_VAR, "inventory.yaml", "inventory.yaml")
+    return locate(INVENTORY, path).path
 
 
 def load_inventory(

@@ -91,11 +91,6 @@ def locate(kind: ConfigKind, explicit: str | os.PathLike | None = None) -> Confi
     return ConfigFile(kind, None, None)
 
 
-def find_config(explicit: str | os.PathLike | None, env_var: str, here: str, user_name: str) -> Path | None:
-    """The path :func:`locate` finds for a kind of file given by its parts (None: none)."""
-    return locate(ConfigKind("config", "", env_var, here, user_name), explicit).path
-
-
 def read_config_text(path: Path, error: type[Exception], what: str) -> str:
     """The text of a config file (UTF-8); ``error`` with one line naming the file otherwise: it
     cannot be read, or a byte is not UTF-8 (with its line and column)."""
