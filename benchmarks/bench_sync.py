@@ -89,7 +89,7 @@ def main() -> int:
     meter = CpuMeter([os.getpid(), *(h.sshd_pid() for h in lab.hosts.values())])
     try:
         inv = load_inventory(lab.write_inventory(base / "inventory.yaml"))
-        cat = parse_catalog({"runs": {"bench": {"dir": "bench", "pattern": "step_{step}"}}}, base / "c.yaml")
+        cat = parse_catalog({"runs": {"bench": {"dir": "bench", "pattern": "step_{step}", "settle": 0}}}, base / "c.yaml")
         ck = lab.train.root / "checkpoints" / "bench" / "step_1000"
         ck.mkdir(parents=True)
         big = ck / "model.safetensors"
