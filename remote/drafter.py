@@ -503,6 +503,10 @@ class Proposal:
     probs: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
 
+    def on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(probs, candidates)`` on ``device`` (a split target's logits may be on another GPU)."""
+        return tuple(t if t is None else t.to(device) for t in (self.probs, self.candidates))
+
 
 class DFlashDrafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
@@ -528,9 +532,14 @@ class DFlashDrafter(nn.Module):
         return self.config.block_size
 
     # -- inputs
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
     def embed(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
-        """``noise_embedding``: the target's embedding rows x ``input_embedding_scale``."""
-        noise = F.embedding(block_ids, embed_weight)
+        """``noise_embedding``: the target's embedding rows x ``input_embedding_scale``, on the
+        drafter's device (a target split over GPUs may keep its embedding on another one)."""
+        noise = F.embedding(block_ids.to(embed_weight.device), embed_weight).to(self.device)
         scale = self.config.input_embedding_scale
         return noise * scale if scale != 1.0 else noise
 
@@ -623,7 +632,10 @@ class DFlashDrafter(nn.Module):
         """z-lab's ``compute_logits``: the head (the target's, or the reduced-vocabulary
         ``lm_head``) x ``output_multiplier``, then ``tanh`` soft-capping when configured."""
         cfg = self.config
-        logits = (self.lm_head if cfg.reduced_vocab else target_head)(hidden)
+        if cfg.reduced_vocab:
+            logits = self.lm_head(hidden)
+        else:  # the target's head may sit on another device of a split target: logits come back here
+            logits = target_head(hidden.to(module_device(target_head))).to(hidden.device)
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         cap = cfg.final_logit_softcapping
@@ -648,6 +660,7 @@ class DFlashDrafter(nn.Module):
         the drafter's tempered / top-k / top-p distribution; DFlash2 through its selector.
         ``anchor_tokens [b]`` are the blocks' slot-0 tokens (the selector's first predecessor)."""
         logits = self.logits(hidden, target_head)
+        anchor_tokens = anchor_tokens.to(hidden.device)
         greedy = sampling is None or sampling.greedy
         if self.config.architecture == DFLASH2:
             return self._select(hidden, logits, anchor_tokens, None if greedy else sampling.temperature)
@@ -673,6 +686,15 @@ class DFlashDrafter(nn.Module):
             picked.append(predecessor)
         return Proposal(torch.stack(picked, 1), torch.stack(q_rows, 1) if q_rows else None,
                         candidates if q_rows else None)
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module of the target computes: its accelerate hook's execution device (a
+    device_map split, offloaded weights included), else its parameters' device."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return next(module.parameters()).device
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
 
 
 def block_input_ids(anchor_tokens: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:

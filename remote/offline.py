@@ -280,10 +280,11 @@ def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[in
     ids = torch.tensor(ref, dtype=torch.long, device=device)
     out, target_hidden = target_features(target, ids[None, :-1] if len(ref) > 1 else ids[None],
                                          drafter.config.target_layer_ids)
-    table = DraftTable(drafter, target_hidden.to(next(drafter.parameters()).dtype), ids,
+    here = drafter.device  # a target split over GPUs: the captured features' device (worker.py)
+    table = DraftTable(drafter, target_hidden.to(device=here, dtype=next(drafter.parameters()).dtype), ids.to(here),
                        target.get_input_embeddings().weight, target.get_output_embeddings(),
                        topk=max(budgets) if budgets else 0, chunk=chunk, sampling=sampling if sampled else None,
-                       target_logits=out.logits[0] if sampled else None)
+                       target_logits=out.logits[0].to(here) if sampled else None)
     P, verify_block = len(prompt_ids), drafter.config.verify_block
     if sampled:
         res = {"acceptance_lengths": [], "expected": expected_acceptance(table, ref, P)}

@@ -192,7 +192,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             hidden, ctx_kv = drafter.draft(drafter.embed(block, embed_weight).to(dtype), start,
                                            new_context.to(dtype), ctx_kv)
             proposal = drafter.propose(drafter.draft_slots(hidden), token, head, sampling)
-            drafts = proposal.tokens                                       # [1, verify_size - 1]
+            drafts = proposal.tokens.to(token.device)                      # [1, verify_size - 1]
 
             # verify: the token at `start` and the drafts, positions start..start+verify_size-1
             snapshot = snapshot_linear_states(cache) if hybrid else None
@@ -204,8 +204,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                 accepted = int((drafts[0] == posterior[:-1]).cumprod(0).sum())
                 bonus = int(posterior[accepted])
             else:
-                accepted, bonus = rejection_sample(drafts, sampling.probs(logits), proposal.probs,
-                                                   proposal.candidates)
+                accepted, bonus = rejection_sample(drafts, sampling.probs(logits), *proposal.on(logits.device))
 
             # commit the accepted drafts and the bonus token
             produced = min(accepted + 1, max_length - start - 1)

@@ -66,20 +66,10 @@ def features(store: dict, layer_ids: list[int]):
     return torch.cat([store[i].to(device) for i in layer_ids], dim=-1)
 
 
-def layer_device(layer):
-    """Where a decoder layer computes: its accelerate hook's execution device (a device_map split,
-    offloaded weights included), else its parameters' device."""
-    hook = getattr(layer, "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    if device is not None:
-        import torch
-        return torch.device(device if not isinstance(device, int) else f"cuda:{device}")
-    return next(layer.parameters()).device
-
-
 def features_device(model, layer_ids: list[int]):
     """The device :func:`features` returns the drafter's context on: the deepest captured layer's."""
-    return layer_device(decoder_layers(model)[max(layer_ids)])
+    from remote.drafter import module_device
+    return module_device(decoder_layers(model)[max(layer_ids)])
 
 
 def target_features(model, input_ids, layer_ids: list[int], **forward_kwargs):

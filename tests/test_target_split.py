@@ -59,3 +59,44 @@ def test_two_gpu_split_captures_the_same_features(target_dir):
     _, feats_b = captured(split, ids.cuda())
     assert features_device(split, LAYERS) == torch.device("cuda:1") and feats_b.device == torch.device("cuda:1")
     torch.testing.assert_close(feats_b.cpu(), feats_a.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def decoded(target, drafter, prompt) -> tuple:
+    """Online greedy output and acceptance, then the offline walk and a DDTree walk over it."""
+    from remote.offline import evaluate_offline
+    from remote.online import speculative_generate
+
+    spec = speculative_generate(target, drafter, prompt, 24)
+    off = evaluate_offline(drafter, target, prompt[0].tolist(), spec.output_ids, budgets=[4])
+    return spec.output_ids, spec.acceptance_lengths, off["acceptance_lengths"], off["ddtree"]
+
+
+@torch.no_grad()
+def test_device_map_split_decodes_as_one_device(target_dir, tmp_path):
+    from tests.models import random_drafter
+
+    whole = load_target(target_dir, "cpu")
+    n = len(decoder_layers(whole))
+    split = load_target(target_dir, "cpu", device_map=split_map(n, "cpu", "disk"), offload_folder=str(tmp_path / "off"))
+    drafter = random_drafter(whole, target_layer_ids=LAYERS)
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert decoded(split, drafter, prompt) == decoded(whole, drafter, prompt)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_two_gpu_split_decodes_as_one_device(target_dir):
+    """Embedding and head on cuda:0, the deeper layers on cuda:1, the drafter on the features'
+    device (cuda:1): offline drafts/acceptance and online greedy outputs equal the one-GPU run."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    from tests.models import random_drafter
+
+    whole = load_target(target_dir, "cuda:0", "float32")
+    n = len(decoder_layers(whole))
+    split = load_target(target_dir, "cuda", "float32", device_map=split_map(n, 0, 1))
+    drafter = random_drafter(whole, target_layer_ids=LAYERS).float()
+    prompt = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(1))
+    assert features_device(split, LAYERS) == torch.device("cuda:1")
+    one_gpu = decoded(whole, drafter.to("cuda:0"), prompt)
+    assert decoded(split, drafter.to("cuda:1"), prompt) == one_gpu
