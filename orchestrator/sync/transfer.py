@@ -1,8 +1,8 @@
 """One checkpoint's sync, start to end: resolve the name on the training host, take the lock on
 the eval host, plan (send / resume / skip), check free space, relay the files (pinned to the host
-keys the control connections accepted), verify them against the sha256 the training host computed
-over its control connection (cached there for the next sync), and let the lock holder rename the
-staging folder into place.
+keys the control connections accepted), verify them against the sha256 the training host's manifest
+gives over its control connection (on a first sync, the ones its senders recorded there: see
+``check_against``), and let the lock holder rename the staging folder into place.
 """
 from __future__ import annotations
 
@@ -104,16 +104,11 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                     f"(+{human_bytes(FREE_RESERVE)} reserve), {human_bytes(st['free_bytes'])} free; nothing was moved")
             holder.send("BEGIN")
             holder.expect("BEGUN", 60)
-            # The sha256 a file must arrive with comes from the source over the control connection:
-            # the cached manifest, or (first sync) hashed there now, while the bytes move. Never only
-            # the sender's own trailer, which whoever answers the data path computes itself.
-            authentic = (bg.submit(run_tool, srun, src, "manifest", plan.src_dir, "--hash", timeout=3600)
-                         if any(e.get("sha256") is None for e in src_files) else None)
             result = SyncResult(plan=plan)
             with data_path(srun, drun, plan, token, direct) as path:
                 move(plan, path, token, result, jobs=jobs, alive=alive, idle=idle, stall=stall, progress=progress)
-            if authentic is not None:
-                check_against(plan, authentic.result()["files"])
+            if any(e.get("sha256") is None for e in src_files):  # first sync: see source_hashes
+                check_against(plan, run_tool(srun, src, "manifest", plan.src_dir, "--hash", timeout=3600)["files"])
             manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                                    "sha256": f.sha256} for f in plan.files]}
             holder.send("FINALIZE " + json.dumps(manifest))
@@ -127,8 +122,17 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
 
 
 def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
-    """Every file that arrived has the sha256 the training host computed over the control
-    connection (and the file there is still the one listed)."""
+    """Every file that arrived has the sha256 the training host's manifest gives over the control
+    connection (and the file there is still the one listed).
+
+    On a first sync that manifest is read after the transfer, and its hashes are the ones each
+    sender recorded in the folder's manifest cache (``send --cache``) as it read the file, keyed by
+    size, mtime, inode and ctime: no second read of the checkpoint. They are still the training
+    host's word: the data path is pinned to the host key the control connection accepted
+    (``data_path``), so the sender ran on that host, and whoever might answer the data path in its
+    place could not write that host's cache. A file the cache does not cover (a read-only source,
+    a file rewritten meanwhile, a sender that hashed some other file) is hashed there now, over
+    the control connection."""
     there = {e["path"]: e for e in source_files}
     for f in plan.files:
         e = there.get(f.path)
