@@ -299,7 +299,9 @@ def _ray_host(where: str, name: str, values: dict[str, Any]) -> Host:
     if not address.startswith("ray://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise InventoryError(f"{where}: field 'address' must be ray://HOST:PORT (the cluster's Ray Client "
                              f"server, port 10001 by default), got {address!r}")
-    return Host(name=name, **values)
+    if "train" in values.get("roles", ()):
+        raise InventoryError(f"{where}: field 'roles': a Ray cluster is an eval host (role eval), not a training host")
+    return Host(name=name, **{"roles": ("eval",), **values})
 
 
 def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) -> Inventory:
