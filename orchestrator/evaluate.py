@@ -356,6 +356,9 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     is kept, and a worker still running or finished but not fetched (its follower was cut off: a
     killed CLI, a dropped link) is followed and fetched, not started twice."""
     req = record.eval_request
+    clusters = [h for h in dict.fromkeys(req.hosts) if inventory.get(h).is_ray]
+    if len(clusters) > 1:
+        raise EvalError(f"one Ray cluster per run (a process is the Ray Client of one cluster): {', '.join(clusters)}")
     todo = [s for s in record.shards if not (resume and s.state == "done" and s.fetched)]   # resume: the rest
     names = list(dict.fromkeys(req.hosts if not resume else [s.host for s in todo]))
 

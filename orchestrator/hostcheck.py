@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,7 @@ class HostCheckFailed(OperationFailed):
     """Some host failed its check (unreachable, python or torch missing)."""
 
 
+_ray_clusters = threading.Lock()
 AUTH_LINE = "\nSGLANG_AUTH = None "
 
 
@@ -138,14 +140,15 @@ def _check_cluster(report: HostReport, host: Host, inventory: Inventory | None, 
     of its nodes (the python Ray runs there, its ML stack, the workdir's disk)."""
     from .backends import ray as ray_backend
 
-    cluster = ray_backend.cluster_info(host, inventory)
-    report.reachable = True
-    runner = ray_backend.place(host, inventory, None, 0)
-    try:
-        _probe(report, replace(host.on_host(runner.expand_home), python=runner.info["python"], gpus=None), runner,
-               timeout)
-    finally:
-        ray_backend.release(runner)
+    with _ray_clusters:                 # a process is the client of one cluster at a time
+        cluster = ray_backend.cluster_info(host, inventory)
+        report.reachable = True
+        runner = ray_backend.place(host, inventory, None, 0)
+        try:
+            _probe(report, replace(host.on_host(runner.expand_home), python=runner.info["python"], gpus=None), runner,
+                   timeout)
+        finally:
+            ray_backend.release(runner)
     report.cuda = f"ray {cluster.ray_version}: {cluster.free_gpus}/{cluster.gpus} GPU free"
     report.gpus = [f"node {n['address']}: {n['gpus']} GPU, {n['cpus']} CPU" for n in cluster.nodes]
     report.warnings = [w for w in report.warnings if not w.startswith("nvidia-smi")]

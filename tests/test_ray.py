@@ -74,6 +74,20 @@ def test_missing_extra_is_one_line(tmp_path):
     assert proc.returncode == 2 and "pip install 'dflash-ops[ray]'" in out and "Traceback" not in out, out
 
 
+@needs_ray
+def test_an_unreachable_cluster_is_one_line(tmp_path):
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(f"hosts:\n  cluster:\n    kind: ray\n    address: ray://127.0.0.1:{free_port()}\n"
+                         f"    workdir: /tmp\n")
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "eval", "--host",
+                           "cluster", "--drafter", "embedded"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DFLASH_OPS_RUNS": str(tmp_path / "runs")})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert re.search(r"host cluster: cannot reach the Ray cluster at ray://127.0.0.1:\d+: Connection refused", out), out
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())    # no run left
+
+
 # ----------------------------------------------------------------------------- a local cluster
 
 def free_port() -> int:

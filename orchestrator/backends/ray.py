@@ -140,6 +140,13 @@ def connect(host: "Host", inventory: "Inventory | None"):
                 raise RayError(f"host {host.name}: `via: {host.via}` needs the inventory")
             tunnel = Tunnel(inventory.get(host.via), inventory, *split_address(host.address))
             address = f"ray://127.0.0.1:{tunnel.port}"
+        try:                                    # a clear line at once, not Ray Client's 30 s of retries
+            socket.create_connection(split_address(address), timeout=10).close()
+        except OSError as e:
+            if tunnel:
+                tunnel.close()
+            raise RayError(f"host {host.name}: cannot reach the Ray cluster at {host.endpoint}: "
+                           f"{e.strerror or e}") from None
         logging.getLogger("ray").setLevel(logging.WARNING)
         for name in ("ray._private.worker", "ray.util.client.logsclient"):   # said here, and echoed by the server
             logging.getLogger(name).addFilter(_not_main_thread_note)
