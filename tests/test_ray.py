@@ -291,7 +291,7 @@ def test_killed_task_is_named_and_resumed_without_duplicates(ray_cluster, tmp_pa
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"
-    proc = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "4", "--max-new-tokens", "160",
+    proc = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "6", "--max-new-tokens", "160",
                popen=True)
     wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
     run = only_run(runs)
@@ -308,7 +308,7 @@ def test_killed_task_is_named_and_resumed_without_duplicates(ray_cluster, tmp_pa
     resumed = cli(inventory, runs, "eval", "--resume", run.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     merged = rows(run)
-    assert len(merged) == 4 and len({r["id"] for r in merged}) == 4
+    assert len(merged) == 6 and len({r["id"] for r in merged}) == 6
     starts = [json.loads(line) for line in (shard1 / "events.jsonl").read_text().splitlines() if '"start"' in line]
     assert starts[-1]["done"] == finished                                  # the killed shard skipped its finished prompts
     assert (shard1.parent / "shard-0" / "events.jsonl").read_text().count('"start"') == shard0_starts
