@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -210,6 +210,13 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
     runner = runner_for(host, inventory)
     host = host.on_host(runner.expand_home)
     code_dir = ship(runner, host.python, host.workdir)
+    drafter_path, target_path = check_models(host, runner, code_dir, req)
+    return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host))
+
+
+def check_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
+    """(drafter folder, target folder) on the host, located, inspected for compatibility and
+    planned against its memory."""
     drafter_path, target_path = map(runner.expand_home, resolve_models(host, runner, code_dir, req))
     flags = ["--verify-hashes"] if req.verify_weights else []
     inspected, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
@@ -219,7 +226,59 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
     if not inspected["ok"]:
         raise EvalError(f"host {host.name}: " + "\n  ".join(inspected["problems"]))
     check_memory(host, runner, code_dir, req, drafter_path, target_path)
-    return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host))
+    return drafter_path, target_path
+
+
+def gpus_per_worker(req: EvalRequest) -> int:
+    return int(req.target_devices) if req.target_devices not in (None, "auto") else 1
+
+
+def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
+                    on_phase: Callable[[str], None] | None = None) -> HostPrep:
+    """Pre-flight on a Ray cluster (``kind: ray``): its GPUs, then the drafter and target checked
+    by a short-lived actor on one of its nodes (holding a worker's GPUs, so that the memory plan
+    sees one). Its shards' actors are placed later, one per shard (:func:`ray_job`)."""
+    from .backends import ray as ray_backend
+
+    req = record.eval_request
+    phase = on_phase or (lambda _: None)
+    if not host.workdir:
+        raise EvalError(f"host {host.name}: no `workdir` in the inventory")
+    if req.target_devices == "auto":
+        raise EvalError(f"host {host.name} is a Ray cluster: give --target-devices a count (GPUs per worker)")
+    phase("connecting")
+    cluster = ray_backend.cluster_info(host, inventory)
+    cpu = wants_cpu(req, host)
+    if not cpu and cluster.gpus < gpus_per_worker(req):
+        raise EvalError(f"host {host.name}: the Ray cluster has {cluster.gpus} GPU(s), a worker needs "
+                        f"{gpus_per_worker(req)} (pass --device cpu to run on CPU, or set `gpus: 0`)")
+    phase("pre-flight: checking drafter and target on the cluster")
+    runner = ray_backend.place(host, inventory, None, 0 if cpu or host.gpus == 0 else gpus_per_worker(req))
+    try:
+        host = replace(host.on_host(runner.expand_home), python=runner.info["python"])
+        drafter_path, target_path = check_models(host, runner, runner.info["code_dir"], req)
+    finally:
+        ray_backend.release(runner)
+    return HostPrep(host, runner, runner.info["code_dir"], drafter_path, target_path, cluster.gpus, host.gpus == 0)
+
+
+def ray_job(record: RunRecord, shard: Shard, prep: HostPrep, inventory: Inventory):
+    """Place shard ``shard`` of a run on a Ray cluster: its detached actor holding its GPUs (the
+    existing one when it still runs; a resumed shard goes back to its node), recorded in the run."""
+    from .backends import ray as ray_backend
+
+    name = ray_backend.actor_name(record.id, shard.index)
+    runner = ray_backend.place(prep.host, inventory, name, 0 if prep.cpu else gpus_per_worker(record.eval_request),
+                               node_id=(shard.ray or {}).get("node_id"))
+    info = runner.info
+    run_dir = f"{prep.host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
+    record.prepared(shard.index, run_dir=run_dir, code_dir=info["code_dir"], python=info["python"],
+                    drafter_path=prep.drafter_path, target_path=prep.target_path)
+    record.placed(shard.index, gpu=",".join(info["gpu_ids"]) or None,
+                  ray={"address": prep.host.address, "actor": name, "actor_id": info["actor_id"],
+                       "job_id": info["job_id"], "node_id": info["node_id"], "node": info["node"],
+                       "gpu_ids": info["gpu_ids"]})
+    return ray_backend.RayJob(runner, info["python"], info["code_dir"], run_dir)
 
 
 def memory_args(req: EvalRequest) -> list[str]:
@@ -247,7 +306,10 @@ def check_memory(host: Host, runner, code_dir: str, req: EvalRequest, drafter_pa
 def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) -> list[tuple[str, str | None]]:
     """(host, GPU id) of every shard: ``--gpus`` expanded on each host in turn."""
     spec = parse_gpus(req.gpus)
-    per_worker = int(req.target_devices) if req.target_devices not in (None, "auto") else 1
+    per_worker = gpus_per_worker(req)
+    ray_hosts = [h.name for h in hosts if h.is_ray]
+    if ray_hosts and isinstance(spec, list):
+        raise EvalError(f"host {ray_hosts[0]} is a Ray cluster: Ray assigns the GPUs; give --gpus N or all")
     if spec is not None and req.target_devices == "auto":
         raise EvalError("--target-devices auto splits the target over every GPU of the host: drop --gpus, "
                         "or give --target-devices a count")
@@ -294,12 +356,16 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     is kept, and a worker still running or finished but not fetched (its follower was cut off: a
     killed CLI, a dropped link) is followed and fetched, not started twice."""
     req = record.eval_request
+    clusters = [h for h in dict.fromkeys(req.hosts) if inventory.get(h).is_ray]
+    if len(clusters) > 1:
+        raise EvalError(f"one Ray cluster per run (a process is the Ray Client of one cluster): {', '.join(clusters)}")
     todo = [s for s in record.shards if not (resume and s.state == "done" and s.fetched)]   # resume: the rest
     names = list(dict.fromkeys(req.hosts if not resume else [s.host for s in todo]))
 
     def prepare(name: str) -> HostPrep:
-        return prepare_host(record, inventory.get(name), inventory,
-                            on_phase=(lambda phase: on_phase(name, phase)) if on_phase else None)
+        host = inventory.get(name)
+        return (prepare_cluster if host.is_ray else prepare_host)(
+            record, host, inventory, on_phase=(lambda phase: on_phase(name, phase)) if on_phase else None)
 
     preps = dict(zip(names, parallel(prepare, names)))
     if not resume:
@@ -308,6 +374,9 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     jobs = {}
     for s in todo:
         prep = preps[s.host]
+        if prep.host.is_ray:
+            jobs[s.index] = ray_job(record, s, prep, inventory)
+            continue
         run_dir = f"{prep.host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{s.index}" if s.count > 1 else "")
         record.prepared(s.index, run_dir=run_dir, code_dir=prep.code_dir, python=prep.host.python,
                         drafter_path=prep.drafter_path, target_path=prep.target_path)
@@ -326,9 +395,19 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
 
 
 def jobs_of(record: RunRecord, inventory: Inventory) -> dict[int, HostJob]:
-    """The started workers of a run, to follow or cancel them."""
-    return {s.index: HostJob(runner_for(inventory.get(s.host), inventory), s.python, s.code_dir, s.run_dir)
-            for s in record.shards}
+    """The started workers of a run, to follow or cancel them (a Ray shard through its actor, or a
+    0-GPU one on the same node when the actor is gone)."""
+    def job(s: Shard) -> HostJob:
+        host = inventory.get(s.host)
+        if not host.is_ray:
+            return HostJob(runner_for(host, inventory), s.python, s.code_dir, s.run_dir)
+        from .backends import ray as ray_backend
+
+        runner = ray_backend.place(host, inventory, ray_backend.actor_name(record.id, s.index), 0,
+                                   node_id=(s.ray or {}).get("node_id"), strict_node=True)
+        return ray_backend.RayJob(runner, s.python, s.code_dir, s.run_dir)
+
+    return {s.index: job(s) for s in record.shards}
 
 
 # ----------------------------------------------------------------------------- following
@@ -397,14 +476,18 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     return summary
 
 
-def record_placement(run_dir: Path, shards: list[Shard], backend: str = "ssh") -> None:
-    """env.json's ``placement``: how the run ran (backend, hosts, one entry per shard with its GPU)."""
+def record_placement(run_dir: Path, shards: list[Shard]) -> None:
+    """env.json's ``placement``: how the run ran (backend ``ssh`` or ``ray``, hosts, one entry per
+    shard with its GPU; on Ray the job, actor and node ids and the GPUs Ray assigned)."""
     path = run_dir / "env.json"
     env = json.loads(path.read_text())
-    env["placement"] = {"backend": backend, "hosts": list(dict.fromkeys(s.host for s in shards)),
+    ray = [s.ray for s in shards if s.ray]
+    env["placement"] = {"backend": "ray" if ray else "ssh", "hosts": list(dict.fromkeys(s.host for s in shards)),
                         "gpus": [s.gpu for s in shards if s.gpu is not None],
-                        "shards": [{"index": s.index, "count": s.count, "host": s.host, "gpu": s.gpu}
-                                   for s in shards]}
+                        "shards": [{"index": s.index, "count": s.count, "host": s.host, "gpu": s.gpu,
+                                    **({"ray": s.ray} if s.ray else {})} for s in shards]}
+    if ray:
+        env["placement"]["ray_job_ids"] = list(dict.fromkeys(r["job_id"] for r in ray))
     path.write_text(json.dumps(env, indent=2))
 
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 
-from .errors import OperationFailed
+from .errors import DflashOpsError, OperationFailed
 from .inventory import Host, Inventory
 from .transport import CommandTimeout, TransportError, runner_for
 
@@ -16,6 +17,7 @@ class HostCheckFailed(OperationFailed):
     """Some host failed its check (unreachable, python or torch missing)."""
 
 
+_ray_clusters = threading.Lock()
 AUTH_LINE = "\nSGLANG_AUTH = None "
 
 
@@ -96,34 +98,62 @@ def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = 
     report = HostReport(name=host.name, endpoint=host.endpoint)
     start = time.monotonic()
     try:
-        with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
-            host = host.on_host(runner.expand_home)
-            argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
-            for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
-                                ("--sglang", host.sglang)):
-                if value:
-                    argv += [flag, value]
-            result = runner.run(argv, input=probe_source(host.sglang_auth), timeout=timeout)
-        report.reachable = True
-        if result.returncode in (126, 127):
-            report.errors.append(f"python not found or not executable: {host.python}")
-        elif not result.ok:
-            tail = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
-            report.errors.append(f"probe failed ({host.python}): {tail}")
+        if host.is_ray:
+            _check_cluster(report, host, inventory, timeout)
         else:
-            try:
-                data = json.loads(result.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                report.errors.append("probe printed no JSON report")
-            else:
-                _fill(report, host, data)
+            with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
+                _probe(report, host.on_host(runner.expand_home), runner, timeout)
     except CommandTimeout as e:
         report.reachable = True
         report.errors.append(str(e))
-    except TransportError as e:
+    except (TransportError, DflashOpsError) as e:
         report.errors.append(str(e))
     report.seconds = time.monotonic() - start
     return report
+
+
+def _probe(report: HostReport, host: Host, runner, timeout: float) -> None:
+    """Run remote/probe.py with the host's python and fill ``report`` from what it prints."""
+    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+    for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
+                        ("--sglang", host.sglang)):
+        if value:
+            argv += [flag, value]
+    result = runner.run(argv, input=probe_source(host.sglang_auth), timeout=timeout)
+    report.reachable = True
+    if result.returncode in (126, 127):
+        report.errors.append(f"python not found or not executable: {host.python}")
+    elif not result.ok:
+        tail = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+        report.errors.append(f"probe failed ({host.python}): {tail}")
+    else:
+        try:
+            data = json.loads(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            report.errors.append("probe printed no JSON report")
+        else:
+            _fill(report, host, data)
+
+
+def _check_cluster(report: HostReport, host: Host, inventory: Inventory | None, timeout: float) -> None:
+    """A Ray cluster (``kind: ray``): its nodes and GPUs, and the probe run by a 0-GPU actor on one
+    of its nodes (the python Ray runs there, its ML stack, the workdir's disk)."""
+    from .backends import ray as ray_backend
+
+    with _ray_clusters:                 # a process is the client of one cluster at a time
+        cluster = ray_backend.cluster_info(host, inventory)
+        report.reachable = True
+        runner = ray_backend.place(host, inventory, None, 0)
+        try:
+            _probe(report, replace(host.on_host(runner.expand_home), python=runner.info["python"], gpus=None), runner,
+                   timeout)
+        finally:
+            ray_backend.release(runner)
+    report.cuda = f"ray {cluster.ray_version}: {cluster.free_gpus}/{cluster.gpus} GPU free"
+    report.gpus = [f"node {n['address']}: {n['gpus']} GPU, {n['cpus']} CPU" for n in cluster.nodes]
+    report.warnings = [w for w in report.warnings if not w.startswith("nvidia-smi")]
+    if host.gpus and cluster.gpus < host.gpus:
+        report.warnings.append(f"inventory says {host.gpus} GPU(s), the cluster has {cluster.gpus}")
 
 
 def check_hosts(hosts: list[Host], timeout: float = 60.0,

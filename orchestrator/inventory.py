@@ -42,6 +42,8 @@ class Host:
     checkpoints: str | None = None
     sglang: str | None = None       # the URL without credentials (what is shown and recorded)
     gpus: int | None = None
+    kind: str = "ssh"               # ssh | ray (address: ray://HOST:PORT, a Ray cluster's client server)
+    via: str | None = None          # ray: reach the address through an SSH tunnel from this inventory host
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -51,7 +53,13 @@ class Host:
 
     @property
     def endpoint(self) -> str:
+        if self.is_ray:
+            return self.address + (f" via {self.via}" if self.via else "")
         return "local" if self.is_local else f"{self.address}:{self.port}"
+
+    @property
+    def is_ray(self) -> bool:
+        return self.kind == "ray"
 
     def on_host(self, expand_home: Callable[[str | None], str | None]) -> "Host":
         """This host with ``~`` in its paths (workdir, checkpoints, python) expanded on the host
@@ -81,7 +89,12 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "checkpoints": ((str,), "a string (path)"),
     "sglang": ((str,), "a string (URL)"),
     "gpus": ((int,), "an integer"),
+    "kind": ((str,), "ssh or ray"),
+    "via": ((str,), "a string (an SSH host of the inventory)"),
 }
+KINDS = ("ssh", "ray")
+RAY_ONLY = {"via"}
+SSH_ONLY = {"port", "user", "identity", "known_hosts", "trust_host_key", "ssh_config", "jump", "sglang"}
 _LOCAL_ONLY_IGNORED = {"is_local"}
 HOME_PATHS = ("workdir", "checkpoints", "python")   # paths on the host: a leading ~ is expanded there
 
@@ -254,7 +267,15 @@ def _host_from_entry(
             raise InventoryError(f"{where}: field 'sglang': not a valid URL ({e})") from None
 
     if base is not None:  # overriding the built-in local host
+        if "kind" in values or "via" in values:
+            raise InventoryError(f"{where}: the built-in local host takes no 'kind' or 'via'")
         return replace(base, **values)
+    if values.get("kind", "ssh") not in KINDS:
+        raise InventoryError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}, got {values['kind']!r}")
+    if values.get("kind") == "ray":
+        return _ray_host(where, name, values)
+    if RAY_ONLY & set(values):
+        raise InventoryError(f"{where}: field 'via' is for `kind: ray` entries (an SSH host uses 'jump')")
 
     ssh_set = frozenset(values) & SSH_FIELDS
     if values.get("ssh_config"):
@@ -264,6 +285,23 @@ def _host_from_entry(
         raise InventoryError(f"{where}: missing field 'address' (or 'ssh_config: ALIAS')")
     return Host(name=name, ssh_set=ssh_set, ssh_config_file=str(ssh_config_path) if ssh_config_path else None,
                 **values)
+
+
+def _ray_host(where: str, name: str, values: dict[str, Any]) -> Host:
+    """A Ray cluster: ``address: ray://HOST:PORT`` (its Ray Client server), optionally reached
+    through an SSH tunnel from inventory host ``via`` (the address then as that host sees it)."""
+    wrong = sorted(SSH_ONLY & set(values))
+    if wrong:
+        raise InventoryError(f"{where}: field '{wrong[0]}' is for SSH hosts, not `kind: ray` (a cluster behind "
+                             f"SSH is reached with `via: HOST`)")
+    address = values.get("address") or ""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not address.startswith("ray://") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InventoryError(f"{where}: field 'address' must be ray://HOST:PORT (the cluster's Ray Client "
+                             f"server, port 10001 by default), got {address!r}")
+    if "train" in values.get("roles", ()):
+        raise InventoryError(f"{where}: field 'roles': a Ray cluster is an eval host (role eval), not a training host")
+    return Host(name=name, **{"roles": ("eval",), **values})
 
 
 def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) -> Inventory:
@@ -285,7 +323,17 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
         inv.hosts[name] = _host_from_entry(path, name, entry, base, ssh_config_path)
     for host in inv:
         _check_jump(path, host, inv)
+        _check_via(path, host, inv)
     return inv
+
+
+def _check_via(path: Path, host: Host, inv: Inventory) -> None:
+    if host.via is None:
+        return
+    hop = inv.hosts.get(host.via)
+    if hop is None or hop.is_local or hop.is_ray:
+        raise InventoryError(f"{path}: host '{host.name}': field 'via': '{host.via}' is not an SSH host of the "
+                             f"inventory{did_you_mean(host.via, [h.name for h in inv if not h.is_local and not h.is_ray])}")
 
 
 def _check_jump(path: Path, host: Host, inv: Inventory) -> None:

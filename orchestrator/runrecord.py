@@ -78,6 +78,7 @@ class Shard:
     fetched: bool = False
     state: str = "pending"
     exit_code: int | None = None
+    ray: dict | None = None         # a Ray host's shard: its actor, job, node (backends/ray.py)
 
     @property
     def label(self) -> str:
@@ -181,6 +182,10 @@ class RunRecord:
         s = self.shards[index]
         s.run_dir, s.code_dir, s.python = run_dir, code_dir, python
         s.drafter_path, s.target_path = drafter_path, target_path
+
+    def placed(self, index: int, *, gpu: str | None, ray: dict) -> None:
+        """A Ray cluster placed shard ``index``: the GPUs Ray assigned it, and its actor's ids."""
+        self.shards[index].gpu, self.shards[index].ray = gpu, ray
 
     def started(self, shards: list[int] | None = None) -> None:
         """The workers of ``shards`` (default: all) were started, fresh or resumed; a resumed run

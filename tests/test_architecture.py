@@ -18,7 +18,7 @@ LAYERS = [
     ["orchestrator.watch"],
     ["orchestrator.evaluate", "orchestrator.tracking", "orchestrator.parity", "orchestrator.sync", "orchestrator.compare",
      "orchestrator.report", "orchestrator.hostcheck", "orchestrator.resolve"],
-    ["orchestrator.jobs", "orchestrator.ship", "orchestrator.runs", "orchestrator.runrecord", "orchestrator.placement",
+    ["orchestrator.backends", "orchestrator.jobs", "orchestrator.ship", "orchestrator.runs", "orchestrator.runrecord", "orchestrator.placement",
      "orchestrator.run_metrics", "orchestrator.stats", "orchestrator.render", "orchestrator.plots"],
     ["orchestrator.transport"],
     ["orchestrator.inventory", "orchestrator.catalog", "orchestrator.sshconfig"],

@@ -24,7 +24,7 @@ def hosts(ctx: typer.Context,
         return
     rows = []
     for h in inv:
-        address = "(local subprocess)" if h.is_local else (
+        address = "(local subprocess)" if h.is_local else h.endpoint if h.is_ray else (
             f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
         rows.append([h.name, ",".join(h.roles), address, h.python, h.workdir or "-", h.checkpoints or "-",
                      h.sglang or "-", "-" if h.gpus is None else str(h.gpus)])

@@ -29,4 +29,7 @@ def runner_for(host: "Host", inventory: "Inventory | None" = None, *,
     """The runner for a host (its jump hosts are looked up in ``inventory``)."""
     if host.is_local:
         return LocalRunner(host.name)
+    if host.is_ray:
+        raise TransportError(f"host {host.name} is a Ray cluster (kind: ray): it runs eval shards only, it has no "
+                             f"SSH commands or files")
     return SSHRunner(endpoint_for(host, inventory), connect_timeout=connect_timeout, retries=retries)

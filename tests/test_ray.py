@@ -1,0 +1,335 @@
+"""Eval on a Ray cluster (inventory ``kind: ray``): a real local cluster (``ray start --head
+--num-gpus 2``: logical GPUs, the workers on CPU), joined as a Ray Client by the CLI."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.inventory import InventoryError, parse_inventory
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = ("id", "prompt_ids", "output_ids", "acceptance_lengths")
+
+try:
+    import ray  # noqa: F401
+    HAVE_RAY = True
+except ImportError:
+    HAVE_RAY = False
+needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'dflash-ops[ray]'; CI does)")
+
+
+# ----------------------------------------------------------------------------- inventory
+
+def test_ray_inventory_entries(tmp_path):
+    inv = parse_inventory({"hosts": {
+        "lab": {"address": "10.0.0.1"},
+        "cluster": {"kind": "ray", "address": "ray://head:10001", "workdir": "/shared/dflash", "roles": ["eval"]},
+        "far": {"kind": "ray", "address": "ray://127.0.0.1:10001", "via": "lab", "workdir": "~/dflash"}}},
+        tmp_path / "inventory.yaml")
+    assert inv.get("cluster").is_ray and inv.get("cluster").endpoint == "ray://head:10001"
+    assert inv.get("far").endpoint == "ray://127.0.0.1:10001 via lab" and not inv.get("lab").is_ray
+    bad = [({"kind": "ray", "address": "head:10001"}, "must be ray://HOST:PORT"),
+           ({"kind": "ray", "address": "ray://head"}, "must be ray://HOST:PORT"),
+           ({"kind": "ray", "address": "ray://head:10001", "jump": "lab"}, "field 'jump' is for SSH hosts"),
+           ({"kind": "ray", "address": "ray://head:10001", "via": "nope"}, "'nope' is not an SSH host"),
+           ({"kind": "slurm", "address": "x"}, "field 'kind' must be one of ssh, ray"),
+           ({"address": "10.0.0.2", "via": "lab"}, "field 'via' is for `kind: ray`")]
+    for entry, message in bad:
+        with pytest.raises(InventoryError, match=message.replace("(", r"\(")):
+            parse_inventory({"hosts": {"lab": {"address": "10.0.0.1"}, "x": entry}}, tmp_path / "inventory.yaml")
+
+
+def test_ray_is_not_loaded_until_a_ray_host_is_used():
+    code = ("import sys\nfrom orchestrator import evaluate, hostcheck\nfrom orchestrator.cli import app\n"
+            "assert 'ray' not in sys.modules and 'orchestrator.backends.ray' not in sys.modules\n"
+            "import remote.ray_task\nassert 'ray' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_missing_extra_is_one_line(tmp_path):
+    """Without ray importable, a Ray host's eval stops with one line naming the extra."""
+    blocker = tmp_path / "block"
+    blocker.mkdir()
+    (blocker / "ray.py").write_text("raise ImportError('no ray here')\n")
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text("hosts:\n  cluster:\n    kind: ray\n    address: ray://127.0.0.1:1\n    workdir: /tmp\n")
+    env = {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{REPO}", "DFLASH_OPS_RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "eval", "--host",
+                           "cluster", "--drafter", "embedded"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "pip install 'dflash-ops[ray]'" in out and "Traceback" not in out, out
+
+
+@needs_ray
+def test_an_unreachable_cluster_is_one_line(tmp_path):
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(f"hosts:\n  cluster:\n    kind: ray\n    address: ray://127.0.0.1:{free_port()}\n"
+                         f"    workdir: /tmp\n")
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "eval", "--host",
+                           "cluster", "--drafter", "embedded"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DFLASH_OPS_RUNS": str(tmp_path / "runs")})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert re.search(r"host cluster: cannot reach the Ray cluster at ray://127.0.0.1:\d+: Connection refused", out), out
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())    # no run left
+
+
+# ----------------------------------------------------------------------------- a local cluster
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _processes() -> dict[int, tuple[int, int, str]]:
+    """{pid: (parent pid, process group, command line)} of every process."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out[int(d.name)] = (int(fields[1]), int(fields[2]), cmd)
+    return out
+
+
+def cluster_processes(group: int, temp_dir: str) -> list[int]:
+    """The cluster's processes: `ray start`'s process group, whatever they started (Ray's workers
+    lead their own groups), and anything naming its temp dir."""
+    procs = _processes()
+    found = {p for p, (_, g, cmd) in procs.items() if g == group or temp_dir in cmd}
+    grew = True
+    while grew:
+        more = {p for p, (ppid, _, _) in procs.items() if ppid in found} - found
+        found |= more
+        grew = bool(more)
+    return sorted(found - {os.getpid()})
+
+
+@contextlib.contextmanager
+def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
+    """``ray start --head --num-cpus 2 --num-gpus 2`` (run under ``prefix``, e.g. ``ip netns exec
+    NS``) in its own temp dir and process group, stopped by killing exactly its processes;
+    yields ``{"address", "workdir"}`` (the address as seen where the cluster runs)."""
+    temp_dir = tempfile.mkdtemp(prefix="dfo-ray-", dir="/tmp")     # short: Ray's socket paths live under it
+    workdir = Path(temp_dir) / "work"
+    shutil.copytree(Path(embedded_pair["target"]).parent, workdir / "embedded")
+    client_port = free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    start = subprocess.Popen([*prefix, sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2",
+                              "--num-gpus", "2", "--port", str(free_port()), "--ray-client-server-port", str(client_port),
+                              "--node-ip-address", "127.0.0.1", "--include-dashboard=false", "--temp-dir",
+                              f"{temp_dir}/ray", "--disable-usage-stats"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    group = start.pid
+    try:
+        out, _ = start.communicate(timeout=180)
+        assert start.returncode == 0, out
+        yield {"address": f"ray://127.0.0.1:{client_port}", "workdir": workdir}
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in cluster_processes(group, temp_dir):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.time() + 5
+            while cluster_processes(group, temp_dir) and time.time() < deadline:
+                time.sleep(0.2)
+        left = cluster_processes(group, temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"Ray processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(embedded_pair):
+    if not HAVE_RAY:
+        pytest.skip("ray is not installed (pip install 'dflash-ops[ray]'; CI does)")
+    with local_cluster(embedded_pair) as cluster:
+        yield cluster
+
+
+def write_inventory(tmp_path: Path, cluster: dict) -> Path:
+    path = tmp_path / "inventory.yaml"
+    path.write_text(f"hosts:\n  cluster:\n    kind: ray\n    address: {cluster['address']}\n    roles: [eval]\n"
+                    f"    workdir: {cluster['workdir']}\n")
+    return path
+
+
+def cli(inventory: Path, runs: Path, *args, home: Path | None = None, popen: bool = False):
+    env = {**os.environ, "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160", "OMP_NUM_THREADS": "1"}
+    if home:
+        env["DFLASH_OPS_HOME"] = str(home)
+    argv = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), *args]
+    if popen:
+        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+EVAL = ("eval", "--drafter", "embedded", "--device", "cpu", "--ddtree", "")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
+
+
+def only_run(runs: Path) -> Path:
+    (run,) = [d for d in runs.iterdir() if (d / "run.json").exists()]
+    return run
+
+
+def worker_alive(run_dir: Path) -> bool:
+    """Is the worker of this run folder (its pid file: pid and start time) still running?"""
+    pid, _, start, *_ = (run_dir / "pid").read_text().split()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and fields[19] == start
+
+
+def free_gpus(inventory: Path, runs: Path) -> str:
+    proc = cli(inventory, runs, "hosts", "check", "cluster", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (report,) = json.loads(proc.stdout)
+    return report["cuda"]
+
+
+@needs_ray
+def test_hosts_check_reports_the_cluster(ray_cluster, tmp_path):
+    inventory = write_inventory(tmp_path, ray_cluster)
+    proc = cli(inventory, tmp_path / "runs", "hosts", "check", "cluster", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (report,) = json.loads(proc.stdout)
+    assert report["ok"] and report["cuda"] == "ray 2.60.0: 2/2 GPU free"
+    (node,) = report["gpus"]
+    assert re.fullmatch(r"node [\d.]+: 2 GPU, 2 CPU", node) and report["torch"], report
+    assert "SIGTERM" not in proc.stderr
+
+
+@needs_ray
+def test_two_ray_tasks_equal_a_local_run(ray_cluster, tmp_path):
+    """Two shards as two Ray actors, each given its own GPU by Ray: the merged run equals a
+    single-worker run of the same prompts on `local`, and the GPUs are given back afterwards."""
+    inventory = write_inventory(tmp_path, ray_cluster)
+    home = ray_cluster["workdir"]           # `local` finds the embedded pair there too
+    one = cli(inventory, tmp_path / "one", *EVAL, "--host", "local", "--prompts", "4", "--max-new-tokens", "24",
+              home=home)
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = cli(inventory, tmp_path / "two", *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "4",
+              "--max-new-tokens", "24")
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "cluster:gpu0" in two.stdout and "cluster:gpu1" in two.stdout
+    single, merged = only_run(tmp_path / "one"), only_run(tmp_path / "two")
+    a, b = rows(single), rows(merged)
+    assert [{k: r[k] for k in KEYS} for r in b] == [{k: r[k] for k in KEYS} for r in a]
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (single, merged))
+    assert s2["tau_pooled"] == s1["tau_pooled"] and s2["prompts"] == s1["prompts"] == 4
+    env = json.loads((merged / "env.json").read_text())
+    placement = env["placement"]
+    assert placement["backend"] == "ray" and sorted(placement["gpus"]) == ["0", "1"]
+    assert sorted(e["cuda_visible_devices"] for e in env["shards"]) == ["0", "1"]   # Ray's assignment, seen by the worker
+    assert [s["gpu"] for s in placement["shards"]] == [e["cuda_visible_devices"] for e in env["shards"]]
+    ids = [s["ray"] for s in placement["shards"]]
+    assert len({r["actor_id"] for r in ids}) == 2 and placement["ray_job_ids"] == [ids[0]["job_id"]]
+    assert all(Path(s["run_dir"]).is_relative_to(ray_cluster["workdir"])
+               for s in json.loads((merged / "run.json").read_text())["shards"])
+    assert free_gpus(inventory, tmp_path / "two") == "ray 2.60.0: 2/2 GPU free"       # the actors ended
+
+
+@needs_ray
+def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_cluster, tmp_path):
+    """Cancel right after a detached start: the workers (loading or drafting) and their actors stop;
+    `eval --resume` then finishes the run, every prompt exactly once (the skipping of finished
+    prompts is the next test's)."""
+    from test_eval import wait_for
+
+    inventory = write_inventory(tmp_path, ray_cluster)
+    runs = tmp_path / "runs"
+    started = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "6", "--max-new-tokens",
+                  "256", "--detach")
+    assert started.returncode == 0, started.stdout + started.stderr
+    run = only_run(runs)
+    shards = [ray_cluster["workdir"] / "runs" / run.name / f"shard-{k}" for k in (0, 1)]
+    wait_for(lambda: all((d / "pid").exists() for d in shards), what="both workers")
+    assert all(worker_alive(d) for d in shards)
+    cancelled = cli(inventory, runs, "cancel", run.name)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    assert not any(worker_alive(d) for d in shards)                       # the workers are stopped
+    record = json.loads((run / "run.json").read_text())
+    assert record["status"] == "cancelled" and any(s["state"] == "failed" for s in record["shards"]), record
+    assert free_gpus(inventory, runs) == "ray 2.60.0: 2/2 GPU free"        # and the actors with them
+    resumed = cli(inventory, runs, "eval", "--resume", run.name)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    merged = rows(run)
+    assert len(merged) == 6 and len({r["id"] for r in merged}) == 6       # every prompt exactly once
+    assert [r["id"] for r in merged] == json.loads((run / "env.json").read_text())["suite"]["ids"]
+
+
+@needs_ray
+def test_killed_task_is_named_and_resumed_without_duplicates(ray_cluster, tmp_path):
+    from test_eval import prompt_events, wait_for
+
+    inventory = write_inventory(tmp_path, ray_cluster)
+    runs = tmp_path / "runs"
+    proc = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "6", "--max-new-tokens", "160",
+               popen=True)
+    wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
+    run = only_run(runs)
+    shard1 = ray_cluster["workdir"] / "runs" / run.name / "shard-1"
+    wait_for(lambda: prompt_events(shard1 / "events.jsonl") >= 1, what="shard 1's first prompt")
+    os.kill(int((shard1 / "pid").read_text().split()[0]), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 1, out
+    record = json.loads((run / "run.json").read_text())
+    gpu = record["shards"][1]["gpu"]
+    assert f"cluster:gpu{gpu} (shard 2/2, state failed, exit code -9)" in out and f"--resume {run.name}" in out
+    finished = len((shard1 / "out" / "results.jsonl").read_text().splitlines())
+    shard0_starts = (shard1.parent / "shard-0" / "events.jsonl").read_text().count('"start"')
+    resumed = cli(inventory, runs, "eval", "--resume", run.name)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    merged = rows(run)
+    assert len(merged) == 6 and len({r["id"] for r in merged}) == 6
+    starts = [json.loads(line) for line in (shard1 / "events.jsonl").read_text().splitlines() if '"start"' in line]
+    assert starts[-1]["done"] == finished                                  # the killed shard skipped its finished prompts
+    assert (shard1.parent / "shard-0" / "events.jsonl").read_text().count('"start"') == shard0_starts
+    assert json.loads((run / "env.json").read_text())["placement"]["backend"] == "ray"
+
+
+@needs_ray
+def test_a_cluster_reached_only_through_an_ssh_host(ssh_lab, embedded_pair, tmp_path):
+    """The head runs inside the lab's `eval` host (its network namespace: 127.0.0.1 there is not
+    ours); the inventory says `via: eval`, and dflash-ops tunnels to it over that host's SSH."""
+    if not ssh_lab.isolated:
+        pytest.skip(f"needs the lab's network namespaces ({ssh_lab.fallback_reason})")
+    with local_cluster(embedded_pair, ("ip", "netns", "exec", ssh_lab.eval.netns)) as cluster:
+        with socket.socket() as s:                 # not reachable from here directly
+            s.settimeout(2)
+            assert s.connect_ex(("127.0.0.1", int(cluster["address"].rsplit(":", 1)[1]))) != 0
+        inventory = ssh_lab.write_inventory(tmp_path / "inventory.yaml", extra={"cluster": {
+            "kind": "ray", "address": cluster["address"], "via": "eval", "workdir": str(cluster["workdir"])}})
+        runs = tmp_path / "runs"
+        proc = cli(inventory, runs, *EVAL, "--host", "cluster", "--prompts", "2", "--max-new-tokens", "16")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        placement = json.loads((only_run(runs) / "env.json").read_text())["placement"]
+        assert placement["backend"] == "ray" and placement["gpus"] in (["0"], ["1"])
+    assert not [p for p, (_, _, cmd) in _processes().items() if "-N -L 127.0.0.1:" in cmd]   # the tunnel closed
