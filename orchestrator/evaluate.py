@@ -27,7 +27,7 @@ from .runrecord import EvalRequest, RunRecord, Shard
 from .ship import ship
 from .transport import runner_for
 
-INSPECT = ("remote.inspect",)   # the worker's drafter/target compatibility check
+PREFLIGHT = "remote.preflight"   # the drafter/target compatibility check and memory plan
 THINKING = ("off", "on", "default")
 MAX_DDTREE_BUDGET = 1024        # remote/offline.py's MAX_BUDGET (tests/test_sampling_eval.py checks they agree)
 
@@ -216,16 +216,24 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
 
 def check_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
     """(drafter folder, target folder) on the host, located, inspected for compatibility and
-    planned against its memory."""
+    planned against its memory (remote/preflight.py: one process, before any weights load)."""
     drafter_path, target_path = map(runner.expand_home, resolve_models(host, runner, code_dir, req))
-    flags = ["--verify-hashes"] if req.verify_weights else []
-    inspected, err = _python_json(runner, host.python, code_dir, *INSPECT, drafter_path, "--target", target_path,
-                                "--json", *flags, timeout=1800)
-    if inspected is None:
-        raise EvalError(f"host {host.name}: drafter inspection failed: {err[-800:]}")
+    args = [drafter_path, "--target", target_path, "--suite", req.suite, "--max-new-tokens", str(req.max_new_tokens),
+            "--device", "cpu" if wants_cpu(req, host) else "cuda", *memory_args(req)]
+    if req.verify_weights:
+        args.append("--verify-hashes")
+    if req.prompts:
+        args += ["--prompts", str(req.prompts)]
+    if req.dtype:
+        args += ["--dtype", req.dtype]
+    found, err = _python_json(runner, host.python, code_dir, PREFLIGHT, *args, timeout=1800)
+    if found is None:
+        raise EvalError(f"host {host.name}: the drafter/target pre-flight failed: {err[-800:]}")
+    inspected, plan = found["inspect"], found["memory"]
     if not inspected["ok"]:
         raise EvalError(f"host {host.name}: " + "\n  ".join(inspected["problems"]))
-    check_memory(host, runner, code_dir, req, drafter_path, target_path)
+    if not plan["fits"]:
+        raise EvalError(f"host {host.name}: {plan['refusal']}")
     return drafter_path, target_path
 
 
@@ -285,22 +293,6 @@ def memory_args(req: EvalRequest) -> list[str]:
     """The worker's and the memory plan's shared flags."""
     args = ["--target-devices", req.target_devices] if req.target_devices else []
     return args + (["--max-memory", f"{req.max_memory_gb:g}"] if req.max_memory_gb else [])
-
-
-def check_memory(host: Host, runner, code_dir: str, req: EvalRequest, drafter_path: str, target_path: str) -> None:
-    """Refuse a plan whose target + drafter + KV cache + logits of the longest prompt do not fit
-    (remote/memory.py), before any weights load."""
-    args = ["--target", target_path, "--drafter", drafter_path, "--suite", req.suite, "--max-new-tokens",
-            str(req.max_new_tokens), "--device", "cpu" if wants_cpu(req, host) else "cuda", *memory_args(req), "--json"]
-    if req.prompts:
-        args += ["--prompts", str(req.prompts)]
-    if req.dtype:
-        args += ["--dtype", req.dtype]
-    plan, err = _python_json(runner, host.python, code_dir, "remote.memory", *args, timeout=600)
-    if plan is None:
-        raise EvalError(f"host {host.name}: the memory plan failed: {err[-800:]}")
-    if not plan["fits"]:
-        raise EvalError(f"host {host.name}: {plan['refusal']}")
 
 
 def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) -> list[tuple[str, str | None]]:

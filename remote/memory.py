@@ -182,15 +182,22 @@ def main(argv=None) -> int:
     p.add_argument("--max-memory", type=float, default=None, metavar="GIB")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from remote.prompts import load_suite
-    import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    rows = load_suite(args.suite, limit=args.prompts).rows
-    result = check(args.target, args.drafter, rows, args.max_new_tokens, device, dtype, args.target_devices,
-                   args.max_memory)
+    result = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens, args.device,
+                            args.dtype, args.target_devices, args.max_memory)
     print(json.dumps(result.to_dict()) if args.json else result.describe())
     return 0 if result.fits else 1
+
+
+def plan_for_suite(target_dir, drafter_dir, suite: str, prompts: int | None, max_new_tokens: int,
+                   device: str | None = None, dtype: str | None = None, target_devices=None,
+                   max_memory_gb: float | None = None) -> Plan:
+    """The plan of a worker run over a prompt suite, with the worker's device and dtype defaults."""
+    from remote.prompts import load_suite
+    import torch
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    rows = load_suite(suite, limit=prompts).rows
+    return check(target_dir, drafter_dir, rows, max_new_tokens, device, dtype, target_devices, max_memory_gb)
 
 
 def check(target_dir, drafter_dir, rows, max_new_tokens: int, device: str, dtype: str,
