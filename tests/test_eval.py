@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sidebyside import finished
 
 REPO = Path(__file__).resolve().parents[1]
 N_PROMPTS = 5
@@ -79,9 +80,19 @@ def prompt_events(path: Path) -> int:
 
 def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
     runs = tmp_path / "runs"
+    # the same worker by hand, here, on the same files, with the settings eval passes (checked below),
+    # run side by side with the eval
+    by_hand = tmp_path / "by_hand"
+    drafter = setup["lab"].eval.root / "checkpoints" / "v9" / "step_100"
+    hand = subprocess.Popen([sys.executable, "-m", "remote.worker", "--target", str(setup["pair"] / "target"),
+                             "--drafter", str(drafter), "--prompts", "3", "--max-new-tokens", "64",
+                             "--device", "cpu", "--out", str(by_hand), "--thinking", "off"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = cli(setup, "eval", "--host", "eval", "--drafter", "v9:100", "--prompts", 3, "--max-new-tokens", 64,
                "--device", "cpu", runs=runs)
+    hand = finished(hand, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert hand.returncode == 0, hand.stderr[-3000:]
     assert "3/3" in proc.stdout and "tau_pooled" in proc.stdout
     run_dir = only_run(runs)
     assert "v9:100 → v9:step_100 on eval" in proc.stdout          # what the name resolved to
@@ -91,15 +102,10 @@ def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "done" and (record["checkpoint"], record["step"]) == ("step_100", 100)
     assert record["shards"][0]["drafter_path"].endswith("/checkpoints/v9/step_100")
+    assert Path(record["shards"][0]["drafter_path"]) == drafter                 # the files the worker by hand read
     env = json.loads((run_dir / "env.json").read_text())
     assert env["host"] == "eval"
-    # the same worker by hand, here, on the same files, with the settings eval passed
-    by_hand = tmp_path / "by_hand"
-    thinking = {None: "default", True: "on", False: "off"}[env["settings"]["enable_thinking"]]
-    subprocess.run([sys.executable, "-m", "remote.worker", "--target", str(setup["pair"] / "target"),
-                    "--drafter", record["shards"][0]["drafter_path"], "--prompts", "3", "--max-new-tokens", "64",
-                    "--device", "cpu", "--out", str(by_hand), "--thinking", thinking],
-                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    assert {None: "default", True: "on", False: "off"}[env["settings"]["enable_thinking"]] == "off"
     keys = ("id", "prompt_ids", "output_ids", "acceptance_lengths", "ddtree")
     assert [{k: r[k] for k in keys} for r in results(run_dir)] == [{k: r[k] for k in keys} for r in results(by_hand)]
     # the worker code is content-addressed: a second eval ships nothing new

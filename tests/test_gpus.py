@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sidebyside import finished, started
 
 from orchestrator.errors import InputError
 from orchestrator.placement import host_gpu_ids, parse_gpus
@@ -47,13 +48,17 @@ def local_home(embedded_pair, tmp_path_factory):
     return home
 
 
-def local_eval(home: Path, runs: Path, *args) -> subprocess.CompletedProcess:
+def start_local_eval(home: Path, runs: Path, *args) -> subprocess.Popen:
     env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160",
            "OMP_NUM_THREADS": "1"}
     env.pop("DFLASH_OPS_INVENTORY", None)
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--prompts", "5",
-                           "--max-new-tokens", "40", "--ddtree", "", *args], cwd=home, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--prompts", "5",
+                             "--max-new-tokens", "40", "--ddtree", "", *args], cwd=home, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def local_eval(home: Path, runs: Path, *args) -> subprocess.CompletedProcess:
+    return finished(start_local_eval(home, runs, *args))
 
 
 def only_run(runs: Path) -> Path:
@@ -62,9 +67,14 @@ def only_run(runs: Path) -> Path:
 
 
 def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
-    one = local_eval(local_home, tmp_path / "one")
+    procs = {}
+    for name, args in (("one", ()), ("two", ("--gpus", "0,1")),
+                       ("capped", ("--gpus", "3", "--prompts", "2", "--max-blocks", "1"))):
+        if procs:
+            started(tmp_path / list(procs)[-1], list(procs.values())[-1], local_home / "code")
+        procs[name] = start_local_eval(local_home, tmp_path / name, *args)
+    one, two, capped = (finished(p) for p in procs.values())
     assert one.returncode == 0, one.stdout + one.stderr
-    two = local_eval(local_home, tmp_path / "two", "--gpus", "0,1")
     assert two.returncode == 0, two.stdout + two.stderr
     assert "local:gpu0" in two.stdout and "local:gpu1" in two.stdout
     single, merged = only_run(tmp_path / "one"), only_run(tmp_path / "two")
@@ -79,7 +89,6 @@ def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
     assert [(p["host"], p["gpu"]) for p in env["placement"]["shards"]] == [("local", "0"), ("local", "1")]
     assert [e["cuda_visible_devices"] for e in env["shards"]] == ["0", "1"]   # each worker saw its own GPU
     assert json.loads((single / "env.json").read_text())["placement"]["gpus"] == []
-    capped = local_eval(local_home, tmp_path / "capped", "--gpus", "3", "--prompts", "2", "--max-blocks", "1")
     assert capped.returncode == 0, capped.stdout + capped.stderr          # 3 GPUs, 2 prompts: 2 workers
     placed = json.loads((only_run(tmp_path / "capped") / "env.json").read_text())["placement"]
     assert placed["gpus"] == ["0", "1"]
@@ -88,10 +97,11 @@ def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
 
 
 def test_bad_gpus_is_one_red_line(local_home, tmp_path):
-    proc = local_eval(local_home, tmp_path / "runs", "--gpus", "0,0")
+    twice, every = (start_local_eval(local_home, tmp_path / "runs", "--gpus", spec) for spec in ("0,0", "all"))
+    proc = finished(twice)                                  # refused before any run starts: side by side
     assert proc.returncode != 0 and "a GPU id is listed twice" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr
-    proc = local_eval(local_home, tmp_path / "runs", "--gpus", "all")
+    proc = finished(every)
     assert proc.returncode != 0 and "no CUDA GPU" in proc.stdout + proc.stderr
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sidebyside import finished, started
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -56,12 +57,22 @@ def project(ssh_lab, embedded_pair, tmp_path_factory):
     return folder
 
 
-def dflash_ops(project: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+def start(project: Path, *args: str) -> subprocess.Popen:
     """The command as typed in the project folder (no flag, no environment variable for the files)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_OPS_")}
     env.update(COLUMNS="80", OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=project, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def dflash_ops(project: Path, *args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    return done(start(project, *args), expect)
+
+
+def done(started_proc: subprocess.Popen, expect: int = 0) -> subprocess.CompletedProcess:
+    """The command's end, checked: no traceback, the expected exit code; kept for the README."""
+    proc = finished(started_proc)
+    args = proc.args[3:]
     keep = os.environ.get("DFLASH_OPS_TOUR_OUT")
     if keep:
         with open(keep, "a") as f:
@@ -106,15 +117,19 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
     assert f"zlab → {zlab['id']} (the newest zlab run)" in out and f"v5 → {v5['id']} (the newest v5 run)" in out, out
 
     # runs of this checkpoint are found by every spelling of it
-    for spelling in ("v5:step20k", "v5:20000", "v5:step_20000"):
-        assert json.loads(dflash_ops(project, "show", spelling, "--json").stdout)["id"] == v5["id"]
+    shows = [start(project, "show", spelling, "--json") for spelling in ("v5:step20k", "v5:20000", "v5:step_20000")]
+    for show in shows:
+        assert json.loads(done(show).stdout)["id"] == v5["id"]
 
-    # an online eval and a 12-prompt eval are newer, and pair with no zlab run
+    # an online eval and a 12-prompt eval are newer, and pair with no zlab run (run side by side)
     before = set(runs(project))
-    dflash_ops(project, "eval", "--host", "ct129", "--prompts", "2", "--mode", "online")
-    (online,) = set(runs(project)) - before
-    dflash_ops(project, "eval", "--host", "ct129", "--prompts", "12", "--max-new-tokens", "32")
+    first = start(project, "eval", "--host", "ct129", "--prompts", "2", "--mode", "online")
+    online = started(project / "runs", first, ssh_lab.eval.root / "workdir" / "code", known=before)
+    second = start(project, "eval", "--host", "ct129", "--prompts", "12", "--max-new-tokens", "32")
+    done(first)
+    done(second)
     (twelve,) = set(runs(project)) - before - {online}
+    assert runs(project)[online]["mode"] == "online" and runs(project)[twelve]["prompts"] == 12
     out = flat(dflash_ops(project, "compare", "zlab", "v5").stdout)
     assert (f"v5 → {v5['id']} (the newest v5 run that pairs with {zlab['id']}; skipped newer: "
             f"{twelve} (prompts 12 vs 2, max_new_tokens 32 vs 256), {online} (mode online vs offline))") in out, out
