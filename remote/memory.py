@@ -168,11 +168,9 @@ def parse_target_devices(value: str) -> int | str:
     return n
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m remote.memory", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The plan's flags (remote.memory and remote.preflight): the worker's own spellings."""
     p.add_argument("--target", required=True)
-    p.add_argument("--drafter", required=True)
     p.add_argument("--suite", default="default")
     p.add_argument("--prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -180,6 +178,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
     p.add_argument("--target-devices", type=parse_target_devices, default=None)
     p.add_argument("--max-memory", type=float, default=None, metavar="GIB")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m remote.memory", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", required=True)
+    add_plan_arguments(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens, args.device,

@@ -12,27 +12,19 @@ import argparse
 import json
 
 from remote.inspect import inspect
-from remote.memory import DTYPE_BYTES, parse_target_devices
+from remote.memory import add_plan_arguments, plan_for_suite
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote.preflight", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("drafter")
-    p.add_argument("--target", required=True)
     p.add_argument("--verify-hashes", action="store_true")
-    p.add_argument("--suite", default="default")
-    p.add_argument("--prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
-    p.add_argument("--target-devices", type=parse_target_devices, default=None)
-    p.add_argument("--max-memory", type=float, default=None, metavar="GIB")
+    add_plan_arguments(p)
     args = p.parse_args(argv)
     report = inspect(args.drafter, args.target, verify_hashes=args.verify_hashes)
     plan = None
     if report["ok"]:
-        from remote.memory import plan_for_suite
         plan = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens,
                               args.device, args.dtype, args.target_devices, args.max_memory).to_dict()
     print(json.dumps({"inspect": report, "memory": plan}))
