@@ -121,6 +121,7 @@ def _wandb(params, metrics, artifacts, runs_root: Path, step, group) -> str:
             run.save(str(a), base_path=str(a.parent), policy="now")
     finally:
         run.finish()
+        wandb.teardown()    # wait for wandb's service to write the run out before this process moves on or exits
     return f"wandb ({mode}) {folder}"
 
 

@@ -299,15 +299,35 @@ def test_not_enough_space_is_refused_before_a_byte_moves(ssh_lab, tmp_path):
         subprocess.run([*ns, "umount", "-l", str(mnt)])
 
 
+def held_senders(src: Path) -> list:
+    """SIGSTOP the training host's ``ckpt_tool send`` processes of checkpoint ``src`` (the lab's
+    hosts share this machine's process table): the transfer stalls, its lock stays held."""
+    import psutil
+
+    held = []
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        if argv and os.path.basename(argv[0]).startswith("python") and "send" in argv and any(str(src) in a for a in argv):
+            p.send_signal(signal.SIGSTOP)
+            held.append(p)
+    assert held, "no sender found"
+    return held
+
+
 def test_concurrent_second_sync_refuses_or_waits_never_interleaves(env):
     src = env.ckpt(9, {"model.safetensors": 500, "config.json": b"{}\n"})
     box: dict = {}
     first = threading.Thread(target=lambda: box.setdefault("a", env.sync("9")))
     first.start()
     env.wait_part(9, "model.safetensors", 10 * MiB)
-    with pytest.raises(SyncError, match="another sync of step_9 holds"):
-        env.sync("9", lock_wait=1)
-    assert first.is_alive()
+    senders = held_senders(src)   # the first sync is held mid-file (it holds the lock) while the second asks
+    try:
+        with pytest.raises(SyncError, match="another sync of step_9 holds"):
+            env.sync("9", lock_wait=1)
+        assert first.is_alive()
+    finally:
+        for p in senders:
+            p.send_signal(signal.SIGCONT)
     waiter = threading.Thread(target=lambda: box.setdefault("b", env.sync("9", lock_wait=120)))
     waiter.start()
     first.join(120)

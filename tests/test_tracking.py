@@ -87,13 +87,16 @@ def test_wandb_offline_run_holds_the_metrics_and_the_artifacts(run_dir, monkeypa
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     runs = run_dir.parent
-    [where] = tracking.log_run(["wandb"], run_dir, runs, step=100, group="v5")
-    assert where.startswith("wandb (offline)")
-    [log] = (runs / "wandb").rglob("offline-run-*/run-*.wandb")
-    data = log.read_bytes()
+    for step in (100, 200):        # as `watch` logs one checkpoint after another in one process
+        [where] = tracking.log_run(["wandb"], run_dir, runs, step=step, group="v5")
+        assert where.startswith("wandb (offline)")
+    logs = sorted((runs / "wandb").rglob("offline-run-*/run-*.wandb"))
+    assert len(logs) == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert b"eval/tau_macro" in data and b"eval/acceptance_1" in data
-    assert repr(summary["tau_macro"]).encode()[:8] in data
-    files = log.parent / "files"
-    assert json.loads((files / "summary.json").read_text()) == summary
-    assert (files / "report.html").exists() and (files / "report.md").exists()
+    for log in logs:               # written out when log_run returns, not later by wandb's service
+        data = log.read_bytes()
+        assert b"eval/tau_macro" in data and b"eval/acceptance_1" in data
+        assert repr(summary["tau_macro"]).encode()[:8] in data
+        files = log.parent / "files"
+        assert json.loads((files / "summary.json").read_text()) == summary
+        assert (files / "report.html").exists() and (files / "report.md").exists()
