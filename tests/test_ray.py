@@ -124,6 +124,15 @@ def cluster_processes(group: int, temp_dir: str) -> list[int]:
     return sorted(found - {os.getpid()})
 
 
+def warm_up(address: str) -> None:
+    """One Ray Client connection before the tests' own: the head's first client server is the slow
+    one to start (imports), which the first test would otherwise pay on a busy machine."""
+    code = f"import ray; ray.init({address!r}, logging_level='ERROR'); ray.shutdown()"
+    for _ in range(3):
+        if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0:
+            return
+
+
 @contextlib.contextmanager
 def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     """``ray start --head --num-cpus 2 --num-gpus 2`` (run under ``prefix``, e.g. ``ip netns exec
@@ -133,7 +142,10 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     workdir = Path(temp_dir) / "work"
     shutil.copytree(Path(embedded_pair["target"]).parent, workdir / "embedded")
     client_port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+    # the head gives each Ray Client's server process 30 s to come up; a cold one on a loaded 2-core CI
+    # machine took longer (connect() also retries that once)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
     start = subprocess.Popen([*prefix, sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2",
                               "--num-gpus", "2", "--port", str(free_port()), "--ray-client-server-port", str(client_port),
                               "--node-ip-address", "127.0.0.1", "--include-dashboard=false", "--temp-dir",
@@ -144,6 +156,8 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     try:
         out, _ = start.communicate(timeout=180)
         assert start.returncode == 0, out
+        if not prefix:
+            warm_up(f"ray://127.0.0.1:{client_port}")
         yield {"address": f"ray://127.0.0.1:{client_port}", "workdir": workdir}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -150,13 +150,20 @@ def connect(host: "Host", inventory: "Inventory | None"):
         logging.getLogger("ray").setLevel(logging.WARNING)
         for name in ("ray._private.worker", "ray.util.client.logsclient"):   # said here, and echoed by the server
             logging.getLogger(name).addFilter(_not_main_thread_note)
-        try:
-            ray.init(address, namespace=NAMESPACE, runtime_env=runtime_env(), logging_level=logging.WARNING)
-        except Exception as e:  # noqa: BLE001 — grpc, timeouts, version mismatch: one line for the user
-            if tunnel:
-                tunnel.close()
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RayError(f"host {host.name}: cannot connect to the Ray cluster at {host.endpoint}: {why}") from None
+        for attempt in (1, 2):
+            try:
+                ray.init(address, namespace=NAMESPACE, runtime_env=runtime_env(), logging_level=logging.WARNING)
+                break
+            except Exception as e:  # noqa: BLE001 — grpc, timeouts, version mismatch: one line for the user
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                # A cold head starts a server process per client and gives it 30 s; on a slow node the
+                # first one can miss that (its imports are warm for the second)
+                if attempt == 1 and why.startswith("Initialization failure from server"):
+                    disconnect_client(ray)
+                    continue
+                if tunnel:
+                    tunnel.close()
+                raise RayError(f"host {host.name}: cannot connect to the Ray cluster at {host.endpoint}: {why}") from None
         _connection.update(host=host.name, tunnel=tunnel)
         return ray
 
@@ -165,6 +172,14 @@ def _not_main_thread_note(record: logging.LogRecord) -> bool:
     """Ray notes that it sets no SIGTERM handler when joined from a thread (pre-flight runs hosts
     in threads): true, and nothing for the user to act on."""
     return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def disconnect_client(ray) -> None:
+    """Drop a half-made Ray Client connection before trying again."""
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 — nothing was connected
+        pass
 
 
 def disconnect() -> None:
