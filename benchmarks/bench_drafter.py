@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from remote.drafter import DFlashDrafter, DrafterConfig, block_input_ids, init_weights
+from remote.drafter import DFlashDrafter, block_input_ids, init_weights
+from remote.drafter_config import DrafterConfig
 
 
 def per_anchor_loop(model, target_hidden, noise):

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from remote.drafter import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
+from remote.drafter_config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")

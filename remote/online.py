@@ -15,21 +15,14 @@ accepts the longest prefix of drafts equal to the target's argmax and adds the t
 (the bonus); sampling accepts by rejection sampling (:mod:`remote.sampling`). The cycle commits
 ``produced = min(accepted + 1, max_length - start - 1)`` tokens, fewer at a stop token.
 
-Target cache (transformers 5.x ``DynamicCache``; the forward kwarg is ``cache=``, ``past_key_values``
-is a deprecated alias). Attention layers hold per-position K/V and are cropped
-(``layer.crop(-n)`` removes the last ``n`` positions). Gated DeltaNet ``linear_attention`` layers
-(Qwen3.5/3.6) hold one recurrent state and a short conv state *for the whole prefix*: a verify
-forward over ``n`` tokens leaves them at position ``start + n`` and there is no per-position
-history to crop back to (``is_croppable`` is False; transformers' ``crop`` with past recording,
-which z-lab's ``dflash_generate`` relies on, rolls back only the conv state, so the reference is
-not lossless on hybrid targets). The scheme used here:
-
-* before every verify, :func:`snapshot_linear_states` clones each linear layer's conv and
-  recurrent state (small: independent of the sequence length);
-* after a partial accept (fewer tokens kept than verified), :func:`restore_linear_states` puts the
-  snapshot back, the attention K/V are cropped to the same point (before the verify), and the
-  kept tokens are re-forwarded once, which advances both kinds of layer exactly over the committed
-  tokens. Full accepts need no rollback. Pure-attention targets only crop, never re-forward.
+Target cache (:mod:`remote.target_cache`, which also passes it to the forward). Attention layers are
+cropped; Gated DeltaNet ``linear_attention`` layers (Qwen3.5/3.6) hold one state for the whole
+prefix, so on a hybrid target every verify is preceded by a :func:`checkpoint` of the linear layers,
+and a partial accept (fewer tokens kept than verified) is undone by :func:`rewind` and one
+re-forward of the kept tokens, which advances both kinds of layer exactly over the committed tokens. Full
+accepts need no rollback; pure-attention targets only crop, never re-forward. transformers' own
+``crop`` with past recording, which z-lab's ``dflash_generate`` relies on, rolls back only the conv
+state (before 5.25; on 5.25 it fails on Qwen3.5), so the reference is not lossless on hybrid targets.
 
 So a hybrid target costs one extra target forward per partial-accept cycle (counted in
 ``target_forwards``). The cycle that ends generation skips the rollback: nothing runs after it.
@@ -44,6 +37,7 @@ import torch
 from remote.drafter import block_input_ids
 from remote.sampling import GREEDY, Sampling, rejection_sample
 from remote.target import capture, features
+from remote.target_cache import checkpoint, crop_attention, forward, has_linear_layers, new_cache, rewind
 
 
 @dataclass
@@ -58,62 +52,6 @@ class SpecResult:
     acceptance_lengths: list[int]  # tokens committed per cycle, bonus included (1..verify_block)
     wall_s: float
     target_forwards: int           # prefill + verifies + hybrid rollback re-forwards
-
-
-# ----------------------------------------------------------------------------- target cache
-
-def new_cache(target):
-    """An empty ``DynamicCache`` laid out for the target (linear-attention layers where the config
-    has them)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    if any(getattr(layer, "is_sliding", False) for layer in cache.layers):
-        raise NotImplementedError("sliding-window attention layers cannot be cropped once past the window")
-    return cache
-
-
-def _is_linear(layer) -> bool:
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-    return isinstance(layer, LinearAttentionCacheLayerMixin)
-
-
-def has_linear_layers(cache) -> bool:
-    return any(_is_linear(layer) for layer in cache.layers)
-
-
-def crop_attention(cache, n: int) -> None:
-    """Drop the last ``n`` positions from every attention (K/V) layer; linear layers untouched."""
-    from transformers.cache_utils import DynamicLayer
-
-    if n <= 0:
-        return
-    for layer in cache.layers:
-        if _is_linear(layer):
-            if isinstance(layer, DynamicLayer):   # a layer holding both kinds of state
-                DynamicLayer.crop(layer, -n)
-            continue
-        layer.crop(-n)
-
-
-def snapshot_linear_states(cache) -> list:
-    """Clones of every linear-attention layer's conv and recurrent states. transformers updates
-    them in place (``copy_``, to keep static addresses), so references would not do."""
-    snap = []
-    for layer in cache.layers:
-        if _is_linear(layer):
-            conv = {i: s.clone() for i, s in layer.conv_states.items() if s is not None}
-            rec = {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None}
-            snap.append((layer, conv, rec))
-    return snap
-
-
-def restore_linear_states(snapshot: list) -> None:
-    for layer, conv, rec in snapshot:
-        for i, s in conv.items():
-            layer.conv_states[i].copy_(s)
-        for i, s in rec.items():
-            layer.recurrent_states[i].copy_(s)
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -141,11 +79,11 @@ def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_to
     _sync(device)
     t0 = time.perf_counter()
     cache = new_cache(target)
-    logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+    logits = forward(target, prompt_ids, cache, logits_to_keep=1).logits
     token = sampling.choose(logits[:, -1])[:, None]                      # [1, 1]
     output_ids = [int(token)]
     while len(output_ids) < max_new_tokens and output_ids[-1] not in stop:
-        logits = target(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = forward(target, token, cache, logits_to_keep=1).logits
         token = sampling.choose(logits[:, -1])[:, None]
         output_ids.append(int(token))
     _sync(device)
@@ -176,7 +114,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         hybrid = has_linear_layers(cache)
 
         # prefill: the prompt -> first token, and the drafter's context for positions 0..P-1
-        logits = target(input_ids=prompt_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = forward(target, prompt_ids, cache, logits_to_keep=1).logits
         target_forwards = 1
         token = sampling.choose(logits[:, -1])                           # [1], the token at `start`
         new_context, ctx_kv = features(store, layer_ids), None
@@ -195,9 +133,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             drafts = proposal.tokens.to(token.device)                      # [1, verify_size - 1]
 
             # verify: the token at `start` and the drafts, positions start..start+verify_size-1
-            snapshot = snapshot_linear_states(cache) if hybrid else None
+            mark = checkpoint(cache) if hybrid else None
             verify_ids = torch.cat([token[:, None], drafts], 1)
-            logits = target(input_ids=verify_ids, cache=cache, use_cache=True).logits
+            logits = forward(target, verify_ids, cache).logits
             target_forwards += 1
             if sampling.greedy:
                 posterior = logits[0].argmax(-1)                           # [verify_size]
@@ -225,9 +163,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
 
             # cache: keep exactly positions < start (verify_ids[:, :produced] of this verify)
             if hybrid and produced < verify_size:
-                restore_linear_states(snapshot)                          # rewind to the cycle's start ...
-                crop_attention(cache, verify_size)
-                target(input_ids=verify_ids[:, :produced], cache=cache, use_cache=True, logits_to_keep=1)
+                rewind(cache, mark, verify_size)                         # back to the cycle's start ...
+                forward(target, verify_ids[:, :produced], cache, logits_to_keep=1)
                 target_forwards += 1                                     # ... and re-forward the kept tokens
             else:
                 crop_attention(cache, verify_size - produced)

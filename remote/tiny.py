@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from remote.drafter import FULL, SLIDING, DFlashDrafter, DrafterConfig, init_weights
+from remote.drafter import DFlashDrafter, init_weights
+from remote.drafter_config import FULL, SLIDING, DrafterConfig
 from remote.target import guard_cpu_kernels, target_features
 from remote.train import Batch
 

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from remote.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
 from remote.compat import IncompatibleError, check_compatible, read_target_config
-from remote.drafter import SLIDING, block_input_ids
+from remote.drafter import block_input_ids
+from remote.drafter_config import SLIDING
 from remote.inspect import inspect
 from remote.tiny import tiny_drafter, tiny_drafter_config
 from tests.models import random_target

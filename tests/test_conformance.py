@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from remote.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
-from remote.drafter import SPECULATORS, LayerRule, anchor_layout, block_input_ids, dense_anchor_mask
+from remote.drafter import anchor_layout, block_input_ids, dense_anchor_mask
+from remote.drafter_config import SPECULATORS, LayerRule
 from remote.online import speculative_generate, target_decode
 from remote.sampling import Sampling
 from remote.target import target_features

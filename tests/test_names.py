@@ -81,7 +81,7 @@ WANT = {
             "inventory: inventory.yaml (from the current directory)",
     "training run": "unknown training run 'v6' (did you mean 'v5'?); known training runs: v5; "
                     "catalog: configs/drafters.yaml (from the current directory)",
-    "run": f"no run matches 'zlb' in runs (did you mean 'zlab'?); `dflash-ops runs` lists them",
+    "run": "no run matches 'zlb' in runs (did you mean 'zlab'?); `dflash-ops runs` lists them",
     "run checkpoint": "no run matches 'v5:step30k' in runs (did you mean 'v5:step_20000'?); "
                       "v5 has runs of step_10000, step_20000; `dflash-ops runs` lists them",
 }

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from remote import online
-from remote.online import (crop_attention, new_cache, restore_linear_states, snapshot_linear_states,
-                           speculative_generate, target_decode)
+from remote import target_cache
+from remote.online import speculative_generate, target_decode
+from remote.target_cache import checkpoint, crop_attention, forward, new_cache, rewind
 from remote.tiny import tiny_target, walk_batch
 from tests.models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
 
@@ -133,12 +134,12 @@ def test_budget_smaller_than_block(trained):
 
 def linear_states(cache):
     return [torch.cat([layer.conv_states[0].flatten(), layer.recurrent_states[0].flatten()])
-            for layer in cache.layers if online._is_linear(layer)]
+            for layer in cache.layers if target_cache.is_linear(layer)]
 
 
 def attention_kv(cache):
     return [torch.cat([layer.keys.flatten(), layer.values.flatten()])
-            for layer in cache.layers if not online._is_linear(layer)]
+            for layer in cache.layers if not target_cache.is_linear(layer)]
 
 
 @torch.inference_mode()
@@ -153,19 +154,18 @@ def test_hybrid_rollback_equals_fresh_forward_and_naive_crop_does_not():
     keep = 3
 
     fresh = new_cache(target)
-    target(input_ids=torch.cat([prompt, block[:, :keep]], 1), cache=fresh, use_cache=True)
+    forward(target, torch.cat([prompt, block[:, :keep]], 1), fresh)
 
     def after_verify():
         cache = new_cache(target)
-        target(input_ids=prompt, cache=cache, use_cache=True)
-        snap = snapshot_linear_states(cache)
-        target(input_ids=block, cache=cache, use_cache=True)
-        return cache, snap
+        forward(target, prompt, cache)
+        mark = checkpoint(cache)
+        forward(target, block, cache)
+        return cache, mark
 
-    ours, snap = after_verify()
-    restore_linear_states(snap)
-    crop_attention(ours, block.shape[1])
-    target(input_ids=block[:, :keep], cache=ours, use_cache=True)
+    ours, mark = after_verify()
+    rewind(ours, mark, block.shape[1])
+    forward(target, block[:, :keep], ours)
 
     naive, _ = after_verify()
     crop_attention(naive, block.shape[1] - keep)
@@ -178,7 +178,7 @@ def test_hybrid_rollback_equals_fresh_forward_and_naive_crop_does_not():
     assert all((a - b).abs().max() > 1e-2 for a, b in zip(linear_states(naive), linear_states(fresh)))
 
     nxt = block[:, keep:keep + 1]
-    logits = {name: target(input_ids=nxt, cache=c, use_cache=True).logits[0, -1]
+    logits = {name: forward(target, nxt, c).logits[0, -1]
               for name, c in (("fresh", fresh), ("ours", ours), ("naive", naive))}
     torch.testing.assert_close(logits["ours"], logits["fresh"], atol=1e-4, rtol=1e-4)
     assert (logits["naive"] - logits["fresh"]).abs().max() > 1e-2
