@@ -300,6 +300,10 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise CompareError(f"the same run is given twice: {', '.join(dup)} (labels resolve to run ids; "
                            "`dflash-ops runs` lists them)")
+    for r in runs:
+        why = r.invalid
+        if why:
+            raise CompareError(f"run {r.id} ({r.label}) is invalid, its τ is not a result: {why}")
     base = runs[0]
     mismatches, warnings = [], []
     for r in runs[1:]:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from remote import exits
 from remote.sglang import AUTH_ENV, split_credentials
 
 from .catalog import EMBEDDED
@@ -40,6 +41,13 @@ class RunUnfinished(EvalError):
     """Some shard was not followed to its end (contact lost); its worker keeps running."""
 
     exit_code = 4
+
+
+class InvalidRun(EvalError):
+    """A worker found its greedy online output differing from the target's own: no τ of the run is
+    a result (the rows are kept, the summary is marked invalid)."""
+
+    exit_code = 7
 
 
 def default_device(host: Host, req: EvalRequest) -> str | None:
@@ -492,6 +500,15 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
         raise RunUnfinished(f"not all shards finished; the workers keep running. Re-attach with: "
                             f"dflash-ops attach {record.id}")
     if outcome == "failed":
+        invalid = [s for s in record.shards if s.exit_code == exits.INVALID]
+        if invalid:
+            s = invalid[0]
+            summary = s.local_dir(record.folder) / "summary.json"
+            try:
+                why = json.loads(summary.read_text())["invalid"]["message"]
+            except (OSError, ValueError, KeyError, TypeError):
+                why = f"the worker reported invalid results ({summary} unreadable)"
+            raise InvalidRun(f"run {record.id} is invalid: on {s.label}, {why}")
         hosts = ", ".join(f"{s.label} (shard {s.index + 1}/{s.count}, state {s.state}, exit code {s.exit_code})"
                           if s.count > 1 else f"{s.label} (state {s.state}, exit code {s.exit_code})"
                           for s in record.shards if s.state != "done")

@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
+from remote.versions import TRANSFORMERS_TESTED, transformers_problem, transformers_status
+
 from .errors import DflashOpsError, OperationFailed
 from .inventory import Host, Inventory
 from .transport import CommandTimeout, TransportError, runner_for
@@ -65,6 +67,15 @@ def _fill(report: HostReport, host: Host, data: dict) -> None:
     report.torch, report.transformers, report.fla = pk.get("torch"), pk.get("transformers"), pk.get("fla")
     if not report.torch:
         report.errors.append(f"torch is not installed for {host.python}")
+    if report.transformers:
+        status = transformers_status(report.transformers)
+        if status == "unsupported" and "eval" in host.roles:
+            report.errors.append(transformers_problem(report.transformers))
+        elif status == "untested" and "eval" in host.roles:
+            report.warnings.append(f"transformers {report.transformers} is not a version CI tests (tested: "
+                                   f"{', '.join(TRANSFORMERS_TESTED)}); each eval's pre-flight self-test checks "
+                                   f"its decoding first")
+        report.transformers = f"{report.transformers} ({status})"
     tc = data.get("torch_cuda")
     if tc:
         if tc.get("available"):

@@ -155,6 +155,19 @@ class EvalRun:
             self._metrics = compute_metrics(self.results, self.block_size, self.mode, self.max_length)
         return self._metrics
 
+    @property
+    def invalid(self) -> Optional[str]:
+        """Why no τ of this run is a result (a greedy online row that diverged from the target's
+        own output other than at a near-tie), from summary.json or the rows; None for a valid run."""
+        marked = (self.summary or {}).get("invalid")
+        if isinstance(marked, dict):
+            return str(marked.get("message") or "marked invalid")
+        for row in self.results:
+            d = row.get("divergence")
+            if isinstance(d, dict) and not d.get("near_tie"):
+                return f"prompt {row.get('id')} diverged from the target's greedy output at {d.get('describe')}"
+        return None
+
     def sort_key(self) -> tuple:
         return (self.created_at, self.id)
 

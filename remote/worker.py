@@ -12,8 +12,11 @@ Defaults follow z-lab's benchmark: thinking off (``--thinking on`` to enable), s
 Sampled runs seed torch's generator per prompt from ``--seed`` and the prompt id, so a resumed or
 sharded run draws the same numbers for the same prompt.
 
-Exit status: 0 done, 1 a check failed (drafter/target mismatch, bad prompts, SGLang down),
-2 bad usage (missing folders, ...), 3 an unexpected error during the run (finished prompts kept).
+Exit status (:mod:`remote.exits`): 0 done, 1 a check failed (drafter/target mismatch, bad prompts,
+a transformers the host must not decode with, SGLang down), 2 bad usage (missing folders, ...), 3 an
+unexpected error during the run (finished prompts kept), 4 invalid results: a greedy online output
+differs from the target's own greedy output other than at a near-tie (the row is kept with its
+``divergence``, the run stops there and ``summary.json`` says ``invalid`` and carries no τ).
 """
 from __future__ import annotations
 
@@ -27,12 +30,13 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from remote import exits
 from remote.memory import parse_target_devices
 from remote.offline import DEFAULT_BUDGETS, MAX_BUDGET
 
 
 class WorkerError(Exception):
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = exits.CHECK_FAILED):
         super().__init__(message)
         self.code = code
 
@@ -193,7 +197,7 @@ def preflight(args) -> None:
 
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
         if not Path(value).expanduser().is_dir():
-            raise WorkerError(f"{flag} {value}: no such folder", code=2)
+            raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
     report = inspect(args.drafter, args.target, args.block_size)
     if not report["ok"]:
         raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(report["problems"]))
@@ -222,7 +226,7 @@ def run(args) -> dict:
     out = Path(args.out)
     results_path = out / "results.jsonl"
     if results_path.exists() and results_path.stat().st_size and not args.resume:
-        raise WorkerError(f"{results_path} already has results: pass --resume to continue it, or use another --out", 2)
+        raise WorkerError(f"{results_path} already has results: pass --resume to continue it, or use another --out", exits.USAGE)
     out.mkdir(parents=True, exist_ok=True)
     finished = read_finished(results_path) if args.resume else []
     done_ids = {r["id"] for r in finished}
@@ -232,8 +236,12 @@ def run(args) -> dict:
     from remote.checkpoint import load_drafter
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", 2)
+        raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    from remote.preflight import runtime_problems
+    problems = runtime_problems(args.target, device)
+    if problems:
+        raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(problems))
     from remote.memory import check as memory_check
     plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
                         args.target_devices, args.max_memory)
@@ -245,7 +253,7 @@ def run(args) -> dict:
         import importlib.util
         if importlib.util.find_spec("accelerate") is None:
             raise WorkerError(f"--target-devices {args.target_devices}: splitting the target needs accelerate in "
-                              f"{sys.executable} (pip install --no-deps accelerate psutil)", 2)
+                              f"{sys.executable} (pip install --no-deps accelerate psutil)", exits.USAGE)
     log(f"loading target {args.target} on {', '.join(devices) if devices else device} ({dtype})")
     emit("phase", phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
     target = load_target(args.target, device, dtype, devices=devices,
@@ -289,8 +297,11 @@ def run(args) -> dict:
 
     emit("start", prompts=len(rows_to_do), done=len(done_ids), mode=args.mode)
     rows = list(finished)
+    invalid = next((reason for reason in map(invalid_reason, finished) if reason), None)
     with open(results_path, "a") as results:
         for index, row in enumerate(rows_to_do):
+            if invalid:
+                break
             if row.id in done_ids:
                 continue
             t0 = time.perf_counter()
@@ -307,16 +318,40 @@ def run(args) -> dict:
             shown = result["tau"] if "expected" not in result else result["expected"]["expected_tau"]
             log(f"{row.id}: {result['cycles']} cycles, {'expected ' if extra else ''}tau "
                 f"{'n/a' if shown is None else f'{shown:.2f}'} ({time.perf_counter() - t0:.1f}s)")
+            invalid = invalid_reason(result)
 
     from remote.metrics import summarize
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     summary = summarize(rows, drafter.block_size, args.mode, max_length=drafter.config.verify_block)
+    if invalid:
+        summary = invalidated(summary, invalid)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     env["finished_at"] = now()
     (out / "env.json").write_text(json.dumps(env, indent=2))
+    if invalid:
+        raise WorkerError(invalid["message"], exits.INVALID)
     emit("end", summary=summary)
     return summary
+
+
+def invalid_reason(row: dict) -> dict | None:
+    """``summary.json``'s ``invalid`` when ``row`` diverged from the target's greedy output other than
+    at a near-tie: no τ measured on such a run is a result."""
+    d = row.get("divergence")
+    if not d or d["near_tie"]:
+        return None
+    turn = f" (turn {d['turn'] + 1})" if "turn" in d else ""
+    return {"prompt": row["id"], **d,
+            "message": f"greedy online output differs from the target's own greedy output on prompt {row['id']}"
+                       f"{turn} at {d['describe']}: speculative decoding is not exact on this host, so no τ of this "
+                       f"run is a result (rows kept in results.jsonl; summary.json is marked invalid)"}
+
+
+def invalidated(summary: dict, invalid: dict) -> dict:
+    """The summary of an invalid run: every τ and rate removed, the reason and the rows' count kept."""
+    keep = ("mode", "block_size", "prompts", "responses")
+    return {**{k: summary[k] for k in keep if k in summary}, "invalid": invalid}
 
 
 THINKING = {"default": None, "on": True, "off": False}
@@ -327,9 +362,10 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
     import torch
     from remote.metrics import row_stats
     from remote.offline import evaluate_offline
-    from remote.online import speculative_generate, target_decode
+    from remote.online import first_divergence, speculative_generate, target_decode
 
     device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
     sampling = args.sampling
     turn_stats: list[dict] = []
     if not sampling.greedy:
@@ -340,9 +376,11 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
         if args.mode == "online":   # the baseline first, as z-lab's benchmark runs them
             base = target_decode(target, ids, args.max_new_tokens, stops, sampling)
             spec = speculative_generate(target, drafter, ids, args.max_new_tokens, stops, sampling)
+            divergence = first_divergence(spec.output_ids, base, str(dtype).replace("torch.", "")) \
+                if sampling.greedy else None
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
-                               "target_wall_s": base.wall_s,
-                               "lossless": spec.output_ids == base.output_ids if sampling.greedy else None})
+                               "target_wall_s": base.wall_s, "divergence": divergence,
+                               "lossless": divergence is None if sampling.greedy else None})
             return spec.output_ids
         if client is not None:
             return client.generate(prompt_ids, args.max_new_tokens, stops, sampling)
@@ -376,6 +414,12 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
         result["wall_s"] = sum(s["wall_s"] for s in turn_stats)
         result["target_wall_s"] = sum(s["target_wall_s"] for s in turn_stats)
         result["lossless"] = all(s["lossless"] for s in turn_stats) if sampling.greedy else None
+        first = next(((t, s["divergence"]) for t, s in enumerate(turn_stats) if s.get("divergence")), None)
+        if first:
+            t, d = first
+            result["divergence"] = {**({"turn": t} if len(turn_stats) > 1 else {}), "position": d.position,
+                                    "ours": d.ours, "target": d.target, "margin": d.margin,
+                                    "near_tie": d.near_tie, "describe": d.describe()}
     return result
 
 

@@ -50,6 +50,8 @@ def test_hosts_json_and_hosts_check_json(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     (report,) = json.loads(res.stdout)
     assert report["name"] == "local" and report["ok"] and report["torch"]
+    import transformers
+    assert report["transformers"] == f"{transformers.__version__} (tested)"   # CI installs a tested version
 
 
 @pytest.mark.parametrize("args, code, message", [

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hostpython import host_python
 
 from orchestrator.inventory import InventoryError, parse_inventory
 
@@ -34,8 +35,7 @@ def test_tilde_paths_live_in_the_login_home_on_the_host(ssh_lab, embedded_pair, 
     strays = [home / "~", Path.cwd() / "~", REPO / "~"]
     before = {p: p.exists() for p in strays}
     try:
-        (home / f"dfl-py-{tag}").mkdir()
-        (home / f"dfl-py-{tag}" / "python").symlink_to(sys.executable)
+        host_python(home / f"dfl-py-{tag}" / "python")
         shutil.copytree(Path(embedded_pair["target"]).parent, home / f"dfl-work-{tag}" / "embedded")
         run = f"r{tag}"
         src = home / f"dfl-train-{tag}" / run / "step_5"

@@ -12,6 +12,7 @@ from remote.target_cache import checkpoint, crop_attention, forward, new_cache, 
 from remote.tiny import tiny_target, walk_batch
 from tests.models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
 
+pytestmark = pytest.mark.exactness
 KINDS = ["qwen3", "qwen3_5"]
 NEW = 48
 

@@ -63,6 +63,7 @@ def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pai
     assert "--all-anchors" in env["command"]
 
 
+@pytest.mark.exactness
 def test_online_equals_offline_per_cycle_and_is_lossless(offline_run, embedded_pair, tmp_path):
     out, _ = offline_run
     proc = worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 3,

@@ -205,8 +205,10 @@ class Watcher:
                 self.state.mark(p, "waiting", reason=str(e))
             return False
         except DflashOpsError as e:
-            with self.lock:
-                self.state.failed(p, str(e), self.opts.max_attempts)
+            from ..evaluate import InvalidRun
+
+            with self.lock:   # an invalid run is not retried: the same host decodes the same way again
+                self.state.failed(p, str(e), 1 if isinstance(e, InvalidRun) else self.opts.max_attempts)
             self.say("warn", f"{name}: failed (attempt {p.attempts} of {self.opts.max_attempts}): {e}")
             return False
         with self.lock:
@@ -291,6 +293,8 @@ class Watcher:
                 import json
 
                 summary = json.loads((self.runs_root / b["eval_run"] / "summary.json").read_text())
+                if summary.get("invalid"):
+                    raise DflashOpsError(f"baseline run {b['eval_run']} is invalid: {summary['invalid'].get('message')}")
             else:
                 summary = self._evaluate(None, label, self.opts.hosts[0],
                                          lambda rid: self._set_baseline(label=label, status="evaluating", eval_run=rid))
