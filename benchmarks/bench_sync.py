@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import sshlab  # noqa: E402
 
-from orchestrator.catalog import parse_catalog  # noqa: E402
-from orchestrator.inventory import load_inventory  # noqa: E402
+from orchestrator.config.catalog import parse_catalog  # noqa: E402
+from orchestrator.config.inventory import load_inventory  # noqa: E402
 from orchestrator.sync import sync_checkpoint  # noqa: E402
 from remote.checkpoint import sha256_file as sha256  # noqa: E402
 

@@ -93,7 +93,7 @@ class DraftTable:
 
     def _context_kv(self) -> list:
         """K/V of the fused context at every position: they do not depend on the anchor, so one
-        projection serves every chunk (the seed harness re-projected ``[:p]`` for every anchor)."""
+        projection serves every chunk (rather than re-projecting ``[:p]`` for every anchor)."""
         if self.ctx_kv is None:
             d, th = self.drafter, self.target_hidden
             positions = torch.arange(th.shape[1], device=th.device)[None]

@@ -1,5 +1,5 @@
 """A host's `python` for fault-injection tests: ``faultpy.py SPEC -c CODE ARGS...`` runs
-``python -c CODE ARGS...`` (how the orchestrator starts ckpt_tool on a host) with pause points
+``python -c CODE ARGS...`` (how the orchestrator starts sync_host on a host) with pause points
 planted in it, so a test can put a real fault (SIGKILL, a cut link, a full disk) at an exact point
 of a real sync. The inventory names a two-line shell script that execs this; nothing in the product
 knows about it.
@@ -71,7 +71,7 @@ def main() -> None:
     if argv[0] != "-c":
         raise SystemExit("faultpy: expected SPEC [-S] -c CODE ARGS")
     code, args = argv[1], argv[2:]
-    plant(spec, args)                # args[0] is the tool itself (ckpt_tool's bootstrap pops it)
+    plant(spec, args)                # args[0] is the tool itself (sync_host's bootstrap pops it)
     sys.argv = ["-c", *args]
     exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
 

@@ -1,4 +1,4 @@
-"""Decoding settings on the orchestrator side (issue 10): eval's sampling flags and their checks,
+"""Decoding settings on the orchestrator side: eval's sampling flags and their checks,
 the settings as pairing keys of `compare`, published rows by temperature, and what reports and
 comparisons show of tau_sglang, tau_macro_turns, the expected τ at T > 0 and sample_from_anchor
 runs. Synthetic run folders (tests/runfixtures.py); the real runs are tests/test_variants_e2e.py."""
@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.compare import PUBLISHED_FILE, find_benchmark, load_published
-from orchestrator.evaluate import MAX_DDTREE_BUDGET, worker_args
-from orchestrator.inventory import builtin_local
-from orchestrator.runrecord import EvalRequest, Shard
+from orchestrator.reports.compare import PUBLISHED_FILE, find_benchmark, load_published
+from orchestrator.eval.pipeline import MAX_DDTREE_BUDGET, worker_args
+from orchestrator.config.inventory import builtin_local
+from orchestrator.runs.record import EvalRequest, Shard
 from remote.metrics import summarize
 from runfixtures import make_run, md_table_values, read_rows
 

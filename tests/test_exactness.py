@@ -1,6 +1,5 @@
-"""Exact decoding on the transformers a host has (issue: a release changed the hybrid cache and
-online τ quietly fell from 4.2 to 1.1): the rollback's self-test, the supported range, and a greedy
-online run that is not lossless ending as an error, never as a result."""
+"""Exact decoding on the transformers a host has: the rollback's self-test, the supported range,
+and a greedy online run that is not lossless ending as an error, never as a result."""
 from __future__ import annotations
 
 import json

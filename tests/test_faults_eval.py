@@ -1,4 +1,4 @@
-"""Fault injection for `dflash-ops eval` on the SSH lab (issue 13): a real fault at an exact point
+"""Fault injection for `dflash-ops eval` on the SSH lab: a real fault at an exact point
 of a real eval, then `eval --resume RUN`; after it every prompt of the suite is in the run's
 results exactly once, in suite order, and the resumed worker redid no finished prompt.
 

@@ -2,7 +2,7 @@
 then a plain rerun; after it every byte is identical and the rerun sent exactly what had not yet
 arrived (nothing verified is sent again, a partial file resumes from its end).
 
-Faults: kill the local process (SIGKILL), kill the remote side (SIGKILL every ckpt_tool process of
+Faults: kill the local process (SIGKILL), kill the remote side (SIGKILL every sync_host process of
 the sync on both hosts), drop the link (`ip link set down` on the eval host's veth), fill the
 destination disk (a tmpfs). Points: before the first byte (lock held, staging made), mid-transfer
 (the first file verified, the second 1 MiB in), between verification and the final rename (the lock
@@ -33,8 +33,8 @@ LINK_DOWN_S = 8.0
 
 DRIVER = """
 import json, sys
-from orchestrator.catalog import parse_catalog
-from orchestrator.inventory import load_inventory
+from orchestrator.config.catalog import parse_catalog
+from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, sync_checkpoint
 inv, cat, run, name, opts = sys.argv[1:6]
 try:

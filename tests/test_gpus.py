@@ -13,7 +13,7 @@ import pytest
 from sidebyside import finished, started
 
 from orchestrator.errors import InputError
-from orchestrator.placement import host_gpu_ids, parse_gpus
+from orchestrator.eval.placement import host_gpu_ids, parse_gpus
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("id", "prompt_ids", "output_ids", "acceptance_lengths")

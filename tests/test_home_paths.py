@@ -1,6 +1,6 @@
-"""`~` in inventory and catalog paths means the login user's home on that host (issue 13, item 7):
-sync, ckpts, hosts check and eval find and create their files there, and nothing named `~` appears.
-Before, every command quoted `~` literally and `ckpt_tool hold` created a folder called `~`."""
+"""`~` in inventory and catalog paths means the login user's home on that host:
+sync, ckpts, hosts check and eval find and create their files there, and nothing named `~` appears
+(a `~` quoted literally would make a folder called `~`)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from hostpython import host_python
 
-from orchestrator.inventory import InventoryError, parse_inventory
+from orchestrator.config.inventory import InventoryError, parse_inventory
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Host keys on both paths (issue 13, items 3 and 10), against real sshd hosts of the lab:
+"""Host keys on both paths, against real sshd hosts of the lab:
 
 - a known_hosts file with ``@cert-authority`` and ``@revoked`` lines keeps working (the plain
   entries are used, the CA lines skipped with a warning) and a revoked key is refused on both paths;
@@ -23,8 +23,8 @@ import pytest
 from typer.testing import CliRunner
 
 import sshlab
-from orchestrator.catalog import parse_catalog
-from orchestrator.inventory import load_inventory
+from orchestrator.config.catalog import parse_catalog
+from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, sync_checkpoint
 from orchestrator.transport import HostKeyError, endpoint_for, runner_for
 from test_sync import MiB, identical, write_file

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.inventory import InventoryError, load_inventory
+from orchestrator.config.inventory import InventoryError, load_inventory
 from orchestrator.transport import runner_for
 
 REPO = Path(__file__).resolve().parents[1]

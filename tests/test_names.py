@@ -13,7 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.paths import shipped
+from orchestrator.config.paths import shipped
 from runfixtures import make_run
 
 pytestmark = pytest.mark.timeout(120)
@@ -173,7 +173,7 @@ def test_output_fits_80_columns_with_ids_whole(project, args):
 
 
 def test_eval_default_drafter_from_the_catalog(project):
-    from orchestrator.resolve import Resolver
+    from orchestrator.names import Resolver
 
     names = Resolver()
     ct129 = names.host("ct129", role="eval")

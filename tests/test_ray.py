@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.inventory import InventoryError, parse_inventory
+from orchestrator.config.inventory import InventoryError, parse_inventory
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("id", "prompt_ids", "output_ids", "acceptance_lengths")
@@ -53,7 +53,7 @@ def test_ray_inventory_entries(tmp_path):
 
 def test_ray_is_not_loaded_until_a_ray_host_is_used():
     code = ("import sys\nfrom orchestrator import evaluate, hostcheck\nfrom orchestrator.cli import app\n"
-            "assert 'ray' not in sys.modules and 'orchestrator.backends.ray' not in sys.modules\n"
+            "assert 'ray' not in sys.modules and 'orchestrator.eval.ray' not in sys.modules\n"
             "import remote.ray_task\nassert 'ray' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

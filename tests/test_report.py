@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.report import write_report
-from orchestrator.runs import RunError, list_runs, resolve
+from orchestrator.reports.report import write_report
+from orchestrator.runs.folders import RunError, load_runs, resolve
 from runfixtures import check_self_contained_html, make_run, md_table_values, read_rows, recompute
 
 pytestmark = pytest.mark.timeout(240)
@@ -111,7 +111,7 @@ def test_resolve_labels(runs):
         resolve("zlb", runs)
     with pytest.raises(RunError, match=r"did you mean 'v5:step20k'"):
         resolve("v5:step2k", runs)
-    assert [r.id for r in list_runs(runs)][0] == "20261201-1000-zlab-ct129"
+    assert [r.id for r in load_runs(runs)][0] == "20261201-1000-zlab-ct129"
 
 
 def test_runs_command_lists_and_filters(runs):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.catalog import CatalogError, parse_catalog
-from orchestrator.inventory import load_inventory
+from orchestrator.config.catalog import CatalogError, parse_catalog
+from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, list_checkpoints, sync_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -300,7 +300,7 @@ def test_not_enough_space_is_refused_before_a_byte_moves(ssh_lab, tmp_path):
 
 
 def held_senders(src: Path) -> list:
-    """SIGSTOP the training host's ``ckpt_tool send`` processes of checkpoint ``src`` (the lab's
+    """SIGSTOP the training host's ``sync_host send`` processes of checkpoint ``src`` (the lab's
     hosts share this machine's process table): the transfer stalls, its lock stays held."""
     import psutil
 

@@ -1,6 +1,6 @@
 """The sync data path's performance choices keep their guarantees: senders that hash a file cache
 its sha256 on the source themselves (in parallel, none losing another's entry), the tool runs
-without site-packages, and the cipher order follows this machine's CPU. Real `ckpt_tool.py`
+without site-packages, and the cipher order follows this machine's CPU. Real `sync_host.py`
 processes; the throughput itself is measured by benchmarks/bench_sync.py."""
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.inventory import Host
+from orchestrator.config.inventory import Host
 from orchestrator.sync import relay
 from orchestrator.sync.tool import tool_argv
 
-TOOL = Path(__file__).resolve().parents[1] / "remote" / "ckpt_tool.py"
+TOOL = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
 
 
 def send(path: Path, cache: Path) -> subprocess.Popen:

@@ -1,7 +1,7 @@
-"""`ckpt_tool recv` writes what arrives straight to disk (O_DIRECT where the file system takes it,
+"""`sync_host recv` writes what arrives straight to disk (O_DIRECT where the file system takes it,
 whole blocks, the unaligned tail kept for the next write): whatever the stream's pieces and pauses
 and wherever a resume starts, the .part holds exactly the bytes that arrived once the stream
-pauses, and the file ends identical. A real `ckpt_tool.py` process on real file systems."""
+pauses, and the file ends identical. A real `sync_host.py` process on real file systems."""
 from __future__ import annotations
 
 import fcntl
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "remote" / "ckpt_tool.py"
+TOOL = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
 TOKEN = "t" * 32
 
 

@@ -1,4 +1,4 @@
-"""`dflash-ops watch` (issue 11): selection, state and lock, and on the SSH lab a fake training
+"""`dflash-ops watch`: selection, state and lock, and on the SSH lab a fake training
 process writing checkpoints of the embedded drafter while `watch` syncs and evaluates each one
 exactly once, never a half-written one, surviving kills; the trajectory renders in Chromium."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ def init_cmd(
     force: bool = typer.Option(False, "--force", help="Replace files that exist."),
 ):
     """Write a commented inventory and catalog to edit (default: $XDG_CONFIG_HOME/dflash-ops/)."""
-    from ..paths import write_templates
+    from ..config.paths import write_templates
 
     out = console.out()
     for path in write_templates(directory, force):
@@ -36,7 +36,7 @@ def config_cmd(
 ):
     """Which inventory, catalog and runs folder a command run here uses, and by which rule: the
     flag, the environment variable, the current directory, then the user config folder."""
-    from ..paths import cache_dir
+    from ..config.paths import cache_dir
 
     names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
     inv, cat = names.inventory, names.catalog       # read them: a broken file fails here, with its line

@@ -80,7 +80,7 @@ class _Progress:
 def _follow_and_finish(record, jobs, out) -> None:
     """Follow the run, then merge, report and summarize it; Ctrl-C detaches (exit 130) and says
     what is true at that moment."""
-    from ..evaluate import follow
+    from ..eval.pipeline import follow
 
     progress = _Progress(record, out)
     try:
@@ -97,7 +97,7 @@ def _follow_and_finish(record, jobs, out) -> None:
 
 def _finish(record, jobs, out) -> None:
     """Merge, report and summarize a followed run (the failed shards' logs first when it failed)."""
-    from ..evaluate import EvalError, failed_logs, finish
+    from ..eval.pipeline import EvalError, failed_logs, finish
 
     try:
         summary, (_, html_path) = finish(record)
@@ -124,10 +124,10 @@ def _finish(record, jobs, out) -> None:
     out.print(f"report:  {escape(str(html_path))}")
 
 
-def _located(names, choice, host, sync: bool, out, err):
+def _locate_or_sync(names, choice, host, sync: bool, out, err):
     """A training-run drafter's checkpoint on ``host``; one only on the training host is synced
     with ``--sync`` (or when the user says yes), else refused with the command that syncs it."""
-    from ..resolve import NotSynced
+    from ..names import NotSynced
     from .sync import run_sync
 
     with err.status(f"{host.name}: connecting, looking for the checkpoints of training run {choice.run.name} ..."):
@@ -196,9 +196,9 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..evaluate import check_request, check_sglang_option, start
-    from ..placement import parse_gpus
-    from ..runrecord import EvalRequest, RunRecord
+    from ..eval.pipeline import check_request, check_sglang_option, start
+    from ..eval.placement import parse_gpus
+    from ..runs.record import EvalRequest, RunRecord
 
     out, err = console.out(), console.err()
     names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
@@ -206,7 +206,7 @@ def eval_cmd(
         raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
-    from ..tracking import check_trackers
+    from ..reports.tracking import check_trackers
 
     trackers = check_trackers(log_to)
     check_sglang_option(sglang)
@@ -221,7 +221,7 @@ def eval_cmd(
         hosts = [names.host(h, role="eval") for h in host]
         choice = names.drafter(drafter, hosts[0], target)
         if choice.run:
-            choice = _located(names, choice, hosts[0], sync, out, err)
+            choice = _locate_or_sync(names, choice, hosts[0], sync, out, err)
         (err if as_json else out).print(escape(choice.statement(hosts[0].name)))
         req = EvalRequest(hosts=[h.name for h in hosts], drafter=choice.resolved, target=choice.target, suite=suite,
                           prompts=prompts or None, mode=mode, max_new_tokens=max_new_tokens, max_blocks=max_blocks,
@@ -253,7 +253,7 @@ def eval_cmd(
     out.print(f"run [bold]{record.id}[/] started on {record.host}")
     _follow_and_finish(record, jobs, out)
     if trackers:
-        from ..tracking import log_run
+        from ..reports.tracking import log_run
 
         for where in log_run(trackers, record.folder, record.folder.parent):
             out.print(f"logged to {escape(where)}")
@@ -265,7 +265,7 @@ RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its ne
 def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
-    from ..evaluate import jobs_of
+    from ..eval.pipeline import jobs_of
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
@@ -279,7 +279,7 @@ def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     """Stop a run's workers (finished prompts stay on the host; `eval --resume RUN` continues)."""
     import json
 
-    from ..evaluate import cancel
+    from ..eval.pipeline import cancel
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
@@ -292,7 +292,7 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Teacher-forced per-position accuracy of the run's checkpoint computed the training way
     (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions."""
-    from ..parity import ParityError, run_parity
+    from ..eval.parity import ParityError, run_parity
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("done",), need="results.jsonl")
@@ -303,7 +303,7 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     acc, tau = report["accuracy"], report["tau_estimate"]
     rows = [[str(k + 1), *(f"{acc[m][k]:.3f}" for m in paths)] for k in range(len(acc["training"]))]
     rows.append(["τ est.", *(f"{tau[m]:.2f}" for m in paths)])
-    head = ["slot k", "training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (seed bug)"]
+    head = ["slot k", "training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (one token too many)"]
     out.print(console.table(f"parity {record.id}: teacher-forced accuracy over {report['anchors']} anchors", head, rows,
                             right=head))
     if not report["agree"]:

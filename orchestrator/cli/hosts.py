@@ -44,7 +44,7 @@ def hosts_check(
 
     from rich.markup import escape
 
-    from ..hostcheck import HostCheckFailed, check_hosts
+    from ..eval.hostcheck import HostCheckFailed, check_hosts
 
     resolver = context_names(ctx)
     inv = resolver.inventory

@@ -23,11 +23,11 @@ def runs_cmd(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """List runs: id, drafter:checkpoint, target, mode, suite, prompts, decoding settings, τ, host, date, status."""
-    from ..runs import filter_runs, run_rows
+    from ..runs.folders import run_rows, select_runs
 
     names = context_names(ctx, runs_dir=runs_dir)
     d = names.runs_root
-    rows = run_rows(filter_runs(names.filter_runs(drafter, host), suite=suite, status=status))
+    rows = run_rows(select_runs(names.runs_of(drafter, host), suite=suite, status=status))
     if as_json:
         console.print_json(rows)
         return
@@ -59,8 +59,8 @@ def show_cmd(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Print a run's summary and the paths of its report (written if missing or stale)."""
-    from ..render import fnum
-    from ..report import current_report, run_warnings, summary_rows
+    from ..reports.render import fnum
+    from ..reports.report import current_report, run_warnings, summary_rows
     r = context_names(ctx, runs_dir=runs_dir).eval_run(run)
     md_path, html_path = current_report(r, rewrite)
     m = r.metrics
@@ -98,7 +98,7 @@ def compare_cmd(
     """Pair runs prompt by prompt and compare them with the first: τ, per-position acceptance,
     DDTree, win/tie/loss, paired-bootstrap CIs and p-values. For a label, the newest runs that pair
     with the others are picked (and named, with why). Exit code 3 when no runs pair."""
-    from ..compare import (category_rows, compare_labels, difference_rows, env_warning_lines, per_position_rows,
+    from ..reports.compare import (category_rows, compare_labels, difference_rows, env_warning_lines, per_position_rows,
                            refusal, side_by_side, stats_note)
 
     names = context_names(ctx, runs_dir=runs_dir)

@@ -43,7 +43,7 @@ class _SyncBars:
 
 
 def _print_plan(out, plan, typed: str | None = None) -> None:
-    from ..render import human_bytes
+    from ..reports.render import human_bytes
 
     if typed:
         out.print(escape(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
@@ -66,7 +66,7 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
              dry_run: bool = False, direct: bool | None = None, lock_wait: float = 60.0):
     """One sync with its plan, progress bars (on a terminal) and result line; `sync-ckpt` and
     `eval --sync` both run it."""
-    from ..render import human_bytes
+    from ..reports.render import human_bytes
     from ..sync import sync_checkpoint
 
     err, out = console.err(), console.out()
@@ -119,7 +119,7 @@ def ckpts_cmd(
     from dataclasses import asdict
     from datetime import datetime
 
-    from ..render import human_bytes
+    from ..reports.render import human_bytes
     from ..sync import list_checkpoints
 
     names = context_names(ctx, catalog=catalog)

@@ -105,7 +105,7 @@ def watch_cmd(
     checkpoint, evaluate it with the same settings every time, append it to the trajectory
     (runs/watch-RUN/trajectory.html)."""
     from ..errors import InputError
-    from ..tracking import check_trackers
+    from ..reports.tracking import check_trackers
     from ..watch import WatchOptions, Watcher
 
     if mode not in ("offline", "online"):

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..catalog import Catalog, CatalogError, TrainingRun
-from ..inventory import Host, Inventory, InventoryError
+from ..config.catalog import Catalog, CatalogError, TrainingRun
+from ..config.inventory import Host, Inventory, InventoryError
 from ..transport import TransportError, runner_for
 from .plan import dest_rundir
 from .tool import SyncError, run_tool
 
 
-def list_runs(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
+def host_checkpoints(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
     """The tool's listing of each run's checkpoint folders under ``root_for(run)`` on ``host``
     (``host``'s paths already expanded there: :meth:`Host.on_host`)."""
     args: list[str] = ["list", host.checkpoints or "/"]
@@ -46,14 +46,14 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
     warnings: list[str] = []
     with runner_for(src, inv) as srun:
         src = src.on_host(srun.expand_home)
-        listing = list_runs(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
+        listing = host_checkpoints(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
     there: dict | None = None
     try:
         dst = inv.pick("eval", dst_name)
         if dst.checkpoints:
             with runner_for(dst, inv, connect_timeout=10) as drun:
                 dst = dst.on_host(drun.expand_home)
-                there = list_runs(drun, dst, runs, lambda r: dest_rundir(dst, r))
+                there = host_checkpoints(drun, dst, runs, lambda r: dest_rundir(dst, r))
     except (InventoryError, TransportError, SyncError) as e:
         warnings.append(f"eval host: {e}")
     rows = []

@@ -1,4 +1,4 @@
-"""The destination lock: ``ckpt_tool.py hold`` runs on the eval host over the control connection
+"""The destination lock: ``sync_host.py hold`` runs on the eval host over the control connection
 for the whole sync. It takes the checkpoint's lock (or waits for another sync, or refuses), answers
 STATE (what is already there, under the lock), BEGIN and FINALIZE (the verified staging folder
 renamed into place). Every ``recv`` of the data path checks that the holder that started it still
@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 
-from ..inventory import Host
+from ..config.inventory import Host
 from .tool import SyncError, tool_argv, tool_error
 
 PING_EVERY = 2.0
@@ -28,7 +28,7 @@ def _pump(stream, sink) -> None:
 
 
 class Holder:
-    """``ckpt_tool.py hold`` on the destination over the control transport: the lock, the state
+    """``sync_host.py hold`` on the destination over the control transport: the lock, the state
     (under the lock), and the final rename."""
 
     def __init__(self, runner, host: Host, rundir: str, ckpt: str, token: str, wait: float, idle: float):

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Callable
 
-from ..catalog import Catalog, CatalogError, TrainingRun, check_name, resolve_checkpoint
-from ..inventory import Host
+from ..config.catalog import Catalog, CatalogError, TrainingRun, check_name, resolve_checkpoint
+from ..config.inventory import Host
 from .tool import SyncError
 
 

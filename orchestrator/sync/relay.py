@@ -1,5 +1,5 @@
-"""The data path: each file streams from an OpenSSH client running ``ckpt_tool.py send`` on the
-source into one running ``ckpt_tool.py recv`` on the destination, the first one's stdout joined
+"""The data path: each file streams from an OpenSSH client running ``sync_host.py send`` on the
+source into one running ``sync_host.py recv`` on the destination, the first one's stdout joined
 to the second one's stdin by a kernel pipe (REFERENCE §5; benchmarks/bench_sync.py). The bytes
 never enter this process nor touch this machine's disk, and no paramiko is in the way (its
 512 MiB rekey deadlock, paramiko#822). Both clients come from the hosts' SSH endpoints
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Callable
 
-from ..inventory import Host
-from ..render import human_bytes
+from ..config.inventory import Host
+from ..reports.render import human_bytes
 from ..transport import CONNECT_TIMEOUT, SSHEndpoint, command_line, endpoint_for
 from .plan import FilePlan, SyncPlan, SyncResult
 from .tool import SyncError, tool_argv, tool_error

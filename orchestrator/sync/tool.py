@@ -1,4 +1,4 @@
-"""``remote/ckpt_tool.py`` on a host: it travels as a compressed argument of ``python -c`` (stdin
+"""``remote/sync_host.py`` on a host: it travels as a compressed argument of ``python -c`` (stdin
 stays free for data), prints one JSON line per answer, and reports failures as ``ERROR ...``
 lines on stderr.
 """
@@ -11,10 +11,10 @@ from functools import lru_cache
 from importlib import resources
 
 from ..errors import OperationFailed
-from ..inventory import Host
+from ..config.inventory import Host
 
 BOOTSTRAP = ("import sys,zlib,base64;exec(compile(zlib.decompress(base64.b64decode(sys.argv.pop(1))),"
-             "'ckpt_tool.py','exec'),{'__name__':'__main__'})")
+             "'sync_host.py','exec'),{'__name__':'__main__'})")
 
 
 class SyncError(OperationFailed):
@@ -23,7 +23,7 @@ class SyncError(OperationFailed):
 
 @lru_cache(maxsize=1)
 def tool_blob() -> str:
-    src = resources.files("remote").joinpath("ckpt_tool.py").read_bytes()
+    src = resources.files("remote").joinpath("sync_host.py").read_bytes()
     return base64.b64encode(zlib.compress(src, 9)).decode()
 
 
@@ -49,8 +49,8 @@ def run_tool(runner, host: Host, *args, input: str | None = None, timeout: float
     if res.returncode in (126, 127):
         raise SyncError(f"host {host.name}: python not found or not executable: {host.python}")
     if not res.ok:
-        raise SyncError(f"host {host.name}: ckpt_tool {args[0]}: {tool_error(res.stderr, f'exit {res.returncode}')}")
+        raise SyncError(f"host {host.name}: sync_host {args[0]}: {tool_error(res.stderr, f'exit {res.returncode}')}")
     try:
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        raise SyncError(f"host {host.name}: ckpt_tool {args[0]} printed no JSON") from None
+        raise SyncError(f"host {host.name}: sync_host {args[0]} printed no JSON") from None

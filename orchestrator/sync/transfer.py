@@ -17,12 +17,12 @@ from contextlib import contextmanager
 from pathlib import PurePosixPath
 from typing import Callable, Iterator
 
-from ..catalog import Catalog
-from ..inventory import Inventory
-from ..render import human_bytes
+from ..config.catalog import Catalog
+from ..config.inventory import Inventory
+from ..reports.render import human_bytes
 from ..transport import SSHRunner, runner_for
 from .complete import judge_manifest, newest_complete, require_complete
-from .listing import list_runs
+from .listing import host_checkpoints
 from .lock import Holder
 from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
 from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, DataPath, SyncProgress, move
@@ -46,7 +46,7 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
         started = time.monotonic()
         dconn = bg.submit(lambda: drun.connect() and dst.on_host(drun.expand_home))  # both come up at once
         src = src.on_host(srun.expand_home)
-        r, info = pick_run(catalog, run, lambda runs: list_runs(
+        r, info = pick_run(catalog, run, lambda runs: host_checkpoints(
             srun, src, runs, lambda x: x.source_dir(src.checkpoints)))
         ckpt = resolve_name(name, r, info, src)
         dst = dconn.result()

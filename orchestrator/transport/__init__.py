@@ -17,7 +17,7 @@ from .runner import ExecHandle, Result, Runner, command_line
 from .ssh import CONNECT_RETRIES, SSHRunner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..inventory import Host, Inventory
+    from ..config.inventory import Host, Inventory
 
 __all__ = ["CONNECT_TIMEOUT", "CONNECT_RETRIES", "CommandFailed", "CommandTimeout", "ExecHandle", "HostKeyError",
            "LocalRunner", "Result", "Runner", "SSHEndpoint", "SSHRunner", "TransportError", "command_line",

@@ -1,6 +1,6 @@
 """How to reach one host over SSH, described once.
 
-An :class:`SSHEndpoint` is resolved by OpenSSH itself (``ssh -G``, orchestrator/sshconfig.py),
+An :class:`SSHEndpoint` is resolved by OpenSSH itself (``ssh -G``, orchestrator/config/sshconfig.py),
 with the inventory's fields as overrides, and then produces both ways dflash-ops talks to a host:
 
 - the control connection (:meth:`SSHEndpoint.connection`: a Fabric ``Connection`` with a
@@ -22,13 +22,13 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .. import sshconfig
+from ..config import sshconfig
 from .errors import HostKeyError, TransportError
 from .hostkeys import KnownHosts, host_name
 from .runner import command_line
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..inventory import Host, Inventory
+    from ..config.inventory import Host, Inventory
 
 CONNECT_TIMEOUT = 10.0
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"

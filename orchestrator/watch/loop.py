@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..catalog import Catalog, CatalogError, TrainingRun
+from ..config.catalog import Catalog, CatalogError, TrainingRun
 from ..errors import DflashOpsError, OperationFailed
-from ..runrecord import EvalRequest, RunRecord
+from ..runs.record import EvalRequest, RunRecord
 from .state import MAX_ATTEMPTS, Point, RunLock, WatchState
 
 if TYPE_CHECKING:
-    from ..resolve import Resolver
+    from ..names import Resolver
 
 Say = Callable[[str, str], None]  # (level: info|warn|alarm, message)
 
@@ -51,7 +51,7 @@ class WatchOptions:
     alarm_ratio: float | None = None  # eval τ vs the training metric, either way
     max_attempts: int = MAX_ATTEMPTS
     src: str | None = None            # training host (default: by role)
-    log_to: list[str] = field(default_factory=list)  # experiment trackers (orchestrator/tracking.py)
+    log_to: list[str] = field(default_factory=list)  # experiment trackers (orchestrator/reports/tracking.py)
 
 
 @dataclass
@@ -123,13 +123,13 @@ class Watcher:
 
     def run_pass(self) -> PassResult:
         from ..sync.complete import judge_listed
-        from ..sync.listing import list_runs
+        from ..sync.listing import host_checkpoints
         from ..transport import runner_for
 
         result = PassResult()
         src = self.inv.pick("train", self.opts.src)
         with runner_for(src, self.inv) as srun:
-            info = list_runs(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
+            info = host_checkpoints(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
             self.train_series = self._training_metrics(srun, src)
         if not info.get("exists", True):
             self.say("warn", f"run {self.run.name}: {info['dir']} does not exist on {src.name} (yet)")
@@ -205,7 +205,7 @@ class Watcher:
                 self.state.mark(p, "waiting", reason=str(e))
             return False
         except DflashOpsError as e:
-            from ..evaluate import InvalidRun
+            from ..eval.pipeline import InvalidRun
 
             with self.lock:   # an invalid run is not retried: the same host decodes the same way again
                 self.state.failed(p, str(e), 1 if isinstance(e, InvalidRun) else self.opts.max_attempts)
@@ -223,7 +223,7 @@ class Watcher:
         """The point's eval run into the experiment trackers (a failure there is a warning)."""
         if not self.opts.log_to or not eval_run:
             return
-        from .. import tracking
+        from ..reports import tracking
 
         try:
             for where in tracking.log_run(self.opts.log_to, self.runs_root / eval_run, self.runs_root, step=step,
@@ -249,7 +249,7 @@ class Watcher:
         if record.status != "running":
             return None
         self.say("info", f"{p.name}: re-attaching to eval run {record.id}")
-        from ..evaluate import jobs_of
+        from ..eval.pipeline import jobs_of
 
         record.following()
         return self._follow(record, jobs_of(record, self.inv))
@@ -257,7 +257,7 @@ class Watcher:
     def _evaluate(self, p: Point | None, drafter: str, host: str, on_id: Callable[[str], None]) -> dict:
         """Evaluate checkpoint ``p`` of the watched run (or, with ``p`` None, the drafter named
         ``drafter``: the baseline) on ``host``, its names resolved the way `eval` resolves them."""
-        from ..evaluate import check_request, start
+        from ..eval.pipeline import check_request, start
 
         eval_host = self.inv.get(host)
         choice = self.names.drafter(drafter, eval_host)
@@ -277,7 +277,7 @@ class Watcher:
         return self._follow(record, jobs)
 
     def _follow(self, record: RunRecord, jobs) -> dict:
-        from ..evaluate import RunUnfinished, finish, follow
+        from ..eval.pipeline import RunUnfinished, finish, follow
 
         lost = follow(record, jobs, lambda i, ev: self.on_event(record.shards[i].host, ev))
         if lost:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plots import _figure, _png
-from ..render import Document, fnum
+from ..reports.plots import _figure, _png
+from ..reports.render import Document, fnum
 from .state import WatchState
 
 
 def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | None:
     """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths."""
-    from ..stats import bootstrap_tau
+    from ..reports.stats import bootstrap_tau
 
     path = run_dir / "results.jsonl"
     if not path.exists():

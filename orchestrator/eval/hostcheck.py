@@ -10,9 +10,9 @@ from importlib import resources
 
 from remote.versions import TRANSFORMERS_TESTED, transformers_problem, transformers_status
 
-from .errors import DflashOpsError, OperationFailed
-from .inventory import Host, Inventory
-from .transport import CommandTimeout, TransportError, runner_for
+from ..errors import DflashOpsError, OperationFailed
+from ..config.inventory import Host, Inventory
+from ..transport import CommandTimeout, TransportError, runner_for
 
 
 class HostCheckFailed(OperationFailed):
@@ -149,7 +149,7 @@ def _probe(report: HostReport, host: Host, runner, timeout: float) -> None:
 def _check_cluster(report: HostReport, host: Host, inventory: Inventory | None, timeout: float) -> None:
     """A Ray cluster (``kind: ray``): its nodes and GPUs, and the probe run by a 0-GPU actor on one
     of its nodes (the python Ray runs there, its ML stack, the workdir's disk)."""
-    from .backends import ray as ray_backend
+    from . import ray as ray_backend
 
     with _ray_clusters:                 # a process is the client of one cluster at a time
         cluster = ray_backend.cluster_info(host, inventory)

@@ -1,6 +1,6 @@
-"""Checkpoint relay helper for `dflash-ops sync-ckpt` / `ckpts`: stdlib only, runs on the hosts.
+"""What `dflash-ops sync-ckpt` / `ckpts` run on a host: list, lock, send, receive. Stdlib only.
 
-Shipped as an argument of ``python -c BOOTSTRAP BLOB ARGS`` (see ``orchestrator/sync.py``), not on
+Shipped as an argument of ``python -c BOOTSTRAP BLOB ARGS`` (see ``orchestrator/sync/tool.py``), not on
 stdin: for ``recv`` and ``hold`` stdin carries the data stream / the control lines.
 
 Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...`` on stderr):
@@ -771,7 +771,7 @@ def main(argv: list) -> int:
         IDLE_TIMEOUT = float(argv[1])
         argv = argv[2:]
     if not argv or argv[0] not in COMMANDS:
-        sys.stderr.write(f"ERROR usage: ckpt_tool.py {{{','.join(COMMANDS)}}} ARGS\n")
+        sys.stderr.write(f"ERROR usage: sync_host.py {{{','.join(COMMANDS)}}} ARGS\n")
         return 2
     try:
         return COMMANDS[argv[0]](argv[1:]) or 0

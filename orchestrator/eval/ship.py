@@ -14,7 +14,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from .transport import Runner, TransportError
+from ..transport import Runner, TransportError
 
 PACKAGE = Path(__file__).resolve().parents[1] / "remote"
 SHIPPED = ("*.py", "suites/*.jsonl")

@@ -7,7 +7,7 @@
   ``target``.
 * ``targets``: target models (``path`` on the eval host).
 * ``default``: the drafter ``eval`` runs when none is named (``LABEL`` or ``LABEL:CKPT``);
-  without it, the catalog's training run (see orchestrator/resolve.py).
+  without it, the catalog's training run (see orchestrator/names.py).
 
 File: explicit path, ``$DFLASH_OPS_CATALOG``, ``./configs/drafters.yaml``,
 ``$XDG_CONFIG_HOME/dflash-ops/drafters.yaml`` (paths.locate), else none: an empty catalog.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import InputError, did_you_mean
+from ..errors import InputError, did_you_mean
 from .paths import CATALOG, ConfigFile, locate, read_config_text
 
 ENV_VAR = "DFLASH_OPS_CATALOG"

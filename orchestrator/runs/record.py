@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .catalog import parse_step, step_name
-from .errors import InputError
+from ..config.catalog import parse_step, step_name
+from ..errors import InputError
 
 RUN_FILE = "run.json"
 

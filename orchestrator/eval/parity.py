@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from .errors import OperationFailed
-from .evaluate import default_device
-from .inventory import Inventory
-from .runrecord import RunRecord
+from ..errors import OperationFailed
+from .pipeline import default_device
+from ..config.inventory import Inventory
+from ..runs.record import RunRecord
 from .ship import ship
-from .transport import runner_for
+from ..transport import runner_for
 
 
 class ParityError(OperationFailed):

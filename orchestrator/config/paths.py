@@ -7,7 +7,7 @@
 - a config file (inventory, catalog) is found as: the explicit flag, its environment variable,
   the current directory, the user config folder (:func:`locate`); else there is none: the
   examples shipped with the package are templates for ``dflash-ops init``, never read silently.
-- files shipped with the package (``orchestrator/configs/``): the example inventory and catalog
+- files shipped with the package (``orchestrator/config/*.yaml``): the example inventory and catalog
   (templates) and the published numbers, found in a wheel install as in a checkout.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 APP = "dflash-ops"
 HOME_ENV_VAR = "DFLASH_OPS_HOME"
-SHIPPED = Path(__file__).resolve().parent / "configs"
+SHIPPED = Path(__file__).resolve().parent
 
 
 def _xdg(var: str, default: str) -> Path:
@@ -108,7 +108,7 @@ def read_config_text(path: Path, error: type[Exception], what: str) -> str:
 
 
 def shipped(name: str) -> Path:
-    """A default file shipped in the package (``orchestrator/configs/NAME``)."""
+    """A default file shipped in the package (``orchestrator/config/NAME``)."""
     return SHIPPED / name
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .transport import Runner, TransportError
+from ..transport import Runner, TransportError
 
 FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json")
 

@@ -19,14 +19,14 @@ from typing import Callable
 from remote import exits
 from remote.sglang import AUTH_ENV, split_credentials
 
-from .catalog import EMBEDDED
-from .errors import InputError, OperationFailed
-from .inventory import Host, Inventory
+from ..config.catalog import EMBEDDED
+from ..errors import InputError, OperationFailed
+from ..config.inventory import Host, Inventory
 from .jobs import HostJob
 from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
-from .runrecord import EvalRequest, RunRecord, Shard
+from ..runs.record import EvalRequest, RunRecord, Shard
 from .ship import ship
-from .transport import runner_for
+from ..transport import runner_for
 
 PREFLIGHT = "remote.preflight"   # the drafter/target compatibility check and memory plan
 THINKING = ("off", "on", "default")
@@ -163,9 +163,9 @@ def list_dir(runner, python: str, path: str) -> list[str] | None:
     return json.loads(res.stdout) if res.ok else None
 
 
-def resolve_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
+def locate_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
     """(drafter folder, target folder) on ``host`` for the request, whose names were resolved
-    before it was made (orchestrator/resolve.py): a folder, a training run's checkpoint folder
+    before it was made (orchestrator/names.py): a folder, a training run's checkpoint folder
     under the host's ``checkpoints`` root, or the embedded demo pair."""
     embedded = req.drafter == EMBEDDED or req.target == EMBEDDED
     drafter, target = embedded_models(host, runner, code_dir) if embedded else (None, None)
@@ -225,7 +225,7 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
 def check_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
     """(drafter folder, target folder) on the host, located, inspected for compatibility and
     planned against its memory (remote/preflight.py: one process, before any weights load)."""
-    drafter_path, target_path = map(runner.expand_home, resolve_models(host, runner, code_dir, req))
+    drafter_path, target_path = map(runner.expand_home, locate_models(host, runner, code_dir, req))
     args = [drafter_path, "--target", target_path, "--suite", req.suite, "--max-new-tokens", str(req.max_new_tokens),
             "--device", "cpu" if wants_cpu(req, host) else "cuda", *memory_args(req)]
     if req.verify_weights:
@@ -254,7 +254,7 @@ def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
     """Pre-flight on a Ray cluster (``kind: ray``): its GPUs, then the drafter and target checked
     by a short-lived actor on one of its nodes (holding a worker's GPUs, so that the memory plan
     sees one). Its shards' actors are placed later, one per shard (:func:`ray_job`)."""
-    from .backends import ray as ray_backend
+    from . import ray as ray_backend
 
     req = record.eval_request
     phase = on_phase or (lambda _: None)
@@ -281,7 +281,7 @@ def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
 def ray_job(record: RunRecord, shard: Shard, prep: HostPrep, inventory: Inventory):
     """Place shard ``shard`` of a run on a Ray cluster: its detached actor holding its GPUs (the
     existing one when it still runs; a resumed shard goes back to its node), recorded in the run."""
-    from .backends import ray as ray_backend
+    from . import ray as ray_backend
 
     name = ray_backend.actor_name(record.id, shard.index)
     runner = ray_backend.place(prep.host, inventory, name, 0 if prep.cpu else gpus_per_worker(record.eval_request),
@@ -401,7 +401,7 @@ def jobs_of(record: RunRecord, inventory: Inventory) -> dict[int, HostJob]:
         host = inventory.get(s.host)
         if not host.is_ray:
             return HostJob(runner_for(host, inventory), s.python, s.code_dir, s.run_dir)
-        from .backends import ray as ray_backend
+        from . import ray as ray_backend
 
         runner = ray_backend.place(host, inventory, ray_backend.actor_name(record.id, s.index), 0,
                                    node_id=(s.ray or {}).get("node_id"), strict_node=True)
@@ -515,7 +515,7 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
         raise EvalError(f"the worker failed on {hosts}; finished prompts are kept: "
                         f"dflash-ops eval --resume {record.id}")
     summary = merge_shards(record.folder, record.shards)
-    from .report import write_report
+    from ..reports.report import write_report
 
     return summary, write_report(record.folder)
 

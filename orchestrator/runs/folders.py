@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .catalog import parse_step, same_checkpoint
-from .errors import InputError, did_you_mean
+from ..config.catalog import parse_step, same_checkpoint
+from ..errors import InputError, did_you_mean
 
 RUNS_ENV = "DFLASH_OPS_RUNS"
 
@@ -150,7 +150,7 @@ class EvalRun:
     def metrics(self) -> dict:
         """Recomputed from results.jsonl (remote.metrics, like the worker's summary.json)."""
         if self._metrics is None:
-            from .run_metrics import compute_metrics
+            from .metrics import compute_metrics
 
             self._metrics = compute_metrics(self.results, self.block_size, self.mode, self.max_length)
         return self._metrics
@@ -190,7 +190,7 @@ def load_run(path) -> EvalRun:
     return EvalRun(path=path, meta=meta, env=env)
 
 
-def list_runs(directory: Optional[Path] = None) -> list[EvalRun]:
+def load_runs(directory: Optional[Path] = None) -> list[EvalRun]:
     """All runs in the runs dir, oldest first. Folders that are not runs (compare-*) are skipped."""
     d = Path(directory) if directory is not None else runs_dir()
     if not d.is_dir():
@@ -277,11 +277,11 @@ def resolve(label: str, directory: Optional[Path] = None, runs: Optional[list[Ev
     """The one run ``label`` means (:func:`find_runs`): of several, the newest whose status is in
     ``prefer`` (finished runs for reports, running ones for `attach`/`cancel`)."""
     d = Path(directory) if directory is not None else runs_dir()
-    runs = list_runs(d) if runs is None else runs
+    runs = load_runs(d) if runs is None else runs
     return newest(find_runs(label, runs, d), prefer)
 
 
-def filter_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[EvalRun]:
+def select_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status=None, checkpoint=None) -> list[EvalRun]:
     def ok(value, want):
         return want is None or (value is not None and str(value) == want)
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .catalog import (EMBEDDED, Catalog, CatalogError, Drafter, TrainingRun, check_name, load_catalog, parse_step,
+from .config.catalog import (EMBEDDED, Catalog, CatalogError, Drafter, TrainingRun, check_name, load_catalog, parse_step,
                       resolve_checkpoint, split_label)
 from .errors import InputError, did_you_mean
-from .inventory import Host, Inventory, InventoryError, load_inventory
-from .paths import CATALOG, INVENTORY, ConfigFile, locate
-from .runrecord import RunRecord
-from .runs import LATEST, EvalRun, RunError, find_runs, label_matches, list_runs, no_run, resolve
+from .config.inventory import Host, Inventory, InventoryError, load_inventory
+from .config.paths import CATALOG, INVENTORY, ConfigFile, locate
+from .runs.record import RunRecord
+from .runs.folders import LATEST, EvalRun, RunError, find_runs, label_matches, load_runs, no_run, resolve
 
 
 class UnknownName(InputError):
@@ -69,7 +69,7 @@ class Resolver:
 
     def __init__(self, inventory: ConfigFile | str | None = None, catalog: ConfigFile | str | None = None,
                  runs_root: Path | str | None = None):
-        from .runs import runs_dir
+        from .runs.folders import runs_dir
 
         self.inventory_file = inventory if isinstance(inventory, ConfigFile) else locate(INVENTORY, inventory)
         self.catalog_file = catalog if isinstance(catalog, ConfigFile) else locate(CATALOG, catalog)
@@ -95,7 +95,7 @@ class Resolver:
     @property
     def runs(self) -> list[EvalRun]:
         if self._runs is None:
-            self._runs = list_runs(self.runs_root)
+            self._runs = load_runs(self.runs_root)
         return self._runs
 
     @staticmethod
@@ -243,11 +243,11 @@ class Resolver:
         return replace(on_source, synced=synced, source=None if synced else source)
 
     def _listing(self, host: Host, runs: list[TrainingRun], root_for) -> dict:
-        from .sync.listing import list_runs
+        from .sync.listing import host_checkpoints
         from .transport import runner_for
 
         with runner_for(host, self.inventory) as runner:
-            return list_runs(runner, host, runs, root_for)
+            return host_checkpoints(runner, host, runs, root_for)
 
     def _pick_checkpoint(self, choice: DrafterChoice, runs: list[TrainingRun], listing: dict,
                          named: str | None) -> tuple[DrafterChoice | None, CatalogError | None]:
@@ -306,7 +306,7 @@ class Resolver:
             raise RunError(f"run {run.id}: {run.path / 'run.json'} is not a record `dflash-ops eval` wrote ({e})") \
                 from None
 
-    def filter_runs(self, drafter: str | None = None, host: str | None = None) -> list[EvalRun]:
+    def runs_of(self, drafter: str | None = None, host: str | None = None) -> list[EvalRun]:
         """The runs of drafter ``LABEL[:CKPT]`` and on ``host`` (either may be None); a name that
         matches no run (and is no inventory host) fails as it fails everywhere."""
         runs = self.runs

@@ -7,7 +7,7 @@ each one becomes a CPU worker, which is how the sharding is exercised where no G
 from __future__ import annotations
 
 import re
-from .errors import InputError
+from ..errors import InputError
 
 ALL = "all"
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .errors import InputError
+from ..errors import InputError
 from .paths import INVENTORY, local_home, locate, read_config_text
 
 ROLES = ("train", "eval")

@@ -16,7 +16,7 @@ import subprocess
 from functools import lru_cache
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 SSH = "ssh"
 

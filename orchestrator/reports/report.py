@@ -1,5 +1,5 @@
 """Per-run reports: `report.md` and a self-contained `report.html` written into the run folder
-(orchestrator/render.py, plots from orchestrator/plots.py). Every number is recomputed from
+(orchestrator/reports/render.py, plots from orchestrator/reports/plots.py). Every number is recomputed from
 results.jsonl; where summary.json disagrees, the report carries a warning.
 """
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 from .render import Document, fnum
-from .run_metrics import TAU_CONVENTIONS, multi_turn_note
-from .runs import EvalRun, load_run
+from ..runs.metrics import TAU_CONVENTIONS, multi_turn_note
+from ..runs.folders import EvalRun, load_run
 
 REPORT_MD, REPORT_HTML = "report.md", "report.html"
 
@@ -98,7 +98,7 @@ def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------- report
 
 def run_warnings(run: EvalRun) -> list[str]:
-    from .run_metrics import summary_disagreements
+    from ..runs.metrics import summary_disagreements
 
     m = run.metrics
     w = []

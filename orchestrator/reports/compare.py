@@ -3,7 +3,7 @@
 Pairing requires the same prompt ids, the same prompts and (offline) the same reference
 completions, and the same target, suite, mode, block size and decoding settings. Any mismatch is
 named and the comparison refused unless forced; forced comparisons use the common prompts.
-Statistics (orchestrator/stats.py): paired bootstrap CIs over prompts, a paired permutation
+Statistics (orchestrator/reports/stats.py): paired bootstrap CIs over prompts, a paired permutation
 test, and win/tie/loss per prompt. numpy and matplotlib load only when a comparison runs.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .errors import DflashOpsError
-from .paths import shipped
+from ..errors import DflashOpsError
+from ..config.paths import shipped
 from .render import fnum
-from .run_metrics import TAU_CONVENTIONS
-from .runs import EvalRun, RunError
+from ..runs.metrics import TAU_CONVENTIONS
+from ..runs.folders import EvalRun, RunError
 
 PUBLISHED_FILE = shipped("published.yaml")
 
@@ -290,7 +290,7 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
                  published_file=None) -> dict:
     """The comparison as a JSON-able dict. Refused comparisons come back with ``refused: True``
     (and no statistics) unless ``force``."""
-    from .run_metrics import compute_metrics
+    from ..runs.metrics import compute_metrics
     from .stats import paired_compare
 
     if len(runs) < 2:

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 TRACKERS = ("mlflow", "tensorboard", "wandb")
 EXTRA = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}

@@ -1,4 +1,4 @@
-"""remote/ckpt_tool.py against hostile or unlucky checkpoint folders: symlinks, unfinished `.part`
+"""remote/sync_host.py against hostile or unlucky checkpoint folders: symlinks, unfinished `.part`
 files, file names that look like flags, reserved names in a manifest, a rewrite that keeps size and
 mtime. Through the SSH lab where a sync is involved (tests/test_sync.py's Env), else run directly."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from test_sync import MiB, Env, identical, sha
 
 from orchestrator.sync import SyncError
 
-TOOL = Path(__file__).resolve().parents[1] / "remote" / "ckpt_tool.py"
+TOOL = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
 
 
 @pytest.fixture
@@ -29,7 +29,7 @@ def tool(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_symlinks_in_a_checkpoint_are_refused_and_named(env):
-    """`ln -s /etc/hostname step_1/x` used to copy the training host's /etc/hostname to the eval
+    """`ln -s /etc/hostname step_1/x` would copy the training host's /etc/hostname to the eval
     host. Links are refused (not skipped: a skipped weight file would leave a checkpoint that
     looks complete but is not), and the message names each link and where it points."""
     src = env.ckpt(1, {"model.safetensors": 1, "config.json": b"{}\n"})
@@ -52,7 +52,7 @@ def test_symlinks_in_a_checkpoint_are_refused_and_named(env):
 
 def test_a_part_file_in_the_source_is_refused_and_named(env):
     """A `.part` file in a training checkpoint is something still being written; the eval side
-    treats `.part` as an interrupted transfer. It used to be skipped without a word."""
+    treats `.part` as an interrupted transfer. It is never skipped without a word."""
     src = env.ckpt(2, {"model.safetensors": 1, "config.json": b"{}\n", "optim/state.pt.part": b"half"})
     with pytest.raises(SyncError, match=r"unfinished files \(\*\.part\).*optim/state\.pt\.part"):
         env.sync("2")
@@ -72,9 +72,9 @@ def test_files_named_like_flags_arrive_intact(env):
 
 
 def test_a_same_size_same_mtime_rewrite_is_hashed_again(env):
-    """The source's manifest cache used to be keyed by (path, size, mtime): a rewrite keeping both
-    (a copy with `cp -p`, or two writes within one mtime tick) kept the old sha256, so the next
-    sync of that folder failed twice over a "checksum mismatch". Inode and ctime are keys now."""
+    """A manifest cache keyed by (path, size, mtime) alone would keep the old sha256 over a rewrite
+    keeping both (a copy with `cp -p`, or two writes within one mtime tick), and the next sync of
+    that folder would fail twice over a "checksum mismatch": inode and ctime are keys too."""
     src = env.ckpt(4, {"model.safetensors": 2, "config.json": b"{}\n"})
     env.sync("4")
     cached = json.loads((src / ".dflash-manifest.json").read_text())

@@ -6,7 +6,7 @@ pinned as for sync). Each shard of a run is a *detached, named* actor (remote/ra
 :class:`~remote.ray_task.ShardNode`) holding the shard's GPUs (``num_gpus``); ``remote/`` travels
 in its runtime environment (``py_modules``). :class:`ActorRunner` makes that actor a
 :class:`~orchestrator.transport.Runner` on its node, so :class:`RayJob` is a
-:class:`~orchestrator.jobs.HostJob`: the worker starts detached in ``<workdir>/runs/<run id>``
+:class:`~orchestrator.eval.jobs.HostJob`: the worker starts detached in ``<workdir>/runs/<run id>``
 (storage the node sees), with ``CUDA_VISIBLE_DEVICES`` as Ray assigned it, and follow, cancel and
 ``--resume`` work as on an SSH host. Detached, the actor outlives the CLI (Ctrl-C, ``--detach``);
 it is killed once its shard is fetched or cancelled, which gives its GPUs back to the cluster.
@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import InputError, OperationFailed
-from ..jobs import HostJob
+from .jobs import HostJob
 from ..transport import CommandTimeout, Result, Runner, SSHRunner, TransportError, endpoint_for
 from ..transport.runner import ExecHandle, as_bytes, decode
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..inventory import Host, Inventory
+    from ..config.inventory import Host, Inventory
 
 NAMESPACE = "dflash-ops"
 PLACE_TIMEOUT = float(os.environ.get("DFLASH_OPS_RAY_PLACE_TIMEOUT", "120"))   # s for Ray to place an actor
