@@ -235,7 +235,7 @@ class Resolver:
             if found is not None:
                 return found
             raise error or InputError(f"training run {choice.run.name} has no checkpoints on {host.name}") from None
-        on_source, error = self._pick_checkpoint(choice, runs, listing, named)
+        on_source, error = self._pick_checkpoint(choice, runs, listing, named, complete_only=True)
         if on_source is None:
             raise error or InputError(f"training run {choice.run.name} has no checkpoints on {host.name} "
                                       f"or {source.name}")
@@ -250,9 +250,10 @@ class Resolver:
             return host_checkpoints(runner, host, runs, root_for)
 
     def _pick_checkpoint(self, choice: DrafterChoice, runs: list[TrainingRun], listing: dict,
-                         named: str | None) -> tuple[DrafterChoice | None, CatalogError | None]:
+                         named: str | None, complete_only: bool = False) -> tuple[DrafterChoice | None, CatalogError | None]:
         """The named checkpoint in a host's listing (or why not), else its newest (by step; across
-        several training runs, by time)."""
+        several training runs, by time); ``complete_only`` (the training host's listing): the
+        newest one training has finished writing (sync/complete.py), saying why a newer one was passed."""
         if named is not None:
             folders = [c["name"] for c in listing[choice.run.name]["checkpoints"]]
             try:
@@ -260,21 +261,36 @@ class Resolver:
             except CatalogError as e:
                 return None, e
             return replace(choice, checkpoint=folder, step=choice.run.step_of(folder) or parse_step(folder)), None
-        best = None
+        from .sync.complete import judge_listed
+
+        best, passed = None, None
         for r in runs:
             for c in listing[r.name]["checkpoints"]:
                 if c["step"] is None:
                     continue
                 rank = (c["mtime"], c["step"]) if len(runs) > 1 else (c["step"], c["mtime"])
+                if complete_only:
+                    verdict = judge_listed(c, listing[r.name]["now"], r)
+                    if not verdict.complete:
+                        if passed is None or rank > passed[0]:
+                            passed = (rank, c["name"], verdict.reason)
+                        continue
                 if best is None or rank > best[0]:
                     best = (rank, r, c)
         if best is None:
+            if passed is not None:
+                return None, CatalogError(f"training run {choice.run.name}: no complete checkpoint yet ({passed[1]} "
+                                          f"is still being written: {passed[2]})")
             return None, None
         _, run, c = best
         label = next(d.label for d in self.catalog.drafters.values() if d.run == run.name) \
             if choice.candidates else choice.label
+        why = choice.why
+        if passed is not None and passed[0] > best[0]:
+            why = "; ".join(w for w in (why, f"{passed[1]} is still being written ({passed[2]}): the newest complete "
+                                              f"checkpoint is {c['name']}") if w)
         return replace(choice, label=label, entry=self.catalog.drafters[label], run=run, checkpoint=c["name"],
-                       step=c["step"]), None
+                       step=c["step"], why=why), None
 
     # --- eval runs ------------------------------------------------------------------------------
 
@@ -316,8 +332,8 @@ class Resolver:
             if not runs:
                 raise no_run(drafter, self.runs, self.runs_root)
         if host:
-            seen = {h for r in self.runs for h in str(r.host or "").split(",") if h}
+            seen = {h for r in self.runs for h in r.hosts}
             if host not in seen:
                 self.host(host)      # a host no run was on must at least be an inventory host
-            runs = [r for r in runs if host in str(r.host or "").split(",")]
+            runs = [r for r in runs if host in r.hosts]
         return runs

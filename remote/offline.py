@@ -33,10 +33,9 @@ from typing import Callable
 import torch
 
 from remote.drafter import DFLASH2, DFlashDrafter, block_input_ids
+from remote.settings import DEFAULT_BUDGETS
 from remote.sampling import Sampling
 
-DEFAULT_BUDGETS = (8, 16, 32, 64)
-MAX_BUDGET = 1024
 
 
 @dataclass

@@ -31,8 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from remote import exits
-from remote.memory import parse_target_devices
-from remote.offline import DEFAULT_BUDGETS, MAX_BUDGET
+from remote.settings import EvalSettings, add_arguments
 
 
 class WorkerError(Exception):
@@ -58,43 +57,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model folder (HF format; a Qwen3.5/3.6 VLM loads as text-only)")
     p.add_argument("--drafter", required=True, help="drafter checkpoint folder (z-lab, speculators or state-dict format)")
-    p.add_argument("--suite", default="default", help="built-in suite name (default, humaneval, hf:gsm8k, ...) or a JSONL file")
-    p.add_argument("--prompts", type=int, default=None, help="evaluate the first N prompts (default: all)")
-    p.add_argument("--mode", choices=("offline", "online"), default="offline",
-                   help="offline: walk the reference completion (batched); online: real speculative decoding")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-blocks", type=int, default=None, help="offline: at most N draft blocks per prompt turn")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="default: bfloat16 on CUDA, float32 on CPU")
+    add_arguments(p)
     p.add_argument("--sglang", default=None, help="SGLang URL for reference completions (as seen from this host)")
     p.add_argument("--resume", action="store_true", help="keep finished prompts in --out and do the rest")
-    p.add_argument("--ddtree-budgets", default=None,
-                   help=f"offline DDTree node budgets, comma-separated, each 1..{MAX_BUDGET} ('' to skip; default "
-                        f"{','.join(map(str, DEFAULT_BUDGETS))} when greedy, none at T > 0)")
-    p.add_argument("--all-anchors", action="store_true", help="offline: also every completion position as an anchor")
-    p.add_argument("--thinking", choices=("off", "on", "default"), default="off",
-                   help="chat template enable_thinking: off (default, as z-lab's published runs), on, or the "
-                        "template's own default")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--block-size", type=int, default=None, help="refuse to run unless the drafter uses this block size")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="evaluate only prompts K, K+N, K+2N, ... of the selected ones (0-based; sharding over hosts)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it and the prompt id)")
     p.add_argument("--host-label", default=None, help="host name recorded in env.json")
-    p.add_argument("--target-devices", type=parse_target_devices, default=None, metavar="N|auto",
-                   help="load the target across N GPUs (device_map; auto: every visible one); the drafter runs "
-                        "on the device of the captured features")
-    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
-                   help="use at most this many GiB per device (pre-flight plan and device_map)")
+    p.add_argument("--checked", action="store_true",
+                   help="the drafter/target check and the library self-test already passed on this host for this "
+                        "run (`python -m remote.preflight`, as dflash-ops runs it just before): not repeated")
     args = p.parse_args(argv)
-    if args.prompts is not None and args.prompts < 1:
-        p.error("--prompts must be >= 1")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
+    args.settings = EvalSettings.from_args(args)
+    for problem in args.settings.problems():
+        p.error(problem)
     args.shard_index, args.shard_count = 0, 1
     if args.shard:
         try:
@@ -104,23 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
         args.shard_index, args.shard_count = k, n
     from remote.sampling import Sampling
-    try:
-        args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    except ValueError as e:
-        p.error(str(e))
-    if args.ddtree_budgets is None:
-        args.budgets = [] if not args.sampling.greedy else list(DEFAULT_BUDGETS)
-    else:
-        try:
-            args.budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
-        except ValueError:
-            p.error(f"--ddtree-budgets: not a comma-separated list of integers: {args.ddtree_budgets!r}")
-        if any(not 1 <= b <= MAX_BUDGET for b in args.budgets):
-            p.error(f"--ddtree-budgets: each budget must be 1..{MAX_BUDGET}, got {args.ddtree_budgets!r}")
-        if args.budgets and not args.sampling.greedy and args.mode == "offline":
-            p.error("--ddtree-budgets at T > 0: a sampled DDTree is verified by the target's own sampling at every "
-                    "node, which needs online decoding; offline at T > 0 reports the expected acceptance only "
-                    "(pass --ddtree-budgets '')")
+    args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    args.budgets = args.settings.budgets()
     return args
 
 
@@ -192,19 +154,24 @@ def stop_ids(tokenizer, target) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
-def preflight(args) -> None:
+def preflight(args, device: str) -> None:
+    """The drafter/target check and the library self-test (:mod:`remote.preflight`), unless
+    ``--checked`` says they just passed for this run."""
     from remote.inspect import inspect
+    from remote.preflight import runtime_problems
 
-    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
-        if not Path(value).expanduser().is_dir():
-            raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
+    if args.checked:
+        return
     report = inspect(args.drafter, args.target, args.block_size)
-    if not report["ok"]:
-        raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(report["problems"]))
+    problems = report["problems"] or runtime_problems(args.target, device)
+    if problems:
+        raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(problems))
 
 
 def run(args) -> dict:
-    preflight(args)
+    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
+        if not Path(value).expanduser().is_dir():
+            raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
     from remote.prompts import load_suite, reference_turns
     from remote.prompts import PromptError
     try:
@@ -238,10 +205,7 @@ def run(args) -> dict:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    from remote.preflight import runtime_problems
-    problems = runtime_problems(args.target, device)
-    if problems:
-        raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(problems))
+    preflight(args, device)
     from remote.memory import check as memory_check
     plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
                         args.target_devices, args.max_memory)

@@ -66,7 +66,7 @@ def show_cmd(
     m = r.metrics
     warnings = run_warnings(r)
     if as_json:
-        console.print_json({"id": r.id, "path": str(r.path), "run": r.meta, "metrics": {
+        console.print_json({"id": r.id, "path": str(r.path), "run": r.record.to_dict() if r.record else None, "metrics": {
             k: v for k, v in m.items() if k != "per_prompt"}, "warnings": warnings,
             "report": {"md": str(md_path), "html": str(html_path)}})
         return

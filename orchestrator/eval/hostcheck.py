@@ -123,6 +123,21 @@ def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = 
     return report
 
 
+def probe(host: Host, runner, timeout: float = 60.0) -> HostReport:
+    """The report of ``host`` through a connection already open (``host``'s paths expanded there)."""
+    report = HostReport(name=host.name, endpoint=host.endpoint)
+    start = time.monotonic()
+    try:
+        _probe(report, host, runner, timeout)
+    except CommandTimeout as e:
+        report.reachable = True
+        report.errors.append(str(e))
+    except (TransportError, DflashOpsError) as e:
+        report.errors.append(str(e))
+    report.seconds = time.monotonic() - start
+    return report
+
+
 def _probe(report: HostReport, host: Host, runner, timeout: float) -> None:
     """Run remote/probe.py with the host's python and fill ``report`` from what it prints."""
     argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]

@@ -27,7 +27,7 @@ def run_parity(record: RunRecord, inventory: Inventory, max_anchors: int = 2000)
         code_dir = ship(runner, host.python, host.workdir)
         remote_in, remote_out = f"{shard.run_dir}/parity-input.jsonl", f"{shard.run_dir}/parity.json"
         runner.put_file(record.folder / "results.jsonl", remote_in)
-        device = default_device(host, record.eval_request)
+        device = default_device(host, record.request)
         argv = [host.python, "-m", "remote.parity", "--target", shard.target_path, "--drafter", shard.drafter_path,
                 "--results", remote_in, "--out", remote_out, "--max-anchors", str(max_anchors)]
         argv += ["--device", device] if device else []

@@ -17,20 +17,20 @@ from pathlib import Path
 from typing import Callable
 
 from remote import exits
+from remote.settings import EvalSettings
 from remote.sglang import AUTH_ENV, split_credentials
+from remote.states import State
 
 from ..config.catalog import EMBEDDED
-from ..errors import InputError, OperationFailed
 from ..config.inventory import Host, Inventory
+from ..errors import InputError, OperationFailed
+from ..runs.record import EvalRequest, RunRecord, Shard
+from ..transport import TransportError, runner_for
 from .jobs import HostJob
 from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
-from ..runs.record import EvalRequest, RunRecord, Shard
 from .ship import ship
-from ..transport import runner_for
 
 PREFLIGHT = "remote.preflight"   # the drafter/target compatibility check and memory plan
-THINKING = ("off", "on", "default")
-MAX_DDTREE_BUDGET = 1024        # remote/offline.py's MAX_BUDGET (tests/test_sampling_eval.py checks they agree)
 
 
 class EvalError(OperationFailed):
@@ -53,7 +53,12 @@ class InvalidRun(EvalError):
 def default_device(host: Host, req: EvalRequest) -> str | None:
     """``--device``, else CPU on ``local`` and on a host whose inventory says ``gpus: 0``, else
     the worker's default (CUDA)."""
-    return req.device or ("cpu" if host.is_local or host.gpus == 0 else None)
+    return req.settings.device or ("cpu" if host.is_local or host.gpus == 0 else None)
+
+
+def host_settings(req: EvalRequest, host: Host) -> EvalSettings:
+    """The run's settings as the worker on ``host`` gets them: its device chosen."""
+    return replace(req.settings, device=default_device(host, req))
 
 
 def check_sglang_option(value: str) -> None:
@@ -73,7 +78,7 @@ def check_sglang_option(value: str) -> None:
 def reference_sglang(req: EvalRequest, host: Host) -> tuple[str | None, str | None]:
     """(the SGLang URL the worker asks for reference completions, or None for local greedy;
     its credentials ``user:password`` or None)."""
-    if req.sglang == "off" or (req.sglang == "auto" and req.mode != "offline"):
+    if req.sglang == "off" or (req.sglang == "auto" and req.settings.mode != "offline"):
         return None, None
     if req.sglang == "auto":
         return host.sglang, host.sglang_auth
@@ -85,32 +90,26 @@ def parallel(fn, items) -> list:
         return [f.result() for f in [pool.submit(fn, i) for i in items]]
 
 
-def ddtree_budgets(req: EvalRequest) -> list[int] | None:
-    """The request's DDTree budgets (None: the worker's default), checked as the worker checks them."""
-    if req.ddtree_budgets is None:
-        return None
-    try:
-        budgets = [int(b) for b in req.ddtree_budgets.split(",") if b.strip()]
-    except ValueError:
-        raise InputError(f"--ddtree: not a comma-separated list of integers: {req.ddtree_budgets!r}") from None
-    if any(not 1 <= b <= MAX_DDTREE_BUDGET for b in budgets):
-        raise InputError(f"--ddtree: each budget must be 1..{MAX_DDTREE_BUDGET}, got {req.ddtree_budgets!r}")
-    return budgets
+def new_run(runs_root: Path, hosts: list[str], choice, settings: EvalSettings, *, sglang: str = "auto",
+            gpus: str | None = None, verify_weights: bool = False) -> RunRecord:
+    """A run of ``choice`` (a resolved drafter: names.DrafterChoice, its checkpoint located) with
+    ``settings`` on ``hosts``: the request checked and the record made; nothing on a host yet.
+    `eval` and `watch` both start here, then :func:`start` and :func:`complete`."""
+    req = EvalRequest(hosts=list(hosts), settings=settings, drafter_ref=choice.resolved, target=choice.target,
+                      sglang=sglang, gpus=gpus, verify_weights=verify_weights, drafter_path=choice.path,
+                      drafter_run=choice.run.name if choice.run else None,
+                      checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path)
+    check_request(req)
+    return RunRecord.create(runs_root, req, choice.label, req.checkpoint, choice.step if choice.run else None)
 
 
 def check_request(req: EvalRequest) -> None:
     """Refuse what the worker would refuse, before any host is touched (one line each)."""
-    if req.thinking not in THINKING:
-        raise InputError(f"--thinking must be one of {', '.join(THINKING)}, not {req.thinking!r}")
-    if req.temperature < 0 or not 0 < req.top_p <= 1 or req.top_k < 0:
-        raise InputError(f"sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0 (got "
-                         f"{req.temperature:g}, {req.top_p:g}, {req.top_k})")
-    if req.max_new_tokens < 1:
-        raise InputError("--max-new-tokens must be >= 1")
-    if ddtree_budgets(req) and req.temperature > 0 and req.mode == "offline":
-        raise InputError("--ddtree at --temperature > 0 offline: a sampled DDTree is verified by the target's own "
-                         "sampling at every node, which an offline walk cannot do; offline at T > 0 reports the "
-                         "expected acceptance (an estimate) instead (leave out --ddtree)")
+    problems = req.settings.problems()
+    if problems:
+        raise InputError(problems[0])
+    check_sglang_option(req.sglang)
+    parse_gpus(req.gpus)
 
 
 # ----------------------------------------------------------------------------- pre-flight
@@ -124,11 +123,12 @@ def _python_json(runner, python: str, code_dir: str, module: str, *args: str,
         return None, (res.stderr or res.stdout).strip()
 
 
-def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest):
-    """The host's probe report, once it passed (reachable, ML stack, disk, CUDA when wanted)."""
-    from .hostcheck import check_host
+def check_host_ready(host: Host, runner, req: EvalRequest):
+    """The host's probe report through ``runner``, once it passed (reachable, ML stack, disk, CUDA
+    when wanted)."""
+    from .hostcheck import probe
 
-    report = check_host(host, inventory=inventory)
+    report = probe(host, runner)
     if not report.reachable:
         raise EvalError(f"host {host.name} is not reachable: {'; '.join(report.errors)}")
     if not report.torch or not report.transformers:
@@ -155,34 +155,22 @@ def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
     return res["drafter"], res["target"]
 
 
-_LIST_DIR = "import json, os, sys; d = sys.argv[1]; print(json.dumps(sorted(os.listdir(d)) if os.path.isdir(d) else None))"
-
-
-def list_dir(runner, python: str, path: str) -> list[str] | None:
-    res = runner.run([python, "-c", _LIST_DIR, path], timeout=60)
-    return json.loads(res.stdout) if res.ok else None
-
-
 def locate_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
     """(drafter folder, target folder) on ``host`` for the request, whose names were resolved
     before it was made (orchestrator/names.py): a folder, a training run's checkpoint folder
-    under the host's ``checkpoints`` root, or the embedded demo pair."""
-    embedded = req.drafter == EMBEDDED or req.target == EMBEDDED
+    under the host's ``checkpoints`` root, or the embedded demo pair. That they exist and fit is
+    pre-flight's to say (:func:`check_models`), in the same call to the host."""
+    embedded = req.drafter_ref == EMBEDDED or req.target == EMBEDDED
     drafter, target = embedded_models(host, runner, code_dir) if embedded else (None, None)
-    if req.drafter != EMBEDDED:
+    if req.drafter_ref != EMBEDDED:
         if req.drafter_run:
             if not host.checkpoints:
                 raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
-            root = f"{host.checkpoints.rstrip('/')}/{req.drafter_run}"
-            if req.checkpoint not in (list_dir(runner, host.python, root) or []):
-                raise EvalError(f"host {host.name}: no checkpoint {req.checkpoint} of run {req.drafter_run} in {root} "
-                                f"(copy it there with: dflash-ops sync-ckpt {req.drafter} --to {host.name})")
-            drafter = f"{root}/{req.checkpoint}"
+            drafter = f"{host.checkpoints.rstrip('/')}/{req.drafter_run}/{req.checkpoint}"
         elif req.drafter_path:
             drafter = req.drafter_path
         else:
-            raise EvalError(f"the run's request names no drafter folder ({req.drafter}): it was recorded by an "
-                            f"older dflash-ops; start a new eval")
+            raise EvalError(f"the run's request names no drafter folder ({req.drafter_ref}); start a new eval")
     if req.target != EMBEDDED:
         target = req.target_path
     return drafter, target
@@ -208,15 +196,18 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
                  on_phase: Callable[[str], None] | None = None) -> HostPrep:
     """Pre-flight on one host, before any GPU time: environment, ship the worker, locate and check
     the drafter and target there."""
-    req = record.eval_request
+    req = record.request
     phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
     phase("connecting")
-    report = check_host_ready(host, inventory, req)
-    phase("pre-flight: shipping the worker, checking drafter and target")
     runner = runner_for(host, inventory)
-    host = host.on_host(runner.expand_home)
+    try:
+        host = host.on_host(runner.expand_home)
+    except TransportError as e:
+        raise EvalError(f"host {host.name} is not reachable: {e}") from None
+    report = check_host_ready(host, runner, req)
+    phase("pre-flight: shipping the worker, checking drafter and target")
     code_dir = ship(runner, host.python, host.workdir)
     drafter_path, target_path = check_models(host, runner, code_dir, req)
     return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host))
@@ -226,27 +217,22 @@ def check_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[s
     """(drafter folder, target folder) on the host, located, inspected for compatibility and
     planned against its memory (remote/preflight.py: one process, before any weights load)."""
     drafter_path, target_path = map(runner.expand_home, locate_models(host, runner, code_dir, req))
-    args = [drafter_path, "--target", target_path, "--suite", req.suite, "--max-new-tokens", str(req.max_new_tokens),
-            "--device", "cpu" if wants_cpu(req, host) else "cuda", *memory_args(req)]
+    settings = replace(req.settings, device="cpu" if wants_cpu(req, host) else "cuda")
+    args = [drafter_path, "--target", target_path, *settings.to_argv()]
     if req.verify_weights:
         args.append("--verify-hashes")
-    if req.prompts:
-        args += ["--prompts", str(req.prompts)]
-    if req.dtype:
-        args += ["--dtype", req.dtype]
     found, err = _python_json(runner, host.python, code_dir, PREFLIGHT, *args, timeout=1800)
     if found is None:
         raise EvalError(f"host {host.name}: the drafter/target pre-flight failed: {err[-800:]}")
     inspected, plan = found["inspect"], found["memory"]
+    if inspected.get("drafter_missing") and req.drafter_run:
+        raise EvalError(f"host {host.name}: no checkpoint {req.checkpoint} of run {req.drafter_run} there "
+                        f"({drafter_path}); copy it with: dflash-ops sync-ckpt {req.drafter_ref} --to {host.name}")
     if not inspected["ok"]:
         raise EvalError(f"host {host.name}: " + "\n  ".join(inspected["problems"]))
     if not plan["fits"]:
         raise EvalError(f"host {host.name}: {plan['refusal']}")
     return drafter_path, target_path
-
-
-def gpus_per_worker(req: EvalRequest) -> int:
-    return int(req.target_devices) if req.target_devices not in (None, "auto") else 1
 
 
 def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
@@ -256,20 +242,20 @@ def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
     sees one). Its shards' actors are placed later, one per shard (:func:`ray_job`)."""
     from . import ray as ray_backend
 
-    req = record.eval_request
+    req = record.request
     phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
-    if req.target_devices == "auto":
+    if req.settings.target_devices == "auto":
         raise EvalError(f"host {host.name} is a Ray cluster: give --target-devices a count (GPUs per worker)")
     phase("connecting")
     cluster = ray_backend.cluster_info(host, inventory)
     cpu = wants_cpu(req, host)
-    if not cpu and cluster.gpus < gpus_per_worker(req):
+    if not cpu and cluster.gpus < req.settings.gpus_per_worker:
         raise EvalError(f"host {host.name}: the Ray cluster has {cluster.gpus} GPU(s), a worker needs "
-                        f"{gpus_per_worker(req)} (pass --device cpu to run on CPU, or set `gpus: 0`)")
+                        f"{req.settings.gpus_per_worker} (pass --device cpu to run on CPU, or set `gpus: 0`)")
     phase("pre-flight: checking drafter and target on the cluster")
-    runner = ray_backend.place(host, inventory, None, 0 if cpu or host.gpus == 0 else gpus_per_worker(req))
+    runner = ray_backend.place(host, inventory, None, 0 if cpu or host.gpus == 0 else req.settings.gpus_per_worker)
     try:
         host = replace(host.on_host(runner.expand_home), python=runner.info["python"])
         drafter_path, target_path = check_models(host, runner, runner.info["code_dir"], req)
@@ -284,7 +270,7 @@ def ray_job(record: RunRecord, shard: Shard, prep: HostPrep, inventory: Inventor
     from . import ray as ray_backend
 
     name = ray_backend.actor_name(record.id, shard.index)
-    runner = ray_backend.place(prep.host, inventory, name, 0 if prep.cpu else gpus_per_worker(record.eval_request),
+    runner = ray_backend.place(prep.host, inventory, name, 0 if prep.cpu else record.request.settings.gpus_per_worker,
                                node_id=(shard.ray or {}).get("node_id"))
     info = runner.info
     run_dir = f"{prep.host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
@@ -297,50 +283,31 @@ def ray_job(record: RunRecord, shard: Shard, prep: HostPrep, inventory: Inventor
     return ray_backend.RayJob(runner, info["python"], info["code_dir"], run_dir)
 
 
-def memory_args(req: EvalRequest) -> list[str]:
-    """The worker's and the memory plan's shared flags."""
-    args = ["--target-devices", req.target_devices] if req.target_devices else []
-    return args + (["--max-memory", f"{req.max_memory_gb:g}"] if req.max_memory_gb else [])
-
-
 def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) -> list[tuple[str, str | None]]:
     """(host, GPU id) of every shard: ``--gpus`` expanded on each host in turn."""
     spec = parse_gpus(req.gpus)
-    per_worker = gpus_per_worker(req)
+    per_worker = req.settings.gpus_per_worker
     ray_hosts = [h.name for h in hosts if h.is_ray]
     if ray_hosts and isinstance(spec, list):
         raise EvalError(f"host {ray_hosts[0]} is a Ray cluster: Ray assigns the GPUs; give --gpus N or all")
-    if spec is not None and req.target_devices == "auto":
+    if spec is not None and req.settings.target_devices == "auto":
         raise EvalError("--target-devices auto splits the target over every GPU of the host: drop --gpus, "
                         "or give --target-devices a count")
     placed = [(h.name, gpu) for h in hosts
               for gpu in group(host_gpu_ids(spec, h.name, preps[h.name].visible_gpus, h.gpus, preps[h.name].cpu),
                                per_worker)]
-    return placed[:req.prompts] if req.prompts else placed     # no worker without a prompt
+    prompts = req.settings.prompts
+    return placed[:prompts] if prompts else placed     # no worker without a prompt
 
 
 def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:
-    args = ["--target", shard.target_path, "--drafter", shard.drafter_path, "--suite", req.suite,
-            "--mode", req.mode, "--out", f"{shard.run_dir}/out", "--max-new-tokens", str(req.max_new_tokens),
-            "--thinking", req.thinking, "--temperature", repr(float(req.temperature)), "--top-p",
-            repr(float(req.top_p)), "--top-k", str(req.top_k), "--seed", str(req.seed), "--host-label", host.name]
-    if req.ddtree_budgets is not None:
-        args += ["--ddtree-budgets", req.ddtree_budgets]
-    if req.prompts:
-        args += ["--prompts", str(req.prompts)]
-    if req.max_blocks:
-        args += ["--max-blocks", str(req.max_blocks)]
-    device = default_device(host, req)
-    if device:
-        args += ["--device", device]
-    if req.dtype:
-        args += ["--dtype", req.dtype]
+    """The worker's argv for ``shard`` on ``host``: where it reads and writes, the run's settings,
+    and ``--checked`` (pre-flight just ran the same checks there)."""
+    args = ["--target", shard.target_path, "--drafter", shard.drafter_path, "--out", f"{shard.run_dir}/out",
+            *host_settings(req, host).to_argv(), "--host-label", host.name, "--checked"]
     sglang, _ = reference_sglang(req, host)
     if sglang:
         args += ["--sglang", sglang]
-    if req.all_anchors:
-        args.append("--all-anchors")
-    args += memory_args(req)
     if shard.count > 1:
         args += ["--shard", f"{shard.index}/{shard.count}"]
     if resume:
@@ -355,11 +322,11 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     each step: connecting, pre-flight, starting the worker. Resuming, a finished and fetched shard
     is kept, and a worker still running or finished but not fetched (its follower was cut off: a
     killed CLI, a dropped link) is followed and fetched, not started twice."""
-    req = record.eval_request
+    req = record.request
     clusters = [h for h in dict.fromkeys(req.hosts) if inventory.get(h).is_ray]
     if len(clusters) > 1:
         raise EvalError(f"one Ray cluster per run (a process is the Ray Client of one cluster): {', '.join(clusters)}")
-    todo = [s for s in record.shards if not (resume and s.state == "done" and s.fetched)]   # resume: the rest
+    todo = [s for s in record.shards if not (resume and s.state == State.DONE and s.fetched)]   # resume: the rest
     names = list(dict.fromkeys(req.hosts if not resume else [s.host for s in todo]))
 
     def prepare(name: str) -> HostPrep:
@@ -383,7 +350,7 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
         jobs[s.index] = HostJob(prep.runner, prep.host.python, prep.code_dir, run_dir)
     for s in todo:
         job, host = jobs[s.index], inventory.get(s.host)
-        if resume and job.status().get("state") in ("running", "done"):
+        if resume and job.status().get("state") in (State.RUNNING, State.DONE):
             continue        # still going, or finished and not yet fetched: followed, not redone
         if on_phase:
             on_phase(s.host, "starting the worker")
@@ -423,6 +390,7 @@ def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int,
         try:
             for ev in job.follow():
                 on_event(i, ev)
+                record.shard_progressed(i, ev)
                 if ev.get("event") == "exit":
                     record.shard_exited(i, ev)
                     job.fetch(shard.local_dir(record.folder))
@@ -491,6 +459,17 @@ def record_placement(run_dir: Path, shards: list[Shard]) -> None:
     path.write_text(json.dumps(env, indent=2))
 
 
+def complete(record: RunRecord, jobs: dict[int, HostJob],
+             on_event: Callable[[int, dict], None]) -> tuple[dict, tuple[Path, Path] | None]:
+    """Follow a started run to its end, then fetch, merge and report it (:func:`finish`). A shard
+    whose contact was lost raises :class:`RunUnfinished` (its worker keeps running)."""
+    lost = follow(record, jobs, on_event)
+    if lost:
+        raise RunUnfinished("; ".join(lost.values()) + f". The workers keep running; re-attach with: "
+                            f"dflash-ops attach {record.id}")
+    return finish(record)
+
+
 def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
     """After following: a finished run is merged and reported: (summary, report paths). A run
     with an unfetched shard raises :class:`RunUnfinished`, one with a failed worker
@@ -511,7 +490,7 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
             raise InvalidRun(f"run {record.id} is invalid: on {s.label}, {why}")
         hosts = ", ".join(f"{s.label} (shard {s.index + 1}/{s.count}, state {s.state}, exit code {s.exit_code})"
                           if s.count > 1 else f"{s.label} (state {s.state}, exit code {s.exit_code})"
-                          for s in record.shards if s.state != "done")
+                          for s in record.shards if s.state != State.DONE)
         raise EvalError(f"the worker failed on {hosts}; finished prompts are kept: "
                         f"dflash-ops eval --resume {record.id}")
     summary = merge_shards(record.folder, record.shards)
@@ -524,7 +503,7 @@ def failed_logs(record: RunRecord, jobs: dict[int, HostJob], lines: int = 25) ->
     """{shard label: the last lines of its worker log} for the shards that did not end ``done``."""
     out = {}
     for s in record.shards:
-        if s.fetched and s.state != "done":
+        if s.fetched and s.state != State.DONE:
             log = s.local_dir(record.folder) / "worker.log"
             tail = "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else jobs[s.index].log_tail(lines)
             out[s.label] = tail
@@ -534,5 +513,6 @@ def failed_logs(record: RunRecord, jobs: dict[int, HostJob], lines: int = 25) ->
 def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
     """Stop a run's workers (finished prompts stay on the hosts); {shard label: the worker's state}."""
     states = {i: job.cancel() for i, job in jobs_of(record, inventory).items()}
-    record.cancelled({i: st.get("state", "unknown") for i, st in states.items()})
-    return {record.shards[i].label: st for i, st in states.items()}
+    record.cancelled(states)
+    return {record.shards[i].label: {**st, "state": "cancelled" if st.get("cancelled") else st.get("state")}
+            for i, st in states.items()}

@@ -580,7 +580,7 @@ class Picked:
 
 
 def _prompt_count(r: EvalRun):
-    return len(r.results) or r.meta.get("prompts")
+    return len(r.results) or r.prompts_planned
 
 
 def _mismatch_names(a: EvalRun, b: EvalRun) -> list[str]:

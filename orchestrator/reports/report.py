@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from remote.states import State
+
 from .render import Document, fnum
 from ..runs.metrics import TAU_CONVENTIONS, multi_turn_note
 from ..runs.folders import EvalRun, load_run
@@ -107,10 +109,10 @@ def run_warnings(run: EvalRun) -> list[str]:
     if run.summary is None:
         w.append("summary.json is missing (the run is still running or failed); numbers are from results.jsonl")
     w += summary_disagreements(m, run.summary)
-    if run.status != "done":
-        w.append(f"run status is {run.status!r}: the numbers cover the {m['prompts']} prompt(s) written so far"
-                 + (f" of {run.meta.get('prompts')}" if run.meta.get("prompts") else ""))
-    if run.meta.get("inferred"):
+    if run.status != State.DONE:
+        w.append(f"run status is '{run.status}': the numbers cover the {m['prompts']} prompt(s) written so far"
+                 + (f" of {run.prompts_planned}" if run.prompts_planned else ""))
+    if run.inferred:
         w.append("run.json is missing: drafter, target and suite were inferred from env.json")
     return w
 

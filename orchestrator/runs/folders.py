@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from remote.states import State
+
 from ..config.catalog import parse_step, same_checkpoint
 from ..errors import InputError, did_you_mean
+from .record import RUN_FILE, RunRecord, RunRecordError
 
 RUNS_ENV = "DFLASH_OPS_RUNS"
 
@@ -58,11 +61,12 @@ def read_results(path: Path) -> list[dict]:
 
 @dataclass
 class EvalRun:
-    """One eval run's folder as reports read it (a training run is catalog.TrainingRun).
-    ``meta`` is run.json (or what could be inferred from env.json)."""
+    """One eval run's folder as reports read it (a training run is catalog.TrainingRun): its
+    ``record`` (run.json, read by :class:`RunRecord` alone), or, for a folder the worker wrote by
+    hand, what its env.json says."""
 
     path: Path
-    meta: dict
+    record: Optional[RunRecord]
     env: dict = field(default_factory=dict)
     _summary: Optional[dict] = field(default=None, repr=False)
     _summary_loaded: bool = field(default=False, repr=False)
@@ -70,38 +74,53 @@ class EvalRun:
     _metrics: Optional[dict] = field(default=None, repr=False)
 
     @property
+    def inferred(self) -> bool:
+        """No run.json: what is known comes from env.json."""
+        return self.record is None
+
+    @property
     def id(self) -> str:
-        return str(self.meta.get("id") or self.path.name)
+        return self.record.id if self.record else self.path.name
 
     @property
     def drafter(self) -> Optional[str]:
-        return self.meta.get("drafter")
+        if self.record:
+            return self.record.drafter
+        path = (self.env.get("drafter") or {}).get("path")
+        return Path(str(path)).name if path else self.path.name
 
     @property
     def checkpoint(self) -> Optional[str]:
-        return self.meta.get("checkpoint")
+        return self.record.checkpoint if self.record else None
 
     @property
     def step(self) -> Optional[int]:
         """The checkpoint's training step (recorded, or read from the folder name)."""
-        step = self.meta.get("step")
+        step = self.record.step if self.record else None
         return parse_step(str(self.checkpoint)) if step is None and self.checkpoint else step
 
     @property
     def label(self) -> str:
-        return f"{self.drafter}:{self.checkpoint}" if self.checkpoint else str(self.drafter)
+        return self.record.label if self.record else str(self.drafter)
 
     @property
     def target(self) -> Optional[str]:
-        return self.meta.get("target") or (self.env.get("target") or {}).get("path")
+        return (self.record.target if self.record else None) or (self.env.get("target") or {}).get("path")
 
     @property
     def suite(self) -> Optional[str]:
-        return self.meta.get("suite") or (self.env.get("suite") or {}).get("name")
+        return self.record.settings.suite if self.record else (self.env.get("suite") or {}).get("name")
+
+    @property
+    def hosts(self) -> list[str]:
+        if self.record:
+            return self.record.hosts
+        return [h for h in str(self.env.get("host") or "").split(",") if h]
 
     @property
     def host(self) -> Optional[str]:
-        return self.meta.get("host") or self.env.get("host")
+        """The hosts, joined (how lists show them)."""
+        return ",".join(self.hosts) or None
 
     @property
     def settings(self) -> dict:
@@ -109,7 +128,13 @@ class EvalRun:
 
     @property
     def mode(self) -> Optional[str]:
-        return self.meta.get("mode") or self.settings.get("mode") or (self.summary or {}).get("mode")
+        return (self.record.settings.mode if self.record else None) or self.settings.get("mode") or \
+            (self.summary or {}).get("mode")
+
+    @property
+    def prompts_planned(self) -> Optional[int]:
+        """The prompts asked for (None: all of the suite, or not known)."""
+        return self.record.settings.prompts if self.record else None
 
     @property
     def block_size(self) -> int:
@@ -126,12 +151,14 @@ class EvalRun:
         return int(self.settings.get("verify_block") or self.block_size)
 
     @property
-    def status(self) -> str:
-        return str(self.meta.get("status") or ("done" if self.summary is not None else "unknown"))
+    def status(self) -> State:
+        if self.record:
+            return self.record.status
+        return State.DONE if self.summary is not None else State.UNKNOWN
 
     @property
     def created_at(self) -> str:
-        return str(self.meta.get("created_at") or self.env.get("started_at") or "")
+        return str((self.record.created_at if self.record else None) or self.env.get("started_at") or "")
 
     @property
     def summary(self) -> Optional[dict]:
@@ -176,18 +203,17 @@ def load_run(path) -> EvalRun:
     path = Path(path)
     if not path.is_dir():
         raise RunError(f"{path}: no such run folder")
-    meta = _read_json(path / "run.json")
     env = _read_json(path / "env.json") or {}
-    if meta is None:
-        if env == {} and not (path / "results.jsonl").exists():
-            raise RunError(f"{path}: not a run folder (no run.json, env.json or results.jsonl)")
-        drafter = env.get("drafter") or {}
-        meta = {"id": path.name, "drafter": Path(str(drafter.get("path") or path.name)).name,
-                "checkpoint": None, "target": (env.get("target") or {}).get("path"),
-                "suite": (env.get("suite") or {}).get("name"), "host": env.get("host"),
-                "mode": (env.get("settings") or {}).get("mode"), "created_at": env.get("started_at"),
-                "status": None, "inferred": True}
-    return EvalRun(path=path, meta=meta, env=env)
+    if (path / RUN_FILE).exists():
+        try:
+            record = RunRecord.load(path)
+        except RunRecordError as e:
+            raise RunError(str(e)) from None
+    elif env == {} and not (path / "results.jsonl").exists():
+        raise RunError(f"{path}: not a run folder (no run.json, env.json or results.jsonl)")
+    else:
+        record = None
+    return EvalRun(path=path, record=record, env=env)
 
 
 def load_runs(directory: Optional[Path] = None) -> list[EvalRun]:
@@ -285,12 +311,19 @@ def select_runs(runs: list[EvalRun], drafter=None, suite=None, host=None, status
     def ok(value, want):
         return want is None or (value is not None and str(value) == want)
 
-    return [r for r in runs if ok(r.drafter, drafter) and ok(r.suite, suite) and ok(r.host, host)
+    return [r for r in runs if ok(r.drafter, drafter) and ok(r.suite, suite) and (host is None or host in r.hosts)
             and ok(r.status, status) and ok(r.checkpoint, checkpoint)]
 
 
-def settings_text(settings: dict) -> str:
-    """The decoding settings of a run in a few words: ``greedy, 256 tok, think off``."""
+def settings_text(run: EvalRun) -> str:
+    """The decoding settings of a run in a few words: ``greedy, 256 tok, think off`` (what the worker
+    recorded in env.json; before it is fetched, what the run asked for)."""
+    settings = run.settings
+    if not settings and run.record:
+        asked = run.record.settings
+        settings = {"temperature": asked.temperature, "top_p": asked.top_p, "top_k": asked.top_k,
+                    "max_new_tokens": asked.max_new_tokens, "max_blocks": asked.max_blocks,
+                    "enable_thinking": {"on": True, "off": False}.get(asked.thinking)}
     if not settings:
         return "-"
     t = settings.get("temperature")
@@ -316,9 +349,13 @@ def run_rows(runs: list[EvalRun]) -> list[dict]:
             m = r.metrics
             tau, n = m["tau_macro"], m["prompts"]
         except Exception:  # a damaged results.jsonl must not hide the other runs
-            tau, n = None, r.meta.get("prompts")
+            tau, n = None, None
+        planned = r.prompts_planned
+        if r.record and not r.status.is_terminal():     # the workers' own count, as last heard
+            done, total = r.record.progress
+            n, planned = max(n or 0, done), total or planned
         rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "step": r.step, "label": r.label,
-                     "target": r.target, "suite": r.suite, "mode": r.mode, "settings": settings_text(r.settings),
-                     "prompts": n, "prompts_planned": r.meta.get("prompts"), "tau_macro": tau, "host": r.host,
-                     "created_at": r.created_at, "status": r.status})
+                     "target": r.target, "suite": r.suite, "mode": r.mode, "settings": settings_text(r),
+                     "prompts": n, "prompts_planned": planned, "tau_macro": tau, "host": r.host,
+                     "created_at": r.created_at, "status": str(r.status)})
     return rows

@@ -105,7 +105,7 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     st = state.settings
     doc.para(f"Every point is one checkpoint evaluated with the same settings: suite `{st.get('suite')}`, "
              f"{st.get('prompts') or 'all'} prompts, mode `{st.get('mode')}`, max new tokens {st.get('max_new_tokens')}, "
-             f"thinking `{st.get('thinking')}`, DDTree budgets `{st.get('ddtree_budgets') or 'none'}`. "
+             f"thinking `{st.get('thinking')}`, DDTree budgets `{st.get('ddtree') or 'none'}`. "
              f"CIs: 95% percentile bootstrap over prompts.", "note")
     base = None
     b = state.baseline
