@@ -290,7 +290,9 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
     assert not any(worker_alive(d) for d in shards)                       # the workers are stopped
     record = json.loads((run / "run.json").read_text())
-    assert record["status"] == "cancelled" and any(s["state"] == "failed" for s in record["shards"]), record
+    assert record["status"] == "cancelled" and all(s["state"] == "cancelled" for s in record["shards"]), record
+    assert "cancelled on cluster:gpu" in cancelled.stdout and f"eval --resume {run.name}" in cancelled.stdout
+    assert "{" not in cancelled.stdout                                     # words, not the host's JSON
     assert free_gpus(inventory, runs) == "ray 2.60.0: 2/2 GPU free"        # and the actors with them
     resumed = cli(inventory, runs, "eval", "--resume", run.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
