@@ -14,9 +14,11 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import remote
+
 from ..transport import Runner, TransportError
 
-PACKAGE = Path(__file__).resolve().parents[1] / "remote"
+PACKAGE = Path(remote.__file__).resolve().parent
 SHIPPED = ("*.py", "suites/*.jsonl")
 
 # Runs on the host: extract the tar next to the final folder, mark it complete, rename into place.
