@@ -54,12 +54,13 @@ def hosts_check(
     if as_json:
         console.print_json([asdict(r) | {"ok": r.ok} for r in reports])
     else:
-        rows = [[escape(r.name), "[green]ok[/]" if r.ok else "[red]FAIL[/]", *(escape(v or "-") for v in (
-                 r.python, r.torch, r.cuda, r.transformers, r.fla)), escape(", ".join(r.gpus) or "none"),
+        rows = [[escape(r.name), "[green]passed[/]" if r.ok else "[red]FAILED[/]", *(escape(v or "-") for v in (
+                 r.python, r.torch, r.cuda, r.transformers, r.fla)),
+                 escape(", ".join(r.gpus) or ("none" if r.python else "-")),
                  escape(" / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))),
                  escape(r.sglang or "-"), escape(r.model or "-")] for r in reports]
         out = console.out()
-        out.print(console.table("hosts check", ["host", "ok", "python", "torch", "cuda", "transformers", "fla",
+        out.print(console.table("hosts check", ["host", "check", "python", "torch", "cuda", "transformers", "fla",
                                                 "gpus", "free (workdir / ckpts)", "sglang", "model"], rows, markup=True))
         for r in reports:
             for e in r.errors:
