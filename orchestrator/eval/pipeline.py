@@ -128,6 +128,7 @@ def check_host_ready(host: Host, inventory: Inventory, req: EvalRequest):
     """The host's probe report, once it passed (reachable, ML stack, disk, CUDA when wanted)."""
     from .hostcheck import check_host
 
+    host.refuse_example()                   # a placeholder: its own line, not "not reachable"
     report = check_host(host, inventory=inventory)
     if not report.reachable:
         raise EvalError(f"host {host.name} is not reachable: {'; '.join(report.errors)}")
