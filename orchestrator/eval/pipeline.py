@@ -215,7 +215,10 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
     phase("connecting")
     report = check_host_ready(host, inventory, req)
-    phase("pre-flight: shipping the worker, checking drafter and target")
+    embedded = req.drafter == EMBEDDED or req.target == EMBEDDED
+    phase("pre-flight: shipping the worker, " + ("building the embedded demo pair (first use on a host: about a "
+                                                 "minute on CPU), " if embedded else "")
+          + "checking drafter and target")
     runner = runner_for(host, inventory)
     host = host.on_host(runner.expand_home)
     code_dir = ship(runner, host.python, host.workdir)
