@@ -4,7 +4,9 @@ line, the same message, exit 2, before any host is contacted); config discovery 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -162,8 +164,6 @@ def test_init_writes_the_commented_examples_into_the_project_and_config_states_t
 
 
 def _git(*args: str) -> str | None:
-    import subprocess
-
     try:
         res = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
     except OSError:
@@ -255,7 +255,6 @@ def checkpoints(project, monkeypatch):
     (done / "model.safetensors").write_bytes(b"\0" * 4096)
     old = time.time() - 3600
     for f in done.iterdir():
-        import os
         os.utime(f, (old, old))
     (writing / "config.json").write_text(" " * 822)
     return home
