@@ -34,7 +34,8 @@ class Field:
 
 
 FIELDS = (
-    Field("suite", "--suite", "built-in suite (default, humaneval, hf:gsm8k|math500|humaneval|mbpp|mt-bench) or a "
+    Field("suite", "--suite", "built-in suite (default, humaneval, hf:gsm8k, hf:math500, hf:humaneval, hf:mbpp, "
+          "hf:mt-bench) or a "
           "JSONL file on the host"),
     Field("prompts", "--prompts", "the first N prompts of the suite (0 = all)", int, short="-n", metavar="N",
           cli_default=2),

@@ -62,7 +62,7 @@ def test_tilde_paths_live_in_the_login_home_on_the_host(ssh_lab, embedded_pair, 
         assert (final / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
         assert "yes" in cli("ckpts", run)
         out = cli("hosts", "check", "eval")
-        assert "ok" in out and "(missing)" not in out, out
+        assert "passed" in out and "(missing)" not in out, out
         cli("eval", "--host", "eval", "--drafter", "embedded", "--device", "cpu", "--prompts", "1",
             "--max-new-tokens", "8", "--ddtree", "")
         (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if (d / "run.json").exists()]

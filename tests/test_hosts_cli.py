@@ -80,7 +80,7 @@ def test_hosts_check_all_lab_hosts(ssh_lab, tmp_path, fake_sglang):
     rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 5}
     assert set(rows) >= {"local", "train", "eval"}
     for name in ("local", "train", "eval"):
-        assert "ok" in rows[name] and platform.python_version() in rows[name] and TORCH in rows[name]
+        assert "passed" in rows[name] and platform.python_version() in rows[name] and TORCH in rows[name]
     assert "healthy" in rows["eval"] and "Qwen/Qwen3-8B" in rows["eval"]
     assert time.monotonic() - t < 60
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator import tracking
+from orchestrator.reports import tracking
 from orchestrator.reports.report import write_report
 from runfixtures import make_run
 

@@ -66,6 +66,38 @@ def test_training_jsonl_log_is_read_with_a_torn_last_line():
     assert value_at(s["eval/acc_len"], 250) == 3.6 and value_at(s["eval/acc_len"], 50) is None
 
 
+def test_trajectory_answers_first_and_names_the_ddtree_budgets_that_ran(tmp_path):
+    """trajectory.md opens with the newest checkpoint's τ and CI (and the best so far), then that
+    checkpoint against the baseline paired prompt by prompt; the settings note names the DDTree
+    budgets the points ran, even when the watch left the budgets to eval's default."""
+    from orchestrator.watch.loop import headline
+    from orchestrator.watch.state import Point
+    from orchestrator.watch.trajectory import tau_cis, write_trajectory
+    from runfixtures import make_run
+
+    runs = tmp_path / "runs"
+    base = make_run(runs, "20261202-0900-zlab-ct129", "zlab", prompts=20, mean=5.0)
+    st = WatchState(run="v5", settings={"suite": "gsm8k", "prompts": 20, "mode": "offline", "max_new_tokens": 256,
+                                        "thinking": "off", "ddtree_budgets": None})
+    for i, (step, mean) in enumerate([(1000, 3.0), (2000, 4.6), (3000, 4.0)]):
+        rid = f"20261203-10{i}0-v5-step{step}-ct129"
+        d = make_run(runs, rid, "v5", f"step_{step}", prompts=20, mean=mean)
+        st.points[f"step_{step}"] = Point(name=f"step_{step}", step=step, status="done", eval_run=rid,
+                                          summary=headline(json.loads((d / "summary.json").read_text())))
+    st.baseline = {"label": "zlab", "status": "done", "eval_run": base.name,
+                   "summary": headline(json.loads((base / "summary.json").read_text()))}
+    md = write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text().split("\n")
+    tau = {s: p.summary["tau_macro"] for s, p in st.points.items()}
+    (lo, hi), _ = tau_cis(runs / st.points["step_3000"].eval_run)
+    assert md[2] == (f"**v5 at step 3000 (the newest of 3 checkpoints evaluated): τ {tau['step_3000']:.2f} "
+                     f"[{lo:.2f}, {hi:.2f}]; the best so far is step 2000, τ {tau['step_2000']:.2f}**  ")
+    assert md[3].startswith("**v5 step 3000 vs zlab: τ −") and "v5 step 3000 worse on " in md[3]
+    assert "DDTree budgets 8, 16, 32, 64." in "\n".join(md) and "`none`" not in "\n".join(md)
+    for p in st.points.values():
+        p.summary["ddtree"] = {}
+    assert "no DDTree." in write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text()
+
+
 def test_live_view_shows_each_hosts_work_and_the_newest_points(tmp_path):
     import io
     from types import SimpleNamespace

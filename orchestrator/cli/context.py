@@ -38,5 +38,5 @@ def inventory(ctx: typer.Context):
 
 
 RUNS_DIR_HELP = "Runs folder (default: $DFLASH_OPS_RUNS, else ./runs)."
-CATALOG_HELP = ("Catalog (default: $DFLASH_OPS_CATALOG, ./configs/drafters.yaml, "
-                "$XDG_CONFIG_HOME/dflash-ops/drafters.yaml; `dflash-ops config` shows which).")
+CATALOG_HELP = ("Catalog (default: $DFLASH_OPS_CATALOG, ./configs/drafters.yaml, then drafters.yaml in the user "
+                "config folder; `dflash-ops config` shows which).")

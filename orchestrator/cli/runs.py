@@ -58,20 +58,27 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the run's metrics and report paths as JSON."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
-    """Print a run's summary and the paths of its report (written if missing or stale)."""
+    """Print a run's verdict, its summary and the paths of its report (written if missing or stale)."""
     from ..reports.render import fnum
-    from ..reports.report import current_report, run_warnings, summary_rows
+    from ..reports.report import current_report, ddtree_table, report_verdict, run_warnings, summary_rows
     r = context_names(ctx, runs_dir=runs_dir).eval_run(run)
     md_path, html_path = current_report(r, rewrite)
     m = r.metrics
     warnings = run_warnings(r)
+    verdict = report_verdict(r)
     if as_json:
-        console.print_json({"id": r.id, "path": str(r.path), "run": r.record.to_dict() if r.record else None, "metrics": {
+        console.print_json({"id": r.id, "path": str(r.path), "run": r.record.to_dict() if r.record else None,
+                            "verdict": verdict, "metrics": {
             k: v for k, v in m.items() if k != "per_prompt"}, "warnings": warnings,
             "report": {"md": str(md_path), "html": str(html_path)}})
         return
     out = console.out()
-    out.print(console.table(f"run {r.id}", ["metric", "value"], summary_rows(r, m), show_header=False))
+    out.print(f"[bold]{escape(verdict)}[/]")
+    out.print(console.table(f"run {r.id}", ["metric", "value"], summary_rows(r, m), show_header=False,
+                            wrap=("value",)))
+    dd = ddtree_table(m)
+    if dd:
+        out.print(console.table("DDTree", *dd, right=dd[0][1:]))
     if m.get("categories"):
         out.print(console.table("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"], [
             [c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])] for c, v in m["categories"].items()],
@@ -109,6 +116,8 @@ def compare_cmd(
         console.print_json(result)
     con = console.out()
     if not as_json:
+        for line in result.get("verdict") or []:
+            con.print(f"[bold]{escape(line)}[/]")
         for p in result["picked"]:
             con.print(escape(p["why"]))
     mismatches = "\n".join(f"• {escape(m['message'])}" for m in result["mismatches"])

@@ -11,15 +11,29 @@ from .context import CATALOG_HELP
 from .context import names as context_names
 
 
+def _rate_column():
+    """Bytes per second in the units of every other size dflash-ops prints (KiB, MiB: human_bytes)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from ..reports.render import human_bytes
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+    return Rate()
+
+
 class _SyncBars:
-    """rich progress bars for a sync: one for the checkpoint, one per file."""
+    """rich progress bars for a sync: one for the checkpoint, one per file; sizes and rates in
+    KiB/MiB/GiB, as the plan table and the result line."""
 
     def __init__(self, console):
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                             TimeRemainingColumn(), console=console, transient=False)
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                             _rate_column(), TimeRemainingColumn(), console=console, transient=False)
         self.total = None
         self.files: dict[str, int] = {}
 
@@ -134,11 +148,20 @@ def ckpts_cmd(
         return
     out = console.out()
     colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
-    out.print(console.table("checkpoints on the training host", ["run", "checkpoint", "step", "size", "files", "time",
-                                                                 "on eval"], [
-        [escape(r.run), escape(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
-         datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M"), f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
-        for r in rows], markup=True))
+    one_run = len({r.run for r in rows}) == 1
+    head = ["checkpoint", "step", "size", "files", "changed", "state", "on eval"]
+    cells = [[escape(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
+              datetime.fromtimestamp(r.mtime).strftime("%m-%d %H:%M"),
+              "[yellow]being written[/]" if r.incomplete else "complete", f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
+             for r in rows]
+    if not one_run:
+        head, cells = ["run", *head], [[escape(r.run), *c] for r, c in zip(rows, cells)]
+    title = f"checkpoints of {rows[0].run} on {source.name}" if one_run and rows else f"checkpoints on {source.name}"
+    out.print(console.table(title, head, cells, markup=True, right=("step", "size", "files")))
+    for r in rows:
+        if r.incomplete:
+            out.print(f"[yellow]! {escape(r.run)}:{escape(r.name)} is being written: {escape(r.incomplete)} "
+                      f"(sync-ckpt and watch wait for it)[/]")
     for w in warnings:
         out.print(f"[yellow]! {escape(w)}[/]")
 

@@ -25,6 +25,10 @@ class InventoryError(InputError):
     """A bad inventory or an unknown host; the message is meant for the user as-is."""
 
 
+class ExampleHost(InventoryError):
+    """A connection to a host the inventory marks ``example: true`` (a placeholder to edit)."""
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -44,12 +48,21 @@ class Host:
     gpus: int | None = None
     kind: str = "ssh"               # ssh | ray (address: ray://HOST:PORT, a Ray cluster's client server)
     via: str | None = None          # ray: reach the address through an SSH tunnel from this inventory host
+    example: bool = False           # a placeholder (the shipped examples): listed, never connected to
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     ssh_config_file: str | None = field(default=None, compare=False, repr=False)  # `-F` (tests)
     # `user:password` from the inventory's sglang URL: sent to the host on stdin, never shown or recorded
     sglang_auth: str | None = field(default=None, compare=False, repr=False)
+    defined_in: str | None = field(default=None, compare=False, repr=False)   # the inventory file, as shown
+
+    def refuse_example(self) -> None:
+        """Raise :class:`ExampleHost` (one line saying what to edit) for an ``example: true``
+        host: every connection (control, data path, tunnel, Ray) asks this first."""
+        if self.example:
+            raise ExampleHost(f"{self.name} is an example host in {self.defined_in or 'the inventory'}: set its "
+                              f"address and remove `example: true`")
 
     @property
     def endpoint(self) -> str:
@@ -91,6 +104,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "gpus": ((int,), "an integer"),
     "kind": ((str,), "ssh or ray"),
     "via": ((str,), "a string (an SSH host of the inventory)"),
+    "example": ((bool,), "true or false"),
 }
 KINDS = ("ssh", "ray")
 RAY_ONLY = {"via"}
@@ -320,7 +334,8 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
         if not isinstance(name, str) or not name:
             raise InventoryError(f"{path}: host name {name!r} must be a non-empty string")
         base = inv.hosts["local"] if name == "local" else None
-        inv.hosts[name] = _host_from_entry(path, name, entry, base, ssh_config_path)
+        shown = str(path) if Path(path).is_absolute() or str(path).startswith(".") else f"./{path}"
+        inv.hosts[name] = replace(_host_from_entry(path, name, entry, base, ssh_config_path), defined_in=shown)
     for host in inv:
         _check_jump(path, host, inv)
         _check_via(path, host, inv)

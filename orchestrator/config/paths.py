@@ -7,8 +7,10 @@
 - a config file (inventory, catalog) is found as: the explicit flag, its environment variable,
   the current directory, the user config folder (:func:`locate`); else there is none: the
   examples shipped with the package are templates for ``dflash-ops init``, never read silently.
-- files shipped with the package (``orchestrator/config/*.yaml``): the example inventory and catalog
-  (templates) and the published numbers, found in a wheel install as in a checkout.
+- files shipped with the package (``orchestrator/config/``): the example inventory, catalog and
+  prompt suite (:data:`TEMPLATES`, what ``dflash-ops init`` writes into a project folder) and the
+  published numbers, found in a wheel install as in a checkout. The repository's own top level
+  (``inventory.yaml``, ``configs/``) is what ``init`` writes there (tests/test_names.py holds it so).
 """
 from __future__ import annotations
 
@@ -116,20 +118,24 @@ class TemplateExists(InputError):
     """``init`` would overwrite a file the user may have edited."""
 
 
-def write_templates(project_dir: str | os.PathLike | None = None, force: bool = False) -> list[Path]:
-    """``dflash-ops init``: the commented example inventory and catalog, copied for the user to
-    edit into the user config folder, or into ``project_dir`` where running dflash-ops finds
+# What `dflash-ops init` writes into a project folder: its path there -> the example shipped in the
+# package. The first two are where the discovery rule finds them (INVENTORY.here, CATALOG.here).
+TEMPLATES = {INVENTORY.here: "inventory.yaml", CATALOG.here: "drafters.yaml",
+             "configs/suites/my-prompts.jsonl": "suites/my-prompts.jsonl"}
+
+
+def write_templates(project_dir: str | os.PathLike = ".", force: bool = False) -> list[Path]:
+    """``dflash-ops init``: the commented example inventory and catalog and an example prompt
+    suite, copied into ``project_dir`` for the user to edit, where running dflash-ops there finds
     them (``./inventory.yaml``, ``./configs/drafters.yaml``). Existing files are kept unless
     ``force`` (TemplateExists names them)."""
-    if project_dir is None:
-        dest = {"inventory.yaml": config_dir() / INVENTORY.user_name, "drafters.yaml": config_dir() / CATALOG.user_name}
-    else:
-        dest = {"inventory.yaml": Path(project_dir) / INVENTORY.here, "drafters.yaml": Path(project_dir) / CATALOG.here}
-    there = [p for p in dest.values() if p.exists()]
+    dest = {Path(project_dir) / here: shipped(name) for here, name in TEMPLATES.items()}
+    there = [p for p in dest if p.exists()]
     if there and not force:
-        raise TemplateExists(f"{', '.join(map(str, there))} already exists: edit it, or pass --force to "
-                             f"replace it with the commented example")
-    for name, path in dest.items():
+        raise TemplateExists(f"{', '.join(map(str, there))} already exist{'s' * (len(there) == 1)}: edit "
+                             f"{'it' if len(there) == 1 else 'them'}, or pass --force to replace "
+                             f"{'it' if len(there) == 1 else 'them'} with the commented examples")
+    for path, source in dest.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(shipped(name).read_text())
-    return list(dest.values())
+        path.write_bytes(source.read_bytes())
+    return list(dest)

@@ -200,6 +200,7 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
     phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
+    host.refuse_example()                   # a placeholder: its own line, not "not reachable"
     phase("connecting")
     runner = runner_for(host, inventory)
     try:
@@ -207,7 +208,10 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
     except TransportError as e:
         raise EvalError(f"host {host.name} is not reachable: {e}") from None
     report = check_host_ready(host, runner, req)
-    phase("pre-flight: shipping the worker, checking drafter and target")
+    embedded = req.drafter_ref == EMBEDDED or req.target == EMBEDDED
+    phase("pre-flight: shipping the worker, " + ("building the embedded demo pair (first use on a host: about a "
+                                                 "minute on CPU), " if embedded else "")
+          + "checking drafter and target")
     code_dir = ship(runner, host.python, host.workdir)
     drafter_path, target_path = check_models(host, runner, code_dir, req)
     return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host))

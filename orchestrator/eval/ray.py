@@ -129,6 +129,7 @@ _lock = threading.Lock()
 def connect(host: "Host", inventory: "Inventory | None"):
     """The ``ray`` module, connected to ``host``'s cluster (once per process; a Ray Client holds
     one connection)."""
+    host.refuse_example()
     ray = import_ray()
     with _lock:
         if _connection.get("host") == host.name and ray.is_initialized():

@@ -383,7 +383,25 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
 
     result["published"], result["published_note"] = (published_for(base, published, published_file)
                                                       if published or use_published else (None, None))
+    result["verdict"] = verdict_lines(result)
     return result
+
+
+def verdict_lines(result: dict) -> list[str]:
+    """The comparison's answer, first: one line per run against the baseline (paired τ macro
+    difference with its CI, prompts each way), and the published number when shown."""
+    from .verdict import pair_verdict, published_line
+
+    nm = _names(result)
+    measure = "expected τ" if result.get("measure") == EXPECTED else "τ"
+    lines = [pair_verdict(nm[c["run"]], nm[c["vs"]], c, measure) for c in result["comparisons"]]
+    pub = result.get("published")
+    if pub and pub.get("tau") is not None and measure == "τ":
+        lines.append(published_line(pub, [(nm[r["id"]], result["metrics"][r["id"]].get("tau_macro_turns"))
+                                          for r in result["runs"]]))
+    if result.get("forced"):
+        lines = [f"{line} (forced: the runs do not pair)" for line in lines]
+    return lines
 
 
 # --------------------------------------------------------------------------- rendering
@@ -537,6 +555,7 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
 
     ids = [r["id"] for r in result["runs"]]
     doc = Document("dflash-ops compare: " + " vs ".join(ids))
+    doc.verdict(result.get("verdict") or verdict_lines(result))
     doc.warnings("Forced comparison (--force) despite mismatches:", [m["message"] for m in result["mismatches"]])
     doc.warnings("Environment differences that can change the numbers:", env_warning_lines(result))
     doc.warnings("Warnings:", result["warnings"])

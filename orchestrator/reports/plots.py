@@ -1,6 +1,7 @@
 """The plots of reports and comparisons, as PNG bytes (``series`` = [(label, metrics)], one
 colour per series). matplotlib is imported inside, on the Agg backend (no pyplot), never at
-module load.
+module load. A plot with nothing to set side by side (one category, one acceptance length) is
+not drawn: None, as for no data.
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def plot_histogram(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
     series = [(l, m) for l, m in series if m.get("cycles")]
     if not series:
         return None
+    if len({k for _, m in series for k, n in m["acceptance_histogram"].items() if n}) < 2:
+        return None
     fig, ax = _figure()
     lengths = sorted({int(k) for _, m in series for k in m["acceptance_histogram"]})
 
@@ -76,6 +79,8 @@ def plot_categories(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
     if not series:
         return None
     cats = sorted({c for _, m in series for c in m["categories"]})
+    if len(cats) < 2:
+        return None
     fig, ax = _figure()
     _grouped_bars(ax, series, range(len(cats)),
                   lambda m, j: (m["categories"].get(cats[j]) or {}).get("tau_macro") or 0.0)

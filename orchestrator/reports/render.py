@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 CSS = """
-body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1100px;
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1100px;padding:0 16px;
 color:#222;background:#fff;line-height:1.4}
 h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;margin:.6em 0;font-size:.92em}
@@ -24,6 +24,8 @@ th{background:#f2f4f7}td.num,th.num{text-align:right;font-variant-numeric:tabula
 .warn{background:#fff4e5;border:2px solid #f0a020;padding:8px 14px;margin:12px 0;border-radius:4px}
 .warn h3{margin:0 0 4px 0;color:#a05a00}.note{color:#666;font-size:.9em}
 .published{font-style:italic;color:#555}
+.verdict{font-size:1.25em;font-weight:600;background:#eef4fb;border-left:5px solid #1f77b4;padding:8px 14px;
+margin:10px 0 14px 0}.verdict p{margin:4px 0}
 img.plot{max-width:100%;border:1px solid #eee;margin:6px 0;display:block}
 """
 
@@ -95,6 +97,11 @@ class Document:
         """A paragraph; ``cls`` 'note' (small, grey) or 'published' (italic) styles it."""
         self.blocks.append(("para", text, cls))
 
+    def verdict(self, lines: Sequence[str]) -> None:
+        """The answer, first and large: one line a person can read aloud per item."""
+        if lines:
+            self.blocks.append(("verdict", list(lines)))
+
     def warnings(self, title: str, items: Sequence[str]) -> None:
         """A highlighted box listing ``items`` (nothing when there are none)."""
         if items:
@@ -120,6 +127,8 @@ class Document:
                 md += [f"{'#' * b[1]} {b[0]}", ""]
             elif kind == "para":
                 md += [f"_{b[0]}_" if b[1] == "published" else b[0], ""]
+            elif kind == "verdict":
+                md += [f"**{x}**" + ("  " if i < len(b[0]) - 1 else "") for i, x in enumerate(b[0])] + [""]
             elif kind == "warnings":
                 md += [f"> **{b[0]}**", ">"] + [f"> - {x}" for x in b[1]] + [""]
             elif kind == "table":
@@ -143,6 +152,8 @@ class Document:
                 body.append(f"<h{b[1]}>{e(b[0])}</h{b[1]}>")
             elif kind == "para":
                 body.append(f'<p class="{e(b[1])}">{_inline_html(b[0])}</p>' if b[1] else f"<p>{_inline_html(b[0])}</p>")
+            elif kind == "verdict":
+                body.append('<div class="verdict">' + "".join(f"<p>{e(x)}</p>" for x in b[0]) + "</div>")
             elif kind == "warnings":
                 items = "".join(f"<li>{e(x)}</li>" for x in b[1])
                 body.append(f'<div class="warn"><h3>{e(b[0])}</h3><ul>{items}</ul></div>')

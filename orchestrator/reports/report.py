@@ -4,8 +4,9 @@ results.jsonl; where summary.json disagrees, the report carries a warning.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from remote.states import State
 
@@ -60,22 +61,15 @@ def decoding_text(settings: dict) -> str:
 
 # --------------------------------------------------------------------------- tables
 
-def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
-    env = run.env
-    rows = [("run", run.id), ("drafter", run.label), ("target", str(run.target or "—")),
-            ("suite", str(run.suite or "—")), ("host", str(run.host or "—")), ("status", run.status),
-            ("mode", str(m.get("mode") or run.mode or "—")), ("block size", str(m["block_size"]))]
-    if m.get("max_length", m["block_size"]) != m["block_size"]:
-        rows.append(("longest acceptance (sample_from_anchor: B drafts + bonus)", str(m["max_length"])))
-    rows += [("decoding", decoding_text(run.settings)),
-             ("prompts", fnum(m["prompts"])), ("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"])),
-             ("tau_macro", fnum(m["tau_macro"])), ("tau_macro_turns", fnum(m.get("tau_macro_turns"))),
-             ("tau_pooled", fnum(m["tau_pooled"])), ("tau_sglang", fnum(m.get("tau_sglang")))]
+def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
+    """The run's τ in every convention (runs/metrics.py TAU_CONVENTIONS; per turn only where a
+    prompt has several) and its speed when online."""
+    rows = [("tau_macro", fnum(m["tau_macro"])), ("tau_pooled", fnum(m["tau_pooled"]))]
+    if multi_turn_note(m):
+        rows.append(("tau_macro_turns", fnum(m.get("tau_macro_turns"))))
+    rows.append(("tau_sglang", fnum(m.get("tau_sglang"))))
     if m.get("expected"):
         rows.append(("expected τ (offline, T > 0: an estimate)", fnum(m["expected"]["tau"])))
-    for b, v in sorted((m.get("ddtree") or {}).items(), key=lambda kv: int(kv[0])):
-        rows.append((f"DDTree-{b} tau_macro", fnum(v["tau_macro"])))
-        rows.append((f"DDTree-{b} tau_pooled", fnum(v["tau_pooled"])))
     on = m.get("online")
     if on:
         rows.append(("online tokens/s", fnum(on.get("tokens_per_s"), 2)))
@@ -86,15 +80,90 @@ def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
             rows.append(("lossless", "not checked per prompt at T > 0 (a sample has no single right output)"))
         elif "lossless" in on:
             rows.append(("lossless (output == target greedy)", fnum(on["lossless"])))
+    return rows
+
+
+def ddtree_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    """DDTree's τ per node budget, beside the plain walk's (None when the run has no DDTree)."""
+    if not m.get("ddtree"):
+        return None
+    rows = [["none (DFlash)", str(m["prompts"]), fnum(m["tau_macro"]), fnum(m["tau_pooled"])]]
+    rows += [[b, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
+             for b, v in sorted(m["ddtree"].items(), key=lambda kv: int(kv[0]))]
+    return ["DDTree budget N", "prompts", "tau_macro", "tau_pooled"], rows
+
+
+def run_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
+    """What was run: the drafter, target, suite, host and settings, and how much."""
+    rows = [("run", run.id), ("drafter", run.label), ("target", str(run.target or "—")),
+            ("suite", str(run.suite or "—")), ("host", str(run.host or "—")), ("status", run.status),
+            ("mode", str(m.get("mode") or run.mode or "—")), ("block size", str(m["block_size"]))]
+    if m.get("max_length", m["block_size"]) != m["block_size"]:
+        rows.append(("longest acceptance (sample_from_anchor: B drafts + bonus)", str(m["max_length"])))
     s = run.settings
-    rows += [("device", str(env.get("device") or "—")), ("GPU", str(env.get("gpu") or "—")),
-             ("dtype", str(env.get("dtype") or "—")), ("kernel path", str(env.get("kernel_path") or "—")),
-             ("versions", versions_text(env)), ("drafter sha256", short_sha(env.get("drafter") or {})),
-             ("drafter format", str((env.get("drafter") or {}).get("format") or "—")),
-             ("drafter variant", variant_text((env.get("drafter") or {}).get("variant"))),
+    rows += [("decoding", decoding_text(s)),
              ("settings", ", ".join(f"{k}={s[k]}" for k in ("max_new_tokens", "max_blocks", "reference") if k in s) or "—"),
+             ("prompts", fnum(m["prompts"])), ("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"])),
              ("created", run.created_at or "—")]
     return rows
+
+
+def environment_rows(run: EvalRun) -> list[tuple[str, str]]:
+    """Where it ran and with what: what can change the numbers between two runs."""
+    env = run.env
+    drafter = env.get("drafter") or {}
+    return [("device", str(env.get("device") or "—")), ("GPU", str(env.get("gpu") or "—")),
+            ("dtype", str(env.get("dtype") or "—")), ("kernel path", str(env.get("kernel_path") or "—")),
+            ("versions", versions_text(env)), ("drafter sha256", short_sha(drafter)),
+            ("drafter format", str(drafter.get("format") or "—")),
+            ("drafter variant", variant_text(drafter.get("variant")))]
+
+
+def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
+    """τ first, then what was run and where."""
+    return tau_rows(run, m) + run_rows(run, m) + environment_rows(run)
+
+
+@dataclass(frozen=True)
+class PromptColumn:
+    """A column of the per-prompt table: its heading, and its cell for one results.jsonl row
+    (None: no value). A column with no value on any row is left out, so a column that only some
+    runs have (a field the worker writes in some modes) costs nothing where it is absent."""
+    heading: str
+    cell: Callable[[dict], Optional[str]]
+
+
+def _walk(row: dict):
+    return row.get("acceptance_lengths") or []
+
+
+def _ratio(a, b, digits: int = 2) -> Optional[str]:
+    return fnum(a / b, digits) if a is not None and b else None
+
+
+PROMPT_COLUMNS: list[PromptColumn] = [
+    PromptColumn("prompt", lambda r: str(r.get("id"))),
+    PromptColumn("category", lambda r: r.get("category")),
+    PromptColumn("τ", lambda r: _ratio(sum(_walk(r)), len(_walk(r)), 3)),
+    PromptColumn("cycles", lambda r: str(len(_walk(r))) if _walk(r) else None),
+    PromptColumn("tokens", lambda r: str(sum(_walk(r))) if _walk(r) else None),
+    PromptColumn("expected τ", lambda r: _ratio((r.get("expected") or {}).get("tau_sum"),
+                                                (r.get("expected") or {}).get("anchors"), 3)),
+    PromptColumn("turns", lambda r: str(len(r["turns"])) if len(r.get("turns") or []) > 1 else None),
+    PromptColumn("speedup", lambda r: _ratio(r.get("target_wall_s"), r.get("wall_s"))),
+]
+# The serving engine's own τ for the same prompt (a run's optional per-prompt ``engine`` fields)
+# is a column here, beside ours: append a PromptColumn("engine τ", ...) reading the row.
+ENGINE_COLUMNS: list[PromptColumn] = []
+
+
+def prompt_table(rows: list[dict], columns: Optional[list[PromptColumn]] = None) -> tuple[list[str], list[list[str]]]:
+    """The per-prompt table (suite order): the columns that have a value on some row."""
+    columns = list(columns if columns is not None else PROMPT_COLUMNS + ENGINE_COLUMNS)
+    cells = [[c.cell(r) for c in columns] for r in rows]
+    keep = [i for i, c in enumerate(columns) if any(row[i] is not None for row in cells)]
+    return ([columns[i].heading for i in keep],
+            [["—" if row[i] is None else row[i] for i in keep] for row in cells])
 
 
 # --------------------------------------------------------------------------- report
@@ -146,28 +215,41 @@ def _detail_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         out.append(("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"],
                     [[c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
                      for c, v in m["categories"].items()]))
-    if m.get("ddtree"):
-        out.append(("DDTree", ["budget N", "prompts", "tau_macro", "tau_pooled"],
-                    [[b, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
-                     for b, v in sorted(m["ddtree"].items(), key=lambda kv: int(kv[0]))]))
     return out
 
 
+def report_verdict(run: EvalRun) -> str:
+    """The run's verdict line (reports/verdict.py), against the published number its suite names."""
+    from .compare import published_for
+    from .verdict import run_verdict
+
+    published = published_for(run, None)[0] if run.results else None
+    return run_verdict(run, published)
+
+
 def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
-    """Write report.md and report.html for the run folder; return their paths."""
+    """Write report.md and report.html for the run folder; return their paths. The verdict comes
+    first, then τ, the plots, the prompts one by one, what was run and where, and the detail."""
     run = run_dir if isinstance(run_dir, EvalRun) else load_run(run_dir)
     m = run.metrics
     doc = Document(f"dflash-ops run {run.id}")
-    doc.para(f"Drafter **{run.label}** on target `{run.target}`, suite `{run.suite}`. "
-             "All numbers are recomputed from `results.jsonl`.")
+    doc.verdict([report_verdict(run)])
+    doc.para(f"Drafter **{run.label}** on target `{run.target}`, suite `{run.suite}`, {decoding_text(run.settings)}, "
+             f"{m.get('mode') or run.mode or '—'}. All numbers are recomputed from `results.jsonl`.")
     doc.warnings("Warnings", run_warnings(run))
-    doc.table(["metric", "value"], summary_rows(run, m), heading="Summary", cls="summary")
+    doc.table(["metric", "value"], tau_rows(run, m), heading="τ", cls="summary")
+    dd = ddtree_table(m)
+    if dd:
+        doc.table(*dd, heading="DDTree", level=3)
     for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",
                  TAU_CONVENTIONS):
         if note:
             doc.para(note, cls="note")
     for key, heading, png in report_plots(run):
-        doc.plot(key, heading, png, missing="no data in this run")
+        doc.plot(key, heading, png)
+    doc.table(*prompt_table(run.results), heading="Per prompt")
+    doc.table(["field", "value"], run_rows(run, m), heading="The run")
+    doc.table(["field", "value"], environment_rows(run), heading="Environment", level=3)
     for heading, head, rows in _detail_tables(m):
         doc.table(head, rows, heading=heading, level=3)
     return doc.write(Path(out_dir) if out_dir is not None else run.path, "report")

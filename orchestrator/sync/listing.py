@@ -1,5 +1,5 @@
-"""`ckpts`: a training run's checkpoints on the training host (step, size, time) and whether
-each is already complete on the eval host."""
+"""`ckpts`: a training run's checkpoints on the training host (step, size, time), whether each
+is complete there yet (sync/complete.py's rule) and whether it is already complete on the eval host."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +8,7 @@ from typing import Callable
 from ..config.catalog import Catalog, CatalogError, TrainingRun
 from ..config.inventory import Host, Inventory, InventoryError
 from ..transport import TransportError, runner_for
+from .complete import judge_listed
 from .plan import dest_rundir
 from .tool import SyncError, run_tool
 
@@ -33,6 +34,7 @@ class CkptRow:
     files: int
     mtime: float
     on_eval: str  # yes | partial | no | ?
+    incomplete: str = ""   # why it is not complete yet on the training host (sync/complete.py); "" = complete
 
 
 def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *,
@@ -72,6 +74,8 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
                 on = "partial"
             else:
                 on = "no"
-            rows.append(CkptRow(r.name, c["name"], c["step"], c["size"], c["files"], c["mtime"], on))
+            verdict = judge_listed(c, info["now"], r)
+            rows.append(CkptRow(r.name, c["name"], c["step"], c["size"], c["files"], c["mtime"], on,
+                                "" if verdict.complete else verdict.reason))
     rows.sort(key=lambda x: (x.run, x.step if x.step is not None else -1, x.name))
     return rows, warnings

@@ -225,6 +225,7 @@ def endpoint_for(host: "Host", inventory: "Inventory | None" = None, _chain: tup
     that is not an inventory host inherits the host's identity, known_hosts and trust policy."""
     if host.is_local:
         raise TransportError(f"host {host.name} is the local machine, not an SSH host")
+    host.refuse_example()
     if host.name in _chain:
         raise TransportError(f"jump hosts form a loop: {' → '.join((*_chain, host.name))}")
     destination = host.ssh_config or host.address
