@@ -115,6 +115,10 @@ def _follow_and_finish(record, jobs, out) -> None:
     acc = summary.get("per_position_acceptance") or []
     if acc:
         rows.append(["acceptance @1..4", " ".join(f"{a:.2f}" for a in acc[:4])])
+    from ..reports.report import report_verdict
+    from ..runs.folders import load_run
+
+    out.print(f"[bold]{escape(report_verdict(load_run(record.folder)))}[/]")
     out.print(console.table(f"run {record.id}", ["metric", "value"], rows, right=("value",)))
     out.print(f"results: {escape(str(record.folder))}")
     out.print(f"report:  {escape(str(html_path))}")
@@ -197,6 +201,9 @@ def eval_cmd(
         (err if as_json else out).print(escape(choice.statement(hosts[0].name)))
         record = new_run(names.runs_root, [h.name for h in hosts], choice, settings, sglang=sglang, gpus=gpus,
                          verify_weights=verify_weights)
+        if record.request.suite_file:
+            (err if as_json else out).print(f"suite {escape(record.request.suite_file)}: this machine's file, sent to "
+                                            f"{escape(', '.join(record.hosts))}")
     status = err.status("pre-flight ...") if not as_json else None
     if status:
         status.start()

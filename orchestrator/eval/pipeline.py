@@ -8,6 +8,7 @@ Ctrl-C or a lost connection leaves it running (``dflash-ops attach RUN`` picks i
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from remote import exits
+from remote.prompts import BUILTIN
 from remote.settings import EvalSettings
 from remote.sglang import AUTH_ENV, split_credentials
 from remote.states import State
@@ -99,6 +101,9 @@ def new_run(runs_root: Path, hosts: list[str], choice, settings: EvalSettings, *
                       sglang=sglang, gpus=gpus, verify_weights=verify_weights, drafter_path=choice.path,
                       drafter_run=choice.run.name if choice.run else None,
                       checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path)
+    local = Path(settings.suite).expanduser()
+    if settings.suite not in BUILTIN and local.is_file():     # this machine's suite file: sent to the hosts
+        req.suite_file, req.suite_sha256 = str(local.resolve()), hashlib.sha256(local.read_bytes()).hexdigest()
     check_request(req)
     return RunRecord.create(runs_root, req, choice.label, req.checkpoint, choice.step if choice.run else None)
 
@@ -186,6 +191,30 @@ class HostPrep:
     target_path: str
     visible_gpus: int
     cpu: bool                       # its workers run on CPU
+    suite: str                      # the suite as the worker there reads it (a file sent there, or a name)
+
+
+def send_suite(host: Host, runner, req: EvalRequest) -> str:
+    """The suite for the workers on ``host``: this machine's suite file copied to
+    ``<workdir>/suites/<sha256>/<name>`` (once per content), else the suite as given."""
+    if not req.suite_file:
+        return req.settings.suite
+    name = Path(req.suite_file).name
+    folder = f"{host.workdir.rstrip('/')}/suites/{req.suite_sha256[:16]}"
+    there = f"{folder}/{name}"
+    if runner.run(["test", "-f", there], timeout=30).ok:
+        return there
+    try:
+        data = Path(req.suite_file).read_bytes()
+    except OSError as e:
+        raise EvalError(f"cannot read the suite {req.suite_file}: {e.strerror or e}") from None
+    if hashlib.sha256(data).hexdigest() != req.suite_sha256:
+        raise EvalError(f"the suite {req.suite_file} changed since the run started (its sha256 differs): start a new "
+                        f"eval, or put the file back as it was")
+    runner.run(["mkdir", "-p", folder], timeout=30, check=True)
+    runner.put_text(data.decode("utf-8"), f"{there}.tmp")
+    runner.run(["mv", "-f", f"{there}.tmp", there], timeout=30, check=True)
+    return there
 
 
 def wants_cpu(req: EvalRequest, host: Host) -> bool:
@@ -213,15 +242,17 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
                                                  "minute on CPU), " if embedded else "")
           + "checking drafter and target")
     code_dir = ship(runner, host.python, host.workdir)
-    drafter_path, target_path = check_models(host, runner, code_dir, req)
-    return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host))
+    suite = send_suite(host, runner, req)
+    drafter_path, target_path = check_models(host, runner, code_dir, req, suite)
+    return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host),
+                    suite)
 
 
-def check_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
+def check_models(host: Host, runner, code_dir: str, req: EvalRequest, suite: str) -> tuple[str, str]:
     """(drafter folder, target folder) on the host, located, inspected for compatibility and
     planned against its memory (remote/preflight.py: one process, before any weights load)."""
     drafter_path, target_path = map(runner.expand_home, locate_models(host, runner, code_dir, req))
-    settings = replace(req.settings, device="cpu" if wants_cpu(req, host) else "cuda")
+    settings = replace(req.settings, device="cpu" if wants_cpu(req, host) else "cuda", suite=suite)
     args = [drafter_path, "--target", target_path, *settings.to_argv()]
     if req.verify_weights:
         args.append("--verify-hashes")
@@ -262,10 +293,12 @@ def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
     runner = ray_backend.place(host, inventory, None, 0 if cpu or host.gpus == 0 else req.settings.gpus_per_worker)
     try:
         host = replace(host.on_host(runner.expand_home), python=runner.info["python"])
-        drafter_path, target_path = check_models(host, runner, runner.info["code_dir"], req)
+        suite = send_suite(host, runner, req)
+        drafter_path, target_path = check_models(host, runner, runner.info["code_dir"], req, suite)
     finally:
         ray_backend.release(runner)
-    return HostPrep(host, runner, runner.info["code_dir"], drafter_path, target_path, cluster.gpus, host.gpus == 0)
+    return HostPrep(host, runner, runner.info["code_dir"], drafter_path, target_path, cluster.gpus, host.gpus == 0,
+                    suite)
 
 
 def ray_job(record: RunRecord, shard: Shard, prep: HostPrep, inventory: Inventory):
@@ -304,11 +337,14 @@ def placements(req: EvalRequest, hosts: list[Host], preps: dict[str, HostPrep]) 
     return placed[:prompts] if prompts else placed     # no worker without a prompt
 
 
-def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool) -> list[str]:
-    """The worker's argv for ``shard`` on ``host``: where it reads and writes, the run's settings,
-    and ``--checked`` (pre-flight just ran the same checks there)."""
+def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool, suite: str | None = None) -> list[str]:
+    """The worker's argv for ``shard`` on ``host``: where it reads and writes, the run's settings
+    (``suite``: as the host reads it), and ``--checked`` (pre-flight just ran the same checks there)."""
+    settings = host_settings(req, host)
+    if suite is not None:
+        settings = replace(settings, suite=suite)
     args = ["--target", shard.target_path, "--drafter", shard.drafter_path, "--out", f"{shard.run_dir}/out",
-            *host_settings(req, host).to_argv(), "--host-label", host.name, "--checked"]
+            *settings.to_argv(), "--host-label", host.name, "--checked"]
     sglang, _ = reference_sglang(req, host)
     if sglang:
         args += ["--sglang", sglang]
@@ -359,7 +395,8 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
         if on_phase:
             on_phase(s.host, "starting the worker")
         _, auth = reference_sglang(req, host)
-        job.start(worker_args(req, s, host, resume=resume), secrets={AUTH_ENV: auth} if auth else None,
+        job.start(worker_args(req, s, host, resume=resume, suite=preps[s.host].suite),
+                  secrets={AUTH_ENV: auth} if auth else None,
                   env={"CUDA_VISIBLE_DEVICES": s.gpu} if s.gpu is not None else None)
     record.started(shards=[s.index for s in todo])
     return jobs

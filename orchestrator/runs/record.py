@@ -54,6 +54,8 @@ class EvalRequest:
     drafter_run: str | None = None
     checkpoint: str | None = None
     target_path: str | None = None
+    suite_file: str | None = None   # the suite is this machine's file (settings.suite), sent to each host ...
+    suite_sha256: str | None = None  # ... with these contents
 
     def to_dict(self) -> dict:
         return {**asdict(self), "settings": self.settings.to_dict()}
