@@ -49,7 +49,7 @@ def reconcile(engine: dict, acceptance_lengths: list[int], block_size: int) -> d
     ``engine_accepted`` / ``our_accepted`` (drafts committed: ``sum(lengths) - cycles``),
     ``overshoot`` (:func:`engine_overshoot`), ``full_block_cycles`` (:func:`full_block_cycles`),
     ``same_steps`` (leading steps whose accepted counts agree) and ``first_difference``: the
-    first full-block cycle whose count differs (the engine drafted other tokens from the same
+    first full-block cycle before our last (which counts only what it commits) whose count differs (the engine drafted other tokens from the same
     context: its drafter computes differently, see :mod:`remote.engine_quirks`), or None when
     every full-block cycle agrees and the counts differ only by the cut last blocks and the
     engine's overshoot."""
@@ -63,4 +63,4 @@ def reconcile(engine: dict, acceptance_lengths: list[int], block_size: int) -> d
             "engine_drafts": engine["drafts"], "our_cycles": len(ours),
             "engine_accepted": engine["accepted"], "our_accepted": sum(ours),
             "overshoot": engine_overshoot(engine), "full_block_cycles": full, "same_steps": same,
-            "first_difference": same if same < full else None}
+            "first_difference": same if same < min(full, len(ours) - 1) else None}

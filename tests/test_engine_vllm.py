@@ -24,6 +24,7 @@ from remote.vllm_engine import PYTHON_ENV, VLLMServer, engine_python, engine_ver
 
 MAX_NEW = 40          # tokens per prompt: several cycles, and a last cycle cut by the limit
 PROMPTS = 4
+EAGER = ("--enforce-eager",)   # no compile warm-up at start: the tiny model gains nothing from it
 
 
 def _engine() -> str | None:
@@ -59,9 +60,9 @@ def servers(pair, tmp_path_factory):
     started = {}
     try:
         started["spec"] = VLLMServer.launch(pair["target"], pair["drafter"], logs / "spec.log", python=ENGINE,
-                                            dtype="float32")
+                                            dtype="float32", extra_args=EAGER)
         started["plain"] = VLLMServer.launch(pair["target"], None, logs / "plain.log", python=ENGINE,
-                                             dtype="float32")
+                                             dtype="float32", extra_args=EAGER)
         for server in started.values():
             server.wait_ready()
         yield started
