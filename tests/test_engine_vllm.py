@@ -196,6 +196,17 @@ def test_engine_environment_and_bad_settings(pair, tmp_path):
     assert not (tmp_path / "k.log").exists() and not (tmp_path / "p.log").exists()    # nothing was started
 
 
+def test_a_server_that_fails_to_start_says_why(tmp_path):
+    """vLLM's own error line and its log tail; the server is gone."""
+    with pytest.raises(EngineError) as failed:
+        VLLMServer.start(tmp_path / "no-target", None, tmp_path / "bad.log", python=ENGINE, extra_args=EAGER,
+                         timeout=300)
+    err = failed.value
+    assert err.kind == "refused" and "failed to start (exit code 1)" in err.headline
+    assert "no-target" in err.headline and str(tmp_path / "bad.log") in err.headline
+    assert err.log_tail.count("\n") >= 5
+
+
 def test_a_server_that_dies_mid_run_is_named(servers, prompts):
     """Last: it kills the server without the drafter."""
     server = servers["plain"]
