@@ -197,7 +197,9 @@ class RunRecord:
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "folder"}
-        data.update(hosts=self.hosts, status=str(self.status), request=self.request.to_dict(),
+        s = self.settings   # derived, for a reader of run.json (from_dict drops them)
+        data.update(hosts=self.hosts, suite=s.suite, mode=s.mode, prompts=s.prompts,
+                    status=str(self.status), request=self.request.to_dict(),
                     shards=[{**asdict(s), "state": str(s.state)} for s in self.shards])
         return data
 
