@@ -77,8 +77,9 @@ def built(name: str, recipe: dict, build: Callable[[Path], None]) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists():
             return out
+        for stale in out.parent.glob(f".{out.name}.staging-*"):    # of builds that were cut short
+            shutil.rmtree(stale, ignore_errors=True)
         staging = out.with_name(f".{out.name}.staging-{os.getpid()}")
-        shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         build(staging)
         (staging / "stamp.json").write_text(json.dumps({"name": name, "recipe": recipe, **code_stamp()}, indent=1))
