@@ -12,8 +12,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # the one import path of test helpers: `import sshlab`
 
 
-# The longest files first (README, Tests: measured), so that the two worker processes end together;
-# pyproject's addopts keep this order (--no-loadscope-reorder).
+# The files of the longest tests first (whole evals, clusters, the tour), so that the two worker
+# processes end together rather than one starting the tour last; pyproject's addopts keep this order
+# (--no-loadscope-reorder).
 LONGEST_FIRST = ("test_tour.py", "test_ray.py", "test_watch.py", "test_variants_e2e.py", "test_faults_eval.py",
                  "test_eval.py", "test_gpus.py", "test_online.py", "test_exactness.py", "test_faults_remote.py",
                  "test_secrets.py", "test_conformance.py", "test_worker.py", "test_sync.py")
