@@ -11,6 +11,7 @@ crashed runs (owner pid dead) by those records. Teardown is by pidfile, then ``i
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import secrets
@@ -301,43 +302,46 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
                  client_key=client_key, known_hosts=base / "known_hosts")
     atexit.register(lab.close)
 
-    k = 0
-    if isolated:  # pick a free pair of /24s: 10.77.1+2k and 10.77.2+2k (parallel labs)
-        used = _used_ipv4()
-        while f"10.77.{2 * k + 1}.1" in used or f"10.77.{2 * k + 2}.1" in used:
-            k += 1
-    for i, name in enumerate(HOST_NAMES):
-        hdir = base / name
-        (hdir / "root").mkdir(parents=True, exist_ok=True)
-        key = hdir / "ssh_host_ed25519_key"
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"lab-{name}", "-f", str(key)])
-        if isolated:
-            netns, veth, peer = f"dflab-{lab_id}-{name}", f"dv{lab_id}{name[0]}", f"dn{lab_id}{name[0]}"
-            subnet = f"10.77.{2 * k + 1 + i}"
-            address, port = f"{subnet}.2", (22, 2222)[i]
-        else:
-            netns = veth = peer = None
-            address = f"127.0.0.{2 + i}"
-            port = _free_port(address)
-        host = LabHost(name=name, address=address, port=port, user="root", host_key=key,
-                       host_key_pub=" ".join(Path(f"{key}.pub").read_text().split()[:2]),
-                       root=hdir / "root", netns=netns, veth=veth, config=hdir / "sshd_config",
-                       pidfile=hdir / "sshd.pid", log=hdir / "sshd.log")
-        lab.hosts[name] = host
-        lab._save_record()  # before creating anything, so a crash is still cleaned up
-        if isolated:
-            _run(["ip", "netns", "add", netns])
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer, "netns", netns])
-            _run(["ip", "addr", "add", f"{subnet}.1/24", "dev", veth])
-            _run(["ip", "link", "set", veth, "up"])
-            _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
-            _run(["ip", "-n", netns, "link", "set", peer, "up"])
-            _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-        host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key,
-                                                  pidfile=host.pidfile, authorized_keys=authorized))
-        _run([SSHD, "-t", "-f", str(host.config)])
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    with open(REGISTRY / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # labs starting at once (pytest-xdist workers) pick distinct subnets
+        k = 0
+        if isolated:  # pick a free pair of /24s: 10.77.1+2k and 10.77.2+2k (parallel labs)
+            used = _used_ipv4()
+            while f"10.77.{2 * k + 1}.1" in used or f"10.77.{2 * k + 2}.1" in used:
+                k += 1
+        for i, name in enumerate(HOST_NAMES):
+            hdir = base / name
+            (hdir / "root").mkdir(parents=True, exist_ok=True)
+            key = hdir / "ssh_host_ed25519_key"
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"lab-{name}", "-f", str(key)])
+            if isolated:
+                netns, veth, peer = f"dflab-{lab_id}-{name}", f"dv{lab_id}{name[0]}", f"dn{lab_id}{name[0]}"
+                subnet = f"10.77.{2 * k + 1 + i}"
+                address, port = f"{subnet}.2", (22, 2222)[i]
+            else:
+                netns = veth = peer = None
+                address = f"127.0.0.{2 + i}"
+                port = _free_port(address)
+            host = LabHost(name=name, address=address, port=port, user="root", host_key=key,
+                           host_key_pub=" ".join(Path(f"{key}.pub").read_text().split()[:2]),
+                           root=hdir / "root", netns=netns, veth=veth, config=hdir / "sshd_config",
+                           pidfile=hdir / "sshd.pid", log=hdir / "sshd.log")
+            lab.hosts[name] = host
+            lab._save_record()  # before creating anything, so a crash is still cleaned up
+            if isolated:
+                _run(["ip", "netns", "add", netns])
+                _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer, "netns", netns])
+                _run(["ip", "addr", "add", f"{subnet}.1/24", "dev", veth])
+                _run(["ip", "link", "set", veth, "up"])
+                _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
+                _run(["ip", "-n", netns, "link", "set", peer, "up"])
+                _run(["ip", "-n", netns, "link", "set", "lo", "up"])
+            host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key,
+                                                      pidfile=host.pidfile, authorized_keys=authorized))
+            _run([SSHD, "-t", "-f", str(host.config)])
+            prefix = ["ip", "netns", "exec", netns] if netns else []
+            _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])
     for host in lab.hosts.values():
         _wait_listening(host)
     lab.known_hosts.write_text(

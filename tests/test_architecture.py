@@ -229,3 +229,21 @@ def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
                 if imported in sys.stdlib_module_names or imported in ("orchestrator", "remote", ""):
                     continue
                 assert import_names.get(imported, imported).lower() in declared, f"{name} imports undeclared {imported}"
+
+
+def test_test_helpers_have_one_import_path():
+    """Test files import helper modules by their plain names (tests/conftest.py puts tests/ first on
+    sys.path): never as ``tests.x`` (a second copy of the module, with its own caches) and never
+    from another test file (shared helpers live in helper modules: tests/helpers.py and the others)."""
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"{path.relative_to(REPO)}: {n}" for n in names
+                    if n == "tests" or n.startswith("tests.") or n.split(".")[0].startswith("test_")]
+    assert not bad, bad

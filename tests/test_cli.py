@@ -9,14 +9,9 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from runfixtures import make_run, read_rows, recompute
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def test_version_and_completion():

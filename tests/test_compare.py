@@ -11,15 +11,10 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from runfixtures import check_self_contained_html, make_run, read_rows, recompute
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(240)
 A, B = "20261202-2041-zlab-ct129", "20261203-1100-v5-step20k-ct129"
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def compare_json(runs: Path, *args: str) -> tuple[int, dict]:

@@ -11,7 +11,7 @@ import pytest
 from orchestrator.config.catalog import CatalogError, TrainingRun, parse_catalog
 from orchestrator.sync import sync_checkpoint
 from orchestrator.sync.complete import IncompleteCheckpoint, judge, missing_files
-from test_sync import FAST, Env, identical
+from synclab import FAST, Env, identical
 
 RUN = TrainingRun(name="v5", dir="v5", settle=30)
 

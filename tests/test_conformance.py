@@ -22,8 +22,8 @@ from remote.online import speculative_generate, target_decode
 from remote.sampling import Sampling
 from remote.target import target_features
 from remote.tiny import tiny_target
-from tests.models import PROMPT_LEN, freeze, trained_drafter, walk_target
-from tests.references import (RollbackTarget, randomize, speculators_drafter, speculators_logits, zlab_drafter,
+from models import PROMPT_LEN, freeze, trained_drafter, walk_target
+from references import (RollbackTarget, randomize, speculators_drafter, speculators_logits, zlab_drafter,
                               zlab_generate, zlab_logits)
 
 TOL = 1e-4
@@ -271,7 +271,7 @@ def test_greedy_decoding_equals_dflash_generate(variant, tmp_path, walk):
 
 
 def reference_with_rollback(ref, target, prompt, n, stop=None):
-    """``dflash_generate`` with :class:`tests.references.RollbackTarget`'s exact crop."""
+    """``dflash_generate`` with :class:`references.RollbackTarget`'s exact crop."""
     import dflash.model as zlab
 
     shim = RollbackTarget(target)

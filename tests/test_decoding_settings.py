@@ -9,9 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from orchestrator.cli import app
 from orchestrator.reports.compare import PUBLISHED_FILE, find_benchmark, load_published
 from orchestrator.eval.pipeline import worker_args
 from orchestrator.config.inventory import builtin_local
@@ -19,15 +17,10 @@ from orchestrator.runs.record import EvalRequest, Shard
 from remote.metrics import summarize
 from remote.settings import FIELDS, EvalSettings
 from runfixtures import make_run, md_table_values, read_rows
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(240)
 A, B = "20261202-2041-zlab-ct129", "20261203-1100-v5-step20k-ct129"
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def compare_json(runs: Path, *args: str) -> tuple[int, dict]:

@@ -8,7 +8,7 @@ destination disk (a tmpfs). Points: before the first byte (lock held, staging ma
 (the first file verified, the second 1 MiB in), between verification and the final rename (the lock
 holder about to rename the staging folder). The points are pauses planted by tests/faultpy.py, the
 hosts' `python` in the faulty run's inventory. The table of outcomes is printed at the end of the
-module and kept in docs/reliability.md.
+run and kept in docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from faulttable import collect_table, wait_for
-from test_sync import MiB, Env, sha
+from faulttable import Table
+from helpers import wait_for
+from synclab import MiB, Env, sha
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("kill-local", "kill-remote", "link-down", "disk-full")
@@ -119,10 +120,10 @@ def small_disk(ssh_lab, tmp_path_factory):
     in_eval_ns(ssh_lab, ["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def table(request):
-    yield from collect_table(request, "sync fault injection",
-                             ("fault", "point", "faulty run", "rerun sent", "of not yet verified", "identical"))
+    return Table(request, "sync fault injection",
+                 ("fault", "point", "faulty run", "rerun sent", "of not yet verified", "identical"))
 
 
 class Case:

@@ -27,7 +27,7 @@ from orchestrator.config.catalog import parse_catalog
 from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, sync_checkpoint
 from orchestrator.transport import HostKeyError, endpoint_for, runner_for
-from test_sync import MiB, identical, write_file
+from synclab import MiB, identical, write_file
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[1]

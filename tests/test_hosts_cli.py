@@ -11,9 +11,7 @@ import time
 from importlib import metadata
 
 import pytest
-from typer.testing import CliRunner
-
-from orchestrator.cli import app
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(180)
 TORCH = metadata.version("torch")
@@ -32,12 +30,6 @@ s = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
 print("ready", flush=True)
 s.serve_forever()
 """
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def test_hosts_lists(lab_inventory, ssh_lab):

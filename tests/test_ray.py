@@ -28,6 +28,7 @@ try:
 except ImportError:
     HAVE_RAY = False
 needs_ray = pytest.mark.skipif(not HAVE_RAY, reason="ray is not installed (pip install 'dflash-ops[ray]'; CI does)")
+pytestmark = pytest.mark.xdist_group("ray")     # one worker process starts the clusters, one at a time
 
 
 # ----------------------------------------------------------------------------- inventory
@@ -275,7 +276,7 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
     """Cancel right after a detached start: the workers (loading or drafting) and their actors stop;
     `eval --resume` then finishes the run, every prompt exactly once (the skipping of finished
     prompts is the next test's)."""
-    from test_eval import wait_for
+    from helpers import wait_for
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"
@@ -303,7 +304,7 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
 
 @needs_ray
 def test_killed_task_is_named_and_resumed_without_duplicates(ray_cluster, tmp_path):
-    from test_eval import prompt_events, wait_for
+    from helpers import prompt_events, wait_for
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"

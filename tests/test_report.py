@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -16,14 +13,9 @@ from orchestrator.cli import app
 from orchestrator.reports.report import write_report
 from orchestrator.runs.folders import RunError, load_runs, resolve
 from runfixtures import check_self_contained_html, make_run, md_table_values, read_rows, recompute
+from helpers import assert_images_decode, chromium, invoke, run_chromium
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 @pytest.fixture
@@ -217,39 +209,8 @@ def test_show_command(runs):
 
 # --------------------------------------------------------------------------- headless Chromium
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        p = shutil.which(name)
-        if p:
-            return p
-    return None
-
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--hide-scrollbars"]
-
-IMG_PROBE = """<script>
-window.addEventListener('load', function () {
-  var out = [];
-  document.querySelectorAll('img').forEach(function (i) {
-    out.push(i.complete + ':' + i.naturalWidth + 'x' + i.naturalHeight);
-  });
-  var p = document.createElement('pre'); p.id = 'imgprobe';
-  p.textContent = 'IMG' + 'PROBE[' + out.join(',') + ']'; document.body.appendChild(p);
-});
-</script>"""
-
-
-def _run_chromium(exe: str, tmp: Path, args: list[str]) -> subprocess.CompletedProcess:
-    profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
-    profile.mkdir()
-    return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=120)
-
-
 def test_html_report_renders_in_headless_chromium(runs, tmp_path):
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed (CI is set): add `chromium` to .ci/run's apt packages")
@@ -258,7 +219,7 @@ def test_html_report_renders_in_headless_chromium(runs, tmp_path):
 
     _, html_path = write_report(runs / "20261202-1000-zlab-ct129")
     shot = tmp_path / "shot.png"
-    res = _run_chromium(exe, tmp_path, [f"--screenshot={shot}", "--window-size=1200,2000",
+    res = run_chromium(exe, tmp_path, [f"--screenshot={shot}", "--window-size=1200,2000",
                                         html_path.resolve().as_uri()])
     assert shot.exists() and shot.stat().st_size > 20_000, res.stderr[-2000:]
     im = Image.open(shot).convert("RGB")
@@ -274,19 +235,3 @@ def test_html_report_renders_in_headless_chromium(runs, tmp_path):
     assert blueish > 800, f"no plot colours in the screenshot ({blueish} blue pixels)"
 
     assert_images_decode(exe, tmp_path, html_path, 4)
-
-
-def assert_images_decode(exe: str, tmp_path: Path, html_path: Path, count: int) -> None:
-    """The page's ``count`` embedded images decode in Chromium: naturalWidth probed from a copy
-    of the page with a tiny script."""
-    probe = tmp_path / "probe.html"
-    probe.write_text(html_path.read_text().replace("</body>", IMG_PROBE + "</body>"))
-    res = _run_chromium(exe, tmp_path, ["--dump-dom", "--virtual-time-budget=5000", probe.as_uri()])
-    m = re.search(r"IMGPROBE\[([^\]]*)\]", res.stdout)
-    assert m, res.stdout[-500:] + res.stderr[-2000:]
-    entries = m.group(1).split(",")
-    assert len(entries) == count
-    for e in entries:
-        complete, size = e.split(":")
-        w, h = map(int, size.split("x"))
-        assert complete == "true" and w >= 300 and h >= 200, entries

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_sync import MiB, Env, identical, sha
+from synclab import MiB, Env, identical, sha
 
 from orchestrator.sync import SyncError
 

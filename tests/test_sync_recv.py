@@ -11,10 +11,10 @@ import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
 
 TOOL = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
 TOKEN = "t" * 32
@@ -24,15 +24,6 @@ def roots(tmp_path: Path) -> list[Path]:
     """This test's folder (a disk file system) and, where there is one, a tmpfs."""
     shm = Path("/dev/shm")
     return [tmp_path] + ([Path(tempfile.mkdtemp(dir=shm))] if shm.is_dir() and os.access(shm, os.W_OK) else [])
-
-
-def wait_for(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.parametrize("offset", [0, (1 << 20) + 123], ids=["fresh", "resume-unaligned"])
@@ -61,7 +52,7 @@ def test_recv_writes_exactly_what_arrived_and_ends_identical(tmp_path, offset):
                 pos += len(data[pos:pos + n])
                 if not paused and pos - offset > (5 << 20) + 7:  # a pause: what arrived is on disk
                     paused = True
-                    assert wait_for(lambda: part.stat().st_size == pos), (root, part.stat().st_size, pos)
+                    wait_for(lambda: part.stat().st_size == pos, 10, f"{part} to reach {pos} bytes")
             p.stdin.write(b"DFLT" + digest.encode() + b"\n")
             out, err = p.communicate(timeout=60)
             assert p.returncode == 0, err

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from sidebyside import finished, started
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.xdist_group("tour")]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import assert_images_decode, chromium, wait_for
 
 from orchestrator.sync.complete import Verdict
 from orchestrator.watch import RunLock, WatchState, select
@@ -172,18 +173,6 @@ class Run:
         return sorted(p.name for p in self.runs.glob(f"*-{self.name}-step*") if (p / "run.json").exists())
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"watch ended (exit {proc.returncode}) before {what}: {proc.stdout.read()[-3000:]}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _rows(run: Run) -> list[tuple[str, str]]:
     """(step, checkpoint) of the trajectory's points, in the order trajectory.md lists them."""
     try:
@@ -234,8 +223,6 @@ def test_watch_follows_training_each_checkpoint_once_never_half_written(lab, tmp
 
 @pytest.mark.timeout(900)
 def test_killed_mid_sync_and_mid_eval_resumes_without_loss_or_duplicates(lab, tmp_path):
-    from test_report import _chromium, assert_images_decode
-
     run = Run(lab, tmp_path)
     assert run.train("100,200", "--gap", "0", "--metric", "100").wait(60) == 0
     quiet = time.time() - 10            # written a while ago: quiet for the settle time, no need to wait it out
@@ -282,7 +269,7 @@ def test_killed_mid_sync_and_mid_eval_resumes_without_loss_or_duplicates(lab, tm
     out = w.communicate(timeout=120)[0]
     assert w.returncode == 2 and "other settings" in out and "Traceback" not in out, out
 
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed (CI is set)")

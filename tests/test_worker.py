@@ -38,6 +38,10 @@ def offline_run(embedded_pair, tmp_path_factory):
     return out, proc
 
 
+ONE_RUN = pytest.mark.xdist_group("worker-offline-run")     # the tests of offline_run share one worker
+
+
+@ONE_RUN
 def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pair):
     out, proc = offline_run
     ev = events(proc)
@@ -64,6 +68,7 @@ def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pai
 
 
 @pytest.mark.exactness
+@ONE_RUN
 def test_online_equals_offline_per_cycle_and_is_lossless(offline_run, embedded_pair, tmp_path):
     out, _ = offline_run
     proc = worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 3,
