@@ -55,6 +55,7 @@ class LabHost:
     config: Path
     pidfile: Path
     log: Path
+    authorized_keys: Path | None = None  # this host's own file, read after the lab's shared one
 
     @property
     def known_hosts_name(self) -> str:
@@ -97,6 +98,8 @@ class SSHLab:
                 "roles": [h.name], "python": sys.executable,
                 "workdir": str(h.root / "workdir"), "checkpoints": str(h.root / "checkpoints"),
             }
+            if h.authorized_keys:
+                entry["authorized_keys"] = str(h.authorized_keys)
             for k, v in (overrides.get(h.name) or {}).items():
                 if v is None:
                     entry.pop(k, None)
@@ -322,7 +325,7 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
         host = LabHost(name=name, address=address, port=port, user="root", host_key=key,
                        host_key_pub=" ".join(Path(f"{key}.pub").read_text().split()[:2]),
                        root=hdir / "root", netns=netns, veth=veth, config=hdir / "sshd_config",
-                       pidfile=hdir / "sshd.pid", log=hdir / "sshd.log")
+                       pidfile=hdir / "sshd.pid", log=hdir / "sshd.log", authorized_keys=hdir / "authorized_keys")
         lab.hosts[name] = host
         lab._save_record()  # before creating anything, so a crash is still cleaned up
         if isolated:
@@ -333,8 +336,8 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
             _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
             _run(["ip", "-n", netns, "link", "set", peer, "up"])
             _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-        host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key,
-                                                  pidfile=host.pidfile, authorized_keys=authorized))
+        host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key, pidfile=host.pidfile,
+                                                  authorized_keys=f"{authorized} {host.authorized_keys}"))
         _run([SSHD, "-t", "-f", str(host.config)])
         prefix = ["ip", "netns", "exec", netns] if netns else []
         _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])

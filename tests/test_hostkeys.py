@@ -123,10 +123,12 @@ def _run_with_checkpoint(lab, tmp_path, files: dict) -> tuple[str, object, Path]
     return run, cat, src
 
 
-def test_data_path_is_pinned_to_the_key_the_control_connection_accepted(ssh_lab, tmp_path):
+def test_data_path_is_pinned_to_the_key_the_control_connection_accepted(ssh_lab, tmp_path, monkeypatch):
     """trust_host_key and an empty known_hosts: the control connection accepts sshd A's key; then
-    A is replaced by B (another key, same address and port) before any byte moves. The data path
-    must refuse B (before: StrictHostKeyChecking=accept-new with /dev/null took any key)."""
+    A is replaced by B (another key, same address and port) before the data path's master
+    connection to that host is opened. The data path must refuse B (before: StrictHostKeyChecking=
+    accept-new with /dev/null took any key)."""
+    import orchestrator.sync.transfer as transfer
     port = _port(ssh_lab)
     a, b = tmp_path / "key_a", tmp_path / "key_b"
     keygen(a), keygen(b)
@@ -137,13 +139,20 @@ def test_data_path_is_pinned_to_the_key_the_control_connection_accepted(ssh_lab,
         "port": port, "trust_host_key": True, "known_hosts": str(empty)}))
     run, cat, src = _run_with_checkpoint(ssh_lab, tmp_path, {"model.safetensors": 2, "config.json": b"{}\n"})
     impostor = Sshd(ssh_lab, port, b, tmp_path)
+    real_start, swapped = transfer.Masters.start, []
 
-    def swap(plan):
-        sshd.stop()
-        impostor.start()
+    def swap_then_start(self, runner):
+        if runner.endpoint.name == "eval" and not swapped:
+            swapped.append(1)
+            sshd.stop()
+            impostor.start()
+        real_start(self, runner)
+    monkeypatch.setattr(transfer.Masters, "start", swap_then_start)
     try:
         with pytest.raises(SyncError, match="host key verification failed"):
-            sync_checkpoint(inv, cat, "step_1", run=run, on_plan=swap, **FAST)
+            sync_checkpoint(inv, cat, "step_1", run=run, **FAST)
+        assert swapped
+        monkeypatch.setattr(transfer.Masters, "start", real_start)
         final = ssh_lab.eval.root / "checkpoints" / run / "step_1"
         assert not final.exists()
         impostor.stop()
