@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -121,6 +121,16 @@ class SSHLab:
         full = ["ip", "netns", "exec", h.netns, *argv] if h.netns else list(argv)
         return _run(full, check=check, timeout=timeout)
 
+    def stop_sshd(self, host: LabHost | str) -> None:
+        """Stop the host's sshd; its open sessions keep running (as with a restarted sshd)."""
+        h = self.hosts[host] if isinstance(host, str) else host
+        _stop_pidfile(h.pidfile)
+
+    def start_sshd(self, host: LabHost | str) -> None:
+        h = self.hosts[host] if isinstance(host, str) else host
+        self.exec_in(h, [SSHD, "-f", str(h.config), "-E", str(h.log)], check=True)
+        _wait_listening(h)
+
     def link_down(self, host: LabHost | str) -> None:
         self._link(host, "down")
 
@@ -154,6 +164,40 @@ class SSHLab:
     def _save_record(self) -> None:
         REGISTRY.mkdir(parents=True, exist_ok=True)
         (REGISTRY / f"{self.lab_id}.json").write_text(json.dumps(self._record()))
+
+
+class ExtraSshd:
+    """One more sshd on a lab host (in its network namespace), on ``port``, with host key ``key``
+    (a private key file) and the lab's authorized keys; stopping it leaves its open sessions
+    running. On the host's own port (its sshd stopped first) it is an impostor of that host."""
+
+    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path):
+        self.lab, self.host = lab, lab.hosts[host] if isinstance(host, str) else host
+        self.port, self.key, self.base = port, key, base
+        self.pidfile: Path | None = None
+
+    def start(self) -> "ExtraSshd":
+        h, d = self.host, self.base / f"sshd-{self.host.name}-{self.key.name}"
+        d.mkdir(exist_ok=True)
+        self.pidfile = d / "pid"
+        cfg = d / "sshd_config"
+        cfg.write_text(SSHD_CONFIG.format(port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
+                                          authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}"))
+        self.lab.exec_in(h, [SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
+        _wait_listening(replace(h, port=self.port, log=d / "log"))
+        return self
+
+    def stop(self) -> None:
+        if self.pidfile is not None and self.pidfile.exists():
+            _stop_pidfile(self.pidfile)
+
+
+def _stop_pidfile(pidfile: Path) -> None:
+    pid = int(pidfile.read_text().split()[0])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # --- teardown ------------------------------------------------------------------------------

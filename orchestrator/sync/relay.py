@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Callable
 
-from ..config.inventory import Host
 from ..reports.render import human_bytes
 from ..transport import CONNECT_TIMEOUT
 from ..transport.master import Master

@@ -96,7 +96,7 @@ def pull_through_tunnel(srun, ssess: Session, dsess: Session, dmaster, plan: Syn
                 dsess.call("PULL", {"argv": client(None), "known_hosts": f"{ALIAS} {key.get_name()} {key.get_base64()}",
                                     "timeout": CONNECT_WAIT}, timeout=CONNECT_WAIT + 30)
             except SessionError as e:
-                why = e.reason.removeprefix("PULLFAIL ")
+                why = e.reason.removeprefix("PULLFAIL ").rstrip(".")
                 if "host key verification failed" in why.lower():
                     raise SyncError(f"--tunnel: host {dst.name} reached a training host with another host key than "
                                     f"{ep.where} showed this machine: host key verification failed") from None

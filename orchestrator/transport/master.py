@@ -23,12 +23,32 @@ from .errors import HostKeyError, TransportError
 SOCKET_ROOM = 90  # longest folder path for the socket (sun_path holds 104-108 bytes)
 
 
-def private_dir(prefix: str) -> str:
-    """A new 0700 folder with a short path, for Unix sockets."""
+PREFIX = "dflash-m-"
+
+
+def _socket_base() -> str:
     base = tempfile.gettempdir()
-    if len(base) > SOCKET_ROOM - 20 and os.path.isdir("/tmp"):
-        base = "/tmp"
-    return tempfile.mkdtemp(prefix=prefix, dir=base)
+    return "/tmp" if len(base) > SOCKET_ROOM - 20 and os.path.isdir("/tmp") else base
+
+
+def _sweep(base: str) -> None:
+    """Remove master folders of this user whose process is gone (killed with SIGKILL: the master
+    itself exited once its session ended, its folder stayed)."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+    except OSError:
+        return
+    for n in names:
+        d = os.path.join(base, n)
+        try:
+            if os.lstat(d).st_uid != os.getuid():
+                continue
+            with open(os.path.join(d, "pid")) as f:
+                os.kill(int(f.read()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (OSError, ValueError):
+            continue
 
 
 class Master:
@@ -38,7 +58,11 @@ class Master:
     is authenticated."""
 
     def __init__(self, endpoint: SSHEndpoint, pins: str, extra: tuple[str, ...] = ()):
-        self.dir = private_dir("dflash-m-")
+        base = _socket_base()
+        _sweep(base)
+        self.dir = tempfile.mkdtemp(prefix=PREFIX, dir=base)  # 0700
+        with open(os.path.join(self.dir, "pid"), "w") as f:
+            f.write(str(os.getpid()))
         known = os.path.join(self.dir, "known_hosts")
         with open(known, "w") as f:
             f.write(pins)
