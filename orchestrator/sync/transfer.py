@@ -193,14 +193,17 @@ def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
     """Every file that arrived has the sha256 the training host's manifest gives over the control
     connection (and the file there is still the one listed).
 
-    On a first sync that manifest is read after the transfer, and its hashes are the ones each
-    sender recorded in the folder's manifest cache (``send --cache``) as it read the file, keyed by
-    size, mtime, inode and ctime: no second read of the checkpoint. They are still the training
-    host's word: the data path is pinned to the host key the control connection accepted
-    (``data_path``), so the sender ran on that host, and whoever might answer the data path in its
-    place could not write that host's cache. A file the cache does not cover (a read-only source,
-    a file rewritten meanwhile, a sender that hashed some other file) is hashed there now, over
-    the control connection."""
+    On a first sync that manifest is read after the transfer (a request to the training host's
+    session: no tool start), and its hashes are the ones each sender recorded in the folder's
+    manifest cache (``send --cache``) as it read the file, keyed by size, mtime, inode and ctime:
+    the checkpoint is read and hashed once there, by its senders. They are still the training
+    host's word: every client of the data path is pinned to the host key that host's control
+    connection accepted (``data_path``: the relay's master connection here; with ``--tunnel`` the
+    eval host's client, whose only known host key is that one, and whose key can only run the
+    sender of this checkpoint's files, the tool's code pinned by its sha256), so the sender ran on
+    that host as our code, and whoever might answer the data path in its place could not write that
+    host's cache. A file the cache does not cover (a read-only source, a file rewritten meanwhile, a
+    sender that hashed some other file) is hashed there now, over the control connection."""
     there = {e["path"]: e for e in source_files}
     for f in plan.files:
         e = there.get(f.path)
