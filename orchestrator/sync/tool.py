@@ -175,8 +175,8 @@ class Session:
             except Exception:
                 return
 
-    def close(self) -> None:
-        """End the session: it undoes what it set up on the host and exits (at most 5 s here)."""
+    def end(self) -> None:
+        """Close the session's stdin: it undoes what it set up on the host and exits."""
         if self.closed.is_set():
             return
         self.closed.set()
@@ -185,13 +185,25 @@ class Session:
                 self.h.stdin.close()
         except Exception:
             pass
+        self._finished = threading.Thread(target=self._finish, daemon=True)  # never hang on a dead link
+        self._finished.start()
 
-        def finish():
-            try:
-                self.h.wait(10)
-            except Exception:
-                pass
-            self.h.close()
-        t = threading.Thread(target=finish, daemon=True)  # never hang on a dead link
-        t.start()
-        t.join(5)
+    def _finish(self) -> None:
+        try:
+            self.h.wait(10)
+        except Exception:
+            pass
+        self.h.close()
+
+    def close(self, wait: float = 5.0) -> None:
+        """:meth:`end`, then wait (at most ``wait`` s) until it has exited."""
+        close_all([self], wait)
+
+
+def close_all(sessions: list[Session], wait: float = 5.0) -> None:
+    """End every session at once, then wait for them (at most ``wait`` s in all)."""
+    for s in sessions:
+        s.end()
+    deadline = time.monotonic() + wait
+    for s in sessions:
+        s._finished.join(max(deadline - time.monotonic(), 0))

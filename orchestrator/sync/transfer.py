@@ -28,7 +28,7 @@ from .listing import host_checkpoints
 from .lock import Destination
 from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
 from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, DataPath, SyncProgress, data_options, move
-from .tool import Session, SyncError, tool_argv
+from .tool import Session, SyncError, close_all, tool_argv
 from .tunnel import TunnelUnavailable, pull_through_tunnel
 
 LOCK_WAIT = 60.0
@@ -88,13 +88,13 @@ class Masters:
         self.open.clear()
 
 
-def _session(runner, host: Host, idle: float, stack: ExitStack, masters: Masters | None) -> tuple[Host, Session]:
-    """Connect, expand ``~`` in the host's paths there, start its session (closed with ``stack``)
-    and, unless ``masters`` is None, its data path's master connection."""
+def _session(runner, host: Host, idle: float, sessions: list[Session], masters: Masters | None) -> tuple[Host, Session]:
+    """Connect, expand ``~`` in the host's paths there, start its session (into ``sessions``, closed
+    at the end of the sync) and, unless ``masters`` is None, its data path's master connection."""
     runner.connect()
     host = host.on_host(runner.expand_home)
     session = Session(runner, host, idle)
-    stack.callback(session.close)
+    sessions.append(session)
     if masters is not None:
         masters.start(runner)
     return host, session
@@ -116,10 +116,12 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
         masters = None if dry_run else Masters(alive)
         if masters is not None:
             stack.callback(masters.close)
+        sessions: list[Session] = []
+        stack.callback(close_all, sessions)
         bg = stack.enter_context(ThreadPoolExecutor(1))
         started = time.monotonic()
-        eval_side: Future = bg.submit(_session, drun, dst, idle, stack, masters)  # both hosts come up at once
-        src, ssess = _session(srun, src, idle, stack, None)
+        eval_side: Future = bg.submit(_session, drun, dst, idle, sessions, masters)  # both hosts come up at once
+        src, ssess = _session(srun, src, idle, sessions, None)
         r, info = pick_run(catalog, run, lambda runs: host_checkpoints(
             srun, src, runs, lambda x: x.source_dir(src.checkpoints), session=ssess))
         ckpt = resolve_name(name, r, info, src)
