@@ -168,12 +168,13 @@ class SSHLab:
 
 class ExtraSshd:
     """One more sshd on a lab host (in its network namespace), on ``port``, with host key ``key``
-    (a private key file) and the lab's authorized keys; stopping it leaves its open sessions
-    running. On the host's own port (its sshd stopped first) it is an impostor of that host."""
+    (a private key file), the lab's authorized keys and ``config`` (more sshd_config lines);
+    stopping it leaves its open sessions running. On the host's own port (its sshd stopped first)
+    it is an impostor of that host."""
 
-    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path):
+    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path, config: str = ""):
         self.lab, self.host = lab, lab.hosts[host] if isinstance(host, str) else host
-        self.port, self.key, self.base = port, key, base
+        self.port, self.key, self.base, self.config = port, key, base, config
         self.pidfile: Path | None = None
 
     def start(self) -> "ExtraSshd":
@@ -182,7 +183,8 @@ class ExtraSshd:
         self.pidfile = d / "pid"
         cfg = d / "sshd_config"
         cfg.write_text(SSHD_CONFIG.format(port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
-                                          authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}"))
+                                          authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}")
+                       + self.config)
         self.lab.exec_in(h, [SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
         _wait_listening(replace(h, port=self.port, log=d / "log"))
         return self

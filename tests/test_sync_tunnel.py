@@ -324,6 +324,32 @@ def test_where_the_tunnel_cannot_be_set_up_one_line_and_auto_falls_back(env, ssh
     nothing_left(ssh_lab, env)
 
 
+def test_an_eval_host_that_refuses_the_forward(env, ssh_lab, tmp_path):
+    """The eval host's sshd does not forward sockets (AllowStreamLocalForwarding no): one line,
+    and with auto the relay."""
+    port = sshlab._free_port(ssh_lab.eval.address) if not ssh_lab.isolated else 2299
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "k")], check=True)
+    sshd = sshlab.ExtraSshd(ssh_lab, "eval", port, tmp_path / "k", tmp_path,
+                            config="AllowStreamLocalForwarding no\n").start()
+    try:
+        known = tmp_path / "known_hosts"
+        pub = " ".join((tmp_path / "k.pub").read_text().split()[:2])
+        known.write_text(f"[{ssh_lab.eval.address}]:{port} {pub}\n{ssh_lab.known_hosts.read_text()}")
+        inv = ssh_lab.write_inventory(tmp_path / "no-forward.yaml", eval={"port": port, "known_hosts": str(known)},
+                                      train={"known_hosts": str(known)})
+        env.inv, env.inv_path = load_inventory(inv), inv
+        src = env.ckpt(10, {"model.safetensors": 2, "config.json": b"{}\n"})
+        with pytest.raises(TunnelUnavailable, match="refused to forward a socket"):
+            env.sync("10", tunnel="tunnel")
+        nothing_left(ssh_lab, env)
+        with pytest.warns(TunnelFallback, match="refused to forward a socket"):
+            assert env.sync("10", tunnel="auto").path == "relay"
+        identical(src, env.dst_run / "step_10")
+        nothing_left(ssh_lab, env)
+    finally:
+        sshd.stop()
+
+
 def test_the_eval_hosts_inventory_default_and_an_awkward_folder_name(ssh_lab, tmp_path):
     """`tunnel: true` on the eval host makes it the default; a run folder whose name needs quoting
     in the forced command (quotes, a dollar, a backslash, a space) goes through it unharmed."""
