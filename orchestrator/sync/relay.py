@@ -295,26 +295,26 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
         serr = "\n".join(ln[5:] for ln in derr.splitlines() if ln.startswith("PULL "))
         derr = "\n".join(ln for ln in derr.splitlines() if not ln.startswith("PULL "))
     dead = alive[0] * alive[1]
-    masters = {dst.name: path.dst, src.name: path.src}
-    for host, err in ((dst, derr), (src, serr)):
-        m = masters.get(host.name)
-        low = (err + "\n" + (m.error_tail() if m is not None and not m.alive else "")).lower()
+    for host, err, m in ((dst, derr, path.dst), (src, serr, path.src)):
+        text = (err + "\n" + (m.error_tail() if m is not None and not m.alive else "")).strip()
+        low = text.lower()
         via = " (through the tunnel from the eval host)" if host is src and path.mode == "tunnel" else ""
         if "host key verification failed" in low:
-            where_key = (f"host {host.name}: host key verification failed{via}" if via else
-                         f"{m.endpoint.where}: host key verification failed (known_hosts {m.endpoint.known_hosts_file})"
-                         if m is not None else f"host {host.name}: host key verification failed")
-            return where_key
+            if m is not None:
+                ep = m.endpoint
+                return f"{ep.where}: host key verification failed (known_hosts {ep.known_hosts_file})"
+            return f"host {host.name}: host key verification failed{via}"
         if "not responding" in low or "timed out" in low or "connection reset" in low:
             return (f"lost the connection to host {host.name} ({host.address}:{host.port}){via} while "
                     f"moving {where}: no answer for ~{dead}s; {keep}")
         if any(w in low for w in ("connection refused", "no route", "could not resolve",
                                   "network is unreachable", "permission denied")):
-            return f"cannot reach host {host.name} ({host.address}:{host.port}){via}: {low.strip().splitlines()[-1]}"
+            return f"cannot reach host {host.name} ({host.address}:{host.port}){via}: {text.splitlines()[-1]}"
     for host, m in ((dst, path.dst), (src, path.src)):
         if m is not None and not m.alive and not t.killed_for:
             tail = m.error_tail() or "connection closed"
-            return f"lost the connection to host {host.name} ({host.address}:{host.port}) while moving {where} (ssh: {tail}); {keep}"
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while moving {where} "
+                    f"(ssh: {tail}); {keep}")
     for host, rc, err, ssh_used in ((dst, t.rcs[1], derr, not dst.is_local),
                                     (src, t.rcs[0], serr, t.src_argv is not None and not src.is_local)):
         if ssh_used and rc == 255 and not t.killed_for:  # ssh itself failed: the connection

@@ -21,8 +21,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..config.inventory import Host, Inventory
 
 __all__ = ["CONNECT_TIMEOUT", "CONNECT_RETRIES", "CommandFailed", "CommandTimeout", "ExecHandle", "HostKeyError",
-           "LocalRunner", "Result", "Runner", "SSHEndpoint", "SSHRunner", "TransportError", "authorized_keys_command", "command_line",
-           "endpoint_for", "parse_jump_spec", "runner_for"]
+           "LocalRunner", "Result", "Runner", "SSHEndpoint", "SSHRunner", "TransportError", "authorized_keys_command",
+           "command_line", "endpoint_for", "parse_jump_spec", "runner_for"]
 
 
 def runner_for(host: "Host", inventory: "Inventory | None" = None, *,
