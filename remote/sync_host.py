@@ -1,7 +1,7 @@
 """What `dflash-ops sync-ckpt` / `ckpts` run on a host: list, lock, send, receive. Stdlib only.
 
 Shipped as an argument of ``python -c BOOTSTRAP BLOB ARGS`` (see ``orchestrator/sync/tool.py``), not on
-stdin: for ``recv`` and ``hold`` stdin carries the data stream / the control lines.
+stdin: for ``recv`` and ``serve`` stdin carries the data stream / the control lines.
 
 Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...`` on stderr):
 
@@ -14,10 +14,16 @@ Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...
 * ``send FILE SIZE MTIME_NS OFFSET [--hash] [--cache DIR]``  bytes [OFFSET, SIZE) on stdout, then a
   trailer ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on
   resume); with ``--cache`` the hash goes into DIR's manifest cache too
-* ``recv RUNDIR CKPT REL SIZE OFFSET MTIME_NS TOKEN [--sha256 X]``  (stdin: the ``send`` stream)
-  appends to ``.staging-CKPT/REL.part``, hashes in flight, verifies, fsyncs, renames to REL
-* ``hold RUNDIR CKPT TOKEN [--wait S] [--idle S]``  takes the checkpoint lock (flock) and serves control
-  lines on stdin: ``PING``, ``STATE``, ``BEGIN``, ``FINALIZE <manifest json>``
+* ``send-from DIR send REL SIZE MTIME_NS OFFSET [--hash]``  the forced command of ``--tunnel``'s
+  one-time key: ``send`` of a file under DIR only
+* ``recv RUNDIR CKPT REL SIZE OFFSET MTIME_NS TOKEN [--sha256 X] [--pull ARGV_JSON]``  (stdin, or
+  the stdout of the command ``--pull`` names: the ``send`` stream) appends to
+  ``.staging-CKPT/REL.part``, hashes in flight, verifies, fsyncs, renames to REL
+* ``serve``  one session per host per sync, a request per line on stdin: ``LIST``, ``MANIFEST``
+  (training host), ``STATE``, ``LOCK`` (the checkpoint's flock, held until the session ends),
+  ``BEGIN``, ``FINALIZE <manifest json>`` (eval host), ``GRANT``/``REVOKE`` (a one-time key,
+  training host), ``TUNNEL``/``PULL``/``UNTUNNEL`` (the tunnel's end, eval host), ``PING``;
+  everything it set up is undone when it ends
 
 Arguments are positional first, then flags: a file may well be called ``--sha256``. A global
 ``--idle S`` may come before the command.
@@ -192,6 +198,10 @@ def pattern_regex(pattern: str):
 
 
 def cmd_list(args: list) -> None:
+    out(json.dumps(listing(args)))
+
+
+def listing(args: list) -> dict:
     if not args:
         raise ToolError("list: missing ROOT")
     root, rest = args[0], args[1:]
@@ -227,7 +237,7 @@ def cmd_list(args: list) -> None:
                 "paths": [rel for rel, _ in files][:1000],
             })
         runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
-    out(json.dumps({"runs": runs, "now": time.time()}))
+    return {"runs": runs, "now": time.time()}
 
 
 def sha256_file(path: str, limit: int | None = None, h=None):
@@ -479,7 +489,44 @@ def _still_owner(p: dict, token: str) -> bool:
 
 
 RECV_ARGS = ("RUNDIR", "CKPT", "REL", "SIZE", "OFFSET", "MTIME_NS", "TOKEN")
+RECV_FLAGS = {"--sha256": 1, "--pull": 1}
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class Pull:
+    """``recv --pull ARGV``: the stream comes from a command this host runs (an OpenSSH client that
+    starts the sender on the training host: ``--tunnel``, ``--direct``), not from stdin. Its stderr
+    is passed on line by line as ``PULL ...``, so the orchestrator tells the training host's leg
+    from the receiver's own failures."""
+
+    def __init__(self, argv: list):
+        import subprocess
+        import threading
+
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise ToolError("--pull: expected a JSON list of strings")
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE)
+        except OSError as e:
+            raise ToolError(f"cannot run {argv[0]}: {e.strerror}") from None
+        self.fd = self.proc.stdout.fileno()
+        self.relay = threading.Thread(target=self._relay, daemon=True)
+        self.relay.start()
+
+    def _relay(self) -> None:
+        for raw in iter(self.proc.stderr.readline, b""):
+            sys.stderr.write("PULL " + raw.decode(errors="replace").rstrip("\n") + "\n")
+            sys.stderr.flush()
+
+    def close(self, grace: float = 5.0) -> None:
+        deadline = time.monotonic() + grace
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.relay.join(2)
 
 
 def cmd_recv(args: list) -> int:
@@ -490,7 +537,7 @@ def cmd_recv(args: list) -> int:
     except OSError as e:
         if e.errno not in NO_SPACE:
             raise
-        (rundir, ckpt, rel, *_), _ = parse(args, RECV_ARGS, {"--sha256": 1})
+        (rundir, ckpt, rel, *_), _ = parse(args, RECV_ARGS, RECV_FLAGS)
         part = os.path.join(paths(rundir, ckpt)["staging"], safe_rel(rel)) + ".part"
         try:
             arrived = os.stat(part).st_size
@@ -501,7 +548,19 @@ def cmd_recv(args: list) -> int:
 
 
 def _recv(args: list) -> int:
-    (rundir, ckpt, rel, size, offset, mtime_ns, token), opts = parse(args, RECV_ARGS, {"--sha256": 1})
+    pos, opts = parse(args, RECV_ARGS, RECV_FLAGS)
+    pull = Pull(json.loads(opts["--pull"])) if "--pull" in opts else None
+    rc = 1
+    try:
+        rc = _receive(pos, opts, pull.fd if pull else sys.stdin.fileno())
+        return rc
+    finally:
+        if pull is not None:
+            pull.close(grace=5.0 if rc == 0 else 0.0)  # a failed stream's sender is stopped now
+
+
+def _receive(pos: list, opts: dict, inp: int) -> int:
+    rundir, ckpt, rel, size, offset, mtime_ns, token = pos
     rel, size, offset, mtime_ns = safe_rel(rel), int(size), int(offset), int(mtime_ns)
     expected = opts.get("--sha256")
     p = paths(rundir, ckpt)
@@ -526,7 +585,6 @@ def _recv(args: list) -> int:
         raise ToolError(f"{rel}.part holds {have} bytes, the plan expected {offset}; rerun")
     h = sha256_file(part, offset) if offset else hashlib.sha256()  # the prefix, read once
     os.lseek(fd, offset, os.SEEK_SET)
-    inp = sys.stdin.fileno()
     _grow_pipe(inp)
     disk = Appender(fd, offset)
     buf = mmap.mmap(-1, RECV_BUF)  # page-aligned, as direct writes need
@@ -707,44 +765,385 @@ def _tidy_final(p: dict) -> None:
             pass
 
 
-def cmd_hold(args: list) -> int:
-    global IDLE_TIMEOUT
-    (rundir, ckpt, token), opts = parse(args, ("RUNDIR", "CKPT", "TOKEN"), {"--wait": 1, "--idle": 1})
-    wait = float(opts.get("--wait", 60.0))
-    IDLE_TIMEOUT = float(opts.get("--idle", IDLE_TIMEOUT))
-    p = paths(rundir, ckpt)
-    os.makedirs(rundir, exist_ok=True)
-    fd = _lock(p, wait)
-    if fd < 0:
-        out(f"BUSY another sync of {ckpt} holds {p['lock']} (waited {wait:g}s)")
-        return 7
-    _drain_writers(p, token)
-    _tidy_final(p)  # a crash right after an earlier final rename
-    out("LOCKED")
-    reader = LineReader()
-    while True:
-        line = reader.readline(IDLE_TIMEOUT)
-        if line is None:
-            return 5  # the orchestrator went silent (dead link): release the lock
-        if not line:
-            return 0
-        cmd, _, rest = line.strip().partition(" ")
+# --- one-time key on the training host (--tunnel) ------------------------------------------------
+
+KEY_TAG = "dflash-ops-sync-"  # the comment of every one-time key line this tool writes
+KEY_TTL = 300.0  # backstop: sshd refuses the key after this long even if nothing removed the line
+
+
+def _host_stamp(t: float) -> str:
+    """``t`` as sshd reads an ``expiry-time`` without a zone: the system's time zone (the login
+    session's TZ, which sshd does not see, is dropped)."""
+    os.environ.pop("TZ", None)
+    time.tzset()
+    return time.strftime("%Y%m%d%H%M%S", time.localtime(t))
+
+
+def _expired(line: str, now: float) -> bool:
+    """A one-time key line of this tool whose ``expiry-time`` has passed (left by a killed sync)."""
+    words = line.split()
+    m = re.search(r'expiry-time="(\d{14})"', line)
+    if not words or not words[-1].startswith(KEY_TAG) or not m:
+        return False
+    os.environ.pop("TZ", None)
+    time.tzset()
+    return time.mktime(time.strptime(m.group(1), "%Y%m%d%H%M%S")) < now
+
+
+class Grant:
+    """A one-time key in the training host's ``authorized_keys`` that the eval host's OpenSSH
+    client logs in with through the tunnel: ``restrict`` (no forwarding, no pty), ``from`` this
+    machine's address as the control connection came in, an ``expiry-time`` minutes away, and a
+    forced ``command`` (the orchestrator's: ``send-from`` of one checkpoint folder, the tool's code
+    pinned by its hash). The file is edited under a flock of its folder and replaced atomically,
+    keeping its mode; ``remove`` takes the line out again (and expired lines of earlier syncs), and
+    the file and folder if this grant created them."""
+
+    def __init__(self, path: str, key: str, command: str, token: str):
+        if any(c in key + command for c in "\r\n\0") or len(key.split()) != 2 or not token.isalnum():
+            raise ToolError("refusing a malformed one-time key line")
+        ip = (os.environ.get("SSH_CONNECTION") or "").split()[:1]
+        if ip and not re.fullmatch(r"[0-9A-Fa-f.:]+", ip[0]):
+            raise ToolError(f"unexpected client address {ip[0]!r} in SSH_CONNECTION")
+        self.comment = KEY_TAG + token
+        self.path = os.path.realpath(os.path.expanduser(path))
+        self.source = ip[0] if ip else None
+        opts = ["restrict"] + ([f'from="{self.source}"'] if self.source else []) + \
+            [f'expiry-time="{_host_stamp(time.time() + KEY_TTL)}"', command]
+        self.line = f"{','.join(opts)} {key} {self.comment}"
+        self.made_dir = self.made_file = self.joined = False
+        self.added = False
+
+    def _edit(self, change) -> None:
+        d = os.path.dirname(self.path)
+        if not os.path.isdir(d):
+            os.makedirs(d, mode=0o700)
+            self.made_dir = True
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            if cmd == "PING":
-                continue
-            if cmd == "STATE":
-                out("STATE " + json.dumps(state(rundir, ckpt)))
-            elif cmd == "BEGIN":
-                os.makedirs(os.path.join(p["staging"]), exist_ok=True)
-                with open(p["owner"], "w") as f:
-                    f.write(token)
-                out("BEGUN")
-            elif cmd == "FINALIZE":
-                out("DONE " + finalize(p, json.loads(rest)))
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+            try:
+                st = os.stat(self.path)
+                with open(self.path, "rb") as f:
+                    text = f.read().decode("utf-8", "surrogateescape")
+            except FileNotFoundError:
+                st, text = None, None
+            if st is not None and st.st_uid != os.getuid():
+                raise ToolError(f"{self.path} belongs to another user; not editing it")
+            new = change(text)
+            if new == text:
+                return
+            if new is None:
+                os.unlink(self.path)
             else:
-                out(f"ERROR unknown command {cmd}")
-        except (ToolError, OSError) as e:
-            out(f"ERROR {e}")
+                tmp = os.path.join(d, f".{os.path.basename(self.path)}.dflash-{os.getpid()}")
+                mode = stat.S_IMODE(st.st_mode) if st is not None else 0o600
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+                try:
+                    os.write(fd, new.encode("utf-8", "surrogateescape"))
+                    os.fchmod(fd, mode)
+                    os.fsync(fd)
+                    os.close(fd)
+                    os.rename(tmp, self.path)
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    raise
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def add(self) -> dict:
+        def change(text):
+            self.made_file = text is None
+            text = "".join(ln for ln in (text or "").splitlines(True) if not _expired(ln, time.time()))
+            self.joined = bool(text) and not text.endswith("\n")
+            return text + ("\n" if self.joined else "") + self.line + "\n"
+        self._edit(change)
+        self.added = True
+        import pwd
+        return {"user": pwd.getpwuid(os.getuid()).pw_name, "from": self.source}
+
+    def remove(self) -> None:
+        if not self.added:
+            return
+
+        def change(text):
+            if text is None:
+                return None
+            now = time.time()
+            kept = [ln for ln in text.splitlines(True)
+                    if ln.split()[-1:] != [self.comment] and not _expired(ln, now)]
+            rest = "".join(kept)
+            if self.joined and rest.endswith("\n"):  # the line break this grant added before its line
+                rest = rest[:-1]
+            return None if self.made_file and not rest.strip() else rest
+        self._edit(change)
+        self.added = False
+        if self.made_dir:
+            try:
+                os.rmdir(os.path.dirname(self.path))
+            except OSError:
+                pass
+
+
+def cmd_send_from(args: list) -> None:
+    """The forced command of a one-time key (``--tunnel``): ``send-from DIR send REL SIZE MTIME_NS
+    OFFSET [--hash]``, the words after DIR being what the eval host asked for. Only ``send`` of a
+    file under DIR, with DIR's manifest cache as ``--cache``: whoever holds the key reads that
+    checkpoint's files, and nothing else, on this host."""
+    if len(args) < 6 or args[1] != "send":
+        raise ToolError("this key only sends a checkpoint's files")
+    root, rel, flags = args[0], args[2], args[6:]
+    parts = rel.split("/")
+    if rel.startswith("/") or any(not x or x in (".", "..") or x.startswith(".") for x in parts):
+        raise ToolError(f"refusing path {rel!r}")
+    if flags not in ([], ["--hash"]):
+        raise ToolError(f"unexpected arguments {flags!r}")
+    path = os.path.join(root, rel)
+    parent, top = os.path.realpath(os.path.dirname(path)), os.path.realpath(root)
+    if parent != top and not parent.startswith(top.rstrip("/") + "/"):
+        raise ToolError(f"{rel} is not under {root}")
+    cmd_send([path, *args[3:6], *(["--hash", "--cache", root] if flags else [])])
+
+
+# --- the tunnel's end on the eval host ---------------------------------------------------------
+
+TUNNEL_PREFIX = "dflash-t-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_tunnels(tmp: str) -> None:
+    """Remove tunnel folders of this user whose ``serve`` process is gone (killed with SIGKILL)."""
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for n in names:
+        d = os.path.join(tmp, n)
+        if not n.startswith(TUNNEL_PREFIX):
+            continue
+        try:
+            if os.lstat(d).st_uid != os.getuid():
+                continue
+            with open(os.path.join(d, "pid")) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+class Tunnel:
+    """The eval host's end of ``--tunnel``, owned by one ``serve`` process: a private folder
+    (0700, a short path: it holds Unix sockets) with a one-time key pair made here (the private key
+    never leaves this host and is deleted once the connection is authenticated), the socket this
+    machine's forward to the training host listens on (``t``), the training host's pinned key
+    (``known_hosts``), and an OpenSSH master connection to the training host through that socket
+    (``m``) that every file's sender rides. ``close`` ends the master and removes the folder."""
+
+    def __init__(self, token: str):
+        import tempfile
+
+        self.ssh, keygen = shutil.which("ssh"), shutil.which("ssh-keygen")
+        if not self.ssh or not keygen:
+            raise ToolError("NOSSH this host has no OpenSSH client (ssh, ssh-keygen) on its PATH")
+        tmp = tempfile.gettempdir()
+        _sweep_tunnels(tmp)
+        self.dir = tempfile.mkdtemp(prefix=TUNNEL_PREFIX, dir=tmp)
+        self.master = None
+        try:
+            with open(os.path.join(self.dir, "pid"), "w") as f:
+                f.write(str(os.getpid()))
+            self.paths = {k: os.path.join(self.dir, v) for k, v in
+                          (("socket", "t"), ("control", "m"), ("identity", "id"), ("known_hosts", "known_hosts"))}
+            import subprocess
+            res = subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-C", KEY_TAG + token, "-f",
+                                  self.paths["identity"]], stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+            if res.returncode:
+                raise ToolError(f"ssh-keygen failed: {res.stderr.decode(errors='replace').strip()}")
+            with open(self.paths["identity"] + ".pub") as f:
+                self.key = " ".join(f.read().split()[:2])
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> dict:
+        return dict(self.paths, dir=self.dir, key=self.key, ssh=self.ssh)
+
+    def pull(self, argv: list, known_hosts: str, timeout: float) -> None:
+        """Start the master connection to the training host (``argv``, built by the orchestrator)
+        and wait until it is authenticated (its control socket appears)."""
+        import subprocess
+
+        if self.master is not None:
+            raise ToolError("the tunnel's connection is already up")
+        if "\n" in known_hosts.strip() or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise ToolError("malformed PULL request")
+        fd = os.open(self.paths["known_hosts"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(known_hosts.strip() + "\n")
+        log = os.path.join(self.dir, "log")
+        with open(log, "wb") as err:
+            self.master = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                           start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.paths["control"]):
+            if self.master.poll() is not None or time.monotonic() > deadline:
+                with open(log, "rb") as f:
+                    lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+                why = lines[-1] if lines else (f"exit {self.master.returncode}" if self.master.poll() is not None
+                                               else f"no connection after {timeout:g}s")
+                raise ToolError(f"PULLFAIL {why}")
+            time.sleep(0.02)
+        for path in (self.paths["identity"], self.paths["identity"] + ".pub"):  # authenticated: done with it
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        m, self.master = self.master, None
+        if m is not None and m.poll() is None:
+            m.terminate()
+            try:
+                m.wait(3)
+            except Exception:
+                m.kill()
+                m.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- the session: one per host per sync ---------------------------------------------------------
+
+
+class Busy(ToolError):
+    """Another sync holds the lock (after waiting for it)."""
+
+
+class Serve:
+    """What one ``serve`` process holds for a sync, and gives back when it ends however it ends
+    (stdin closed, silent for IDLE_TIMEOUT, SIGTERM/SIGHUP): the destination lock (eval host), the
+    one-time key (training host), the tunnel (eval host)."""
+
+    def __init__(self):
+        self.p = self.token = None
+        self.lock_fd = -1
+        self.grant: Grant | None = None
+        self.tunnel: Tunnel | None = None
+
+    def handle(self, verb: str, arg: str) -> str:
+        """What follows ``VERB`` in the answer to a request."""
+        a = json.loads(arg) if arg else {}
+        if verb == "LIST":
+            return json.dumps(listing(a))
+        if verb == "MANIFEST":
+            return json.dumps(manifest(a["dir"], bool(a.get("hash"))))
+        if verb == "STATE":
+            return json.dumps(state(a["rundir"], a["ckpt"]))
+        if verb == "LOCK":
+            if self.p is not None:
+                raise ToolError("already locked")
+            p = paths(a["rundir"], a["ckpt"])
+            os.makedirs(a["rundir"], exist_ok=True)
+            fd = _lock(p, float(a["wait"]))
+            if fd < 0:
+                raise Busy(f"another sync of {a['ckpt']} holds {p['lock']} (waited {float(a['wait']):g}s)")
+            self.p, self.token, self.lock_fd = p, a["token"], fd
+            _drain_writers(p, self.token)
+            _tidy_final(p)  # a crash right after an earlier final rename
+            return ""
+        if verb in ("BEGIN", "FINALIZE") and self.p is None:
+            raise ToolError(f"{verb} without the lock")
+        if verb == "BEGIN":
+            os.makedirs(self.p["staging"], exist_ok=True)
+            with open(self.p["owner"], "w") as f:
+                f.write(self.token)
+            return ""
+        if verb == "FINALIZE":
+            return finalize(self.p, a)
+        if verb == "GRANT":
+            if self.grant is not None:
+                raise ToolError("a key is already granted")
+            self.grant = Grant(a["file"], a["key"], a["command"], a["token"])
+            return json.dumps(self.grant.add())
+        if verb == "REVOKE":
+            if self.grant is not None:
+                self.grant.remove()
+                self.grant = None
+            return ""
+        if verb == "TUNNEL":
+            if self.tunnel is not None:
+                raise ToolError("a tunnel is already set up")
+            self.tunnel = Tunnel(a["token"])
+            return json.dumps(self.tunnel.describe())
+        if verb == "PULL":
+            if self.tunnel is None:
+                raise ToolError("PULL without TUNNEL")
+            self.tunnel.pull(a["argv"], a["known_hosts"], float(a.get("timeout", 30)))
+            return ""
+        if verb == "UNTUNNEL":
+            if self.tunnel is not None:
+                self.tunnel.close()
+                self.tunnel = None
+            return ""
+        raise ToolError(f"unknown request {verb}")
+
+    def close(self) -> None:
+        for undo in (self.tunnel, self.grant):
+            if undo is None:
+                continue
+            try:
+                undo.close() if isinstance(undo, Tunnel) else undo.remove()
+            except Exception as e:  # noqa: BLE001 - the other one is still undone
+                sys.stderr.write(f"ERROR cleaning up: {e}\n")
+        self.tunnel = self.grant = None
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def cmd_serve(args: list) -> int:
+    """Answer one request per line on stdin (``VERB [JSON]``) with one line on stdout (``VERB
+    [ANSWER]``, ``BUSY ...`` or ``ERROR ...``; ``PING`` gets none) until stdin closes or stays silent for
+    IDLE_TIMEOUT; then undo what the session set up (:class:`Serve`)."""
+    parse(args, (), {})
+    import signal
+
+    session = Serve()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
+    reader = LineReader()
+    try:
+        while True:
+            line = reader.readline(IDLE_TIMEOUT)
+            if line is None:
+                return 5  # the orchestrator went silent (dead link): give everything back
+            if not line:
+                return 0
+            verb, _, rest = line.strip().partition(" ")
+            if verb == "PING":
+                continue
+            try:
+                out(f"{verb} {session.handle(verb, rest)}".rstrip())
+            except Busy as e:
+                out(f"BUSY {e}")
+            except (ToolError, OSError, ValueError, KeyError, TypeError) as e:
+                out(f"ERROR {e}")
+    finally:
+        session.close()
 
 
 def parse(args: list, names: tuple, flags: dict) -> tuple[list, dict]:
@@ -761,8 +1160,8 @@ def parse(args: list, names: tuple, flags: dict) -> tuple[list, dict]:
     return pos, opts
 
 
-COMMANDS = {"list": cmd_list, "manifest": cmd_manifest,
-            "state": cmd_state, "send": cmd_send, "recv": cmd_recv, "hold": cmd_hold}
+COMMANDS = {"list": cmd_list, "manifest": cmd_manifest, "state": cmd_state, "send": cmd_send,
+            "send-from": cmd_send_from, "recv": cmd_recv, "serve": cmd_serve}
 
 
 def main(argv: list) -> int:

@@ -6,8 +6,8 @@ knows about it.
 
 SPEC (JSON): ``{"dir": D, "pause": {"at": "send", "file": NAME, "bytes": N}}`` pauses the sender of
 NAME once N bytes are out (the sender sends 256 KiB per call, so N is exact), or
-``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder just before it renames
-the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
+``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder (the eval host's
+``serve`` session) just before it renames the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
 ``D/release`` (60 s at most), then goes on.
 
 ``{"impostor": {"file": NAME, "with": PATH}}`` makes the sender of NAME send PATH instead (same size
@@ -52,7 +52,7 @@ def plant(spec: dict, args: list) -> None:
             sent[0] += n
             return n
         os.sendfile = sendfile
-    elif p.get("at") == "rename" and tool_args[:1] == ["hold"]:
+    elif p.get("at") == "rename" and tool_args[:1] == ["serve"]:
         real_rename = os.rename
 
         def rename(src, dst, *a, **kw):

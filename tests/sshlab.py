@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -56,6 +56,7 @@ class LabHost:
     config: Path
     pidfile: Path
     log: Path
+    authorized_keys: Path | None = None  # this host's own file, read after the lab's shared one
 
     @property
     def known_hosts_name(self) -> str:
@@ -98,6 +99,8 @@ class SSHLab:
                 "roles": [h.name], "python": sys.executable,
                 "workdir": str(h.root / "workdir"), "checkpoints": str(h.root / "checkpoints"),
             }
+            if h.authorized_keys:
+                entry["authorized_keys"] = str(h.authorized_keys)
             for k, v in (overrides.get(h.name) or {}).items():
                 if v is None:
                     entry.pop(k, None)
@@ -118,6 +121,16 @@ class SSHLab:
         h = self.hosts[host] if isinstance(host, str) else host
         full = ["ip", "netns", "exec", h.netns, *argv] if h.netns else list(argv)
         return _run(full, check=check, timeout=timeout)
+
+    def stop_sshd(self, host: LabHost | str) -> None:
+        """Stop the host's sshd; its open sessions keep running (as with a restarted sshd)."""
+        h = self.hosts[host] if isinstance(host, str) else host
+        _stop_pidfile(h.pidfile)
+
+    def start_sshd(self, host: LabHost | str) -> None:
+        h = self.hosts[host] if isinstance(host, str) else host
+        self.exec_in(h, [SSHD, "-f", str(h.config), "-E", str(h.log)], check=True)
+        _wait_listening(h)
 
     def link_down(self, host: LabHost | str) -> None:
         self._link(host, "down")
@@ -152,6 +165,42 @@ class SSHLab:
     def _save_record(self) -> None:
         REGISTRY.mkdir(parents=True, exist_ok=True)
         (REGISTRY / f"{self.lab_id}.json").write_text(json.dumps(self._record()))
+
+
+class ExtraSshd:
+    """One more sshd on a lab host (in its network namespace), on ``port``, with host key ``key``
+    (a private key file), the lab's authorized keys and ``config`` (more sshd_config lines);
+    stopping it leaves its open sessions running. On the host's own port (its sshd stopped first)
+    it is an impostor of that host."""
+
+    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path, config: str = ""):
+        self.lab, self.host = lab, lab.hosts[host] if isinstance(host, str) else host
+        self.port, self.key, self.base, self.config = port, key, base, config
+        self.pidfile: Path | None = None
+
+    def start(self) -> "ExtraSshd":
+        h, d = self.host, self.base / f"sshd-{self.host.name}-{self.key.name}"
+        d.mkdir(exist_ok=True)
+        self.pidfile = d / "pid"
+        cfg = d / "sshd_config"
+        cfg.write_text(SSHD_CONFIG.format(port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
+                                          authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}")
+                       + self.config)
+        self.lab.exec_in(h, [SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
+        _wait_listening(replace(h, port=self.port, log=d / "log"))
+        return self
+
+    def stop(self) -> None:
+        if self.pidfile is not None and self.pidfile.exists():
+            _stop_pidfile(self.pidfile)
+
+
+def _stop_pidfile(pidfile: Path) -> None:
+    pid = int(pidfile.read_text().split()[0])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # --- teardown ------------------------------------------------------------------------------
@@ -326,7 +375,8 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
             host = LabHost(name=name, address=address, port=port, user="root", host_key=key,
                            host_key_pub=" ".join(Path(f"{key}.pub").read_text().split()[:2]),
                            root=hdir / "root", netns=netns, veth=veth, config=hdir / "sshd_config",
-                           pidfile=hdir / "sshd.pid", log=hdir / "sshd.log")
+                           pidfile=hdir / "sshd.pid", log=hdir / "sshd.log",
+                           authorized_keys=hdir / "authorized_keys")
             lab.hosts[name] = host
             lab._save_record()  # before creating anything, so a crash is still cleaned up
             if isolated:
@@ -337,8 +387,8 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
                 _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
                 _run(["ip", "-n", netns, "link", "set", peer, "up"])
                 _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-            host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key,
-                                                      pidfile=host.pidfile, authorized_keys=authorized))
+            host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key, pidfile=host.pidfile,
+                                                      authorized_keys=f"{authorized} {host.authorized_keys}"))
             _run([SSHD, "-t", "-f", str(host.config)])
             prefix = ["ip", "netns", "exec", netns] if netns else []
             _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])

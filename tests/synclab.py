@@ -1,5 +1,6 @@
-"""What the checkpoint-sync tests share: an `Env` (its own training run on the SSH lab, an
-inventory and catalog for it), checkpoint files of real random bytes, and the identity check."""
+"""What the sync tests share: a training run of its own per test on the SSH lab (``Env``), big
+files made of a 1 MiB random block (real bytes for sha256 and the ciphers), and the check that a
+synced checkpoint is byte-identical with its manifest."""
 from __future__ import annotations
 
 import hashlib

@@ -200,19 +200,19 @@ def test_detach_json_then_attach(eval_lab, tmp_path):
     assert len(results(runs / started["id"])) == 1
 
 
-def test_a_suite_file_on_this_machine_is_sent_to_the_host(setup, tmp_path):
+def test_a_suite_file_on_this_machine_is_sent_to_the_host(eval_lab, tmp_path):
     """`--suite configs/suites/mine.jsonl` names this machine's file (the project's own suites): it is
     copied to the host once per content and the worker reads it there."""
     suite = tmp_path / "mine.jsonl"
     suite.write_text('{"id": "mine-a", "prompt": "Say hi."}\n{"id": "mine-b", "prompt": "Count to three."}\n')
     runs = tmp_path / "runs"
-    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--suite", suite, "--prompts", 2,
-               "--max-new-tokens", 16, "--device", "cpu", "--ddtree", "", runs=runs)
+    proc = lab_cli(eval_lab, "eval", "--host", "eval", "--drafter", "demo", "--suite", suite, "--prompts", 2,
+                   "--max-new-tokens", 16, "--device", "cpu", "--ddtree", "", runs=runs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"suite {suite}: this machine's file, sent to eval" in proc.stdout
     run_dir = only_run(runs)
     assert [r["id"] for r in results(run_dir)] == ["mine-a", "mine-b"]
     sha = hashlib.sha256(suite.read_bytes()).hexdigest()[:16]
-    sent = setup["lab"].eval.root / "workdir" / "suites" / sha / "mine.jsonl"
+    sent = eval_lab["lab"].eval.root / "workdir" / "suites" / sha / "mine.jsonl"
     assert sent.read_bytes() == suite.read_bytes()
     assert json.loads((run_dir / "env.json").read_text())["suite"]["name"] == str(sent)

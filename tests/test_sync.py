@@ -22,6 +22,7 @@ from orchestrator.config.catalog import CatalogError, parse_catalog
 from orchestrator.sync import SyncError, list_checkpoints, sync_checkpoint
 from synclab import MiB, Env, identical
 
+
 class _Counting:
     """Wraps a child's stdout/stderr and counts the bytes this process reads from it."""
 

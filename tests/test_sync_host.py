@@ -107,10 +107,11 @@ def test_reserved_names_from_a_manifest_are_refused(tmp_path, rel):
     the staging folder's own bookkeeping names must never be one of them."""
     res = tool("recv", str(tmp_path), "step_1", rel, "10", "0", "0", "token")
     assert res.returncode == 1 and f"reserved name {rel!r}" in res.stderr, res.stderr
-    hold = subprocess.run([sys.executable, str(TOOL), "hold", str(tmp_path), "step_1", "token", "--wait", "1"],
-                          input="BEGIN\nFINALIZE " + json.dumps({"files": [{"path": rel, "size": 1, "mtime_ns": 0,
-                                                                           "sha256": "0" * 64}]}) + "\n",
+    lock = json.dumps({"rundir": str(tmp_path), "ckpt": "step_1", "token": "token", "wait": 1})
+    hold = subprocess.run([sys.executable, str(TOOL), "serve"],
+                          input=f"LOCK {lock}\nBEGIN\nFINALIZE " + json.dumps(
+                              {"files": [{"path": rel, "size": 1, "mtime_ns": 0, "sha256": "0" * 64}]}) + "\n",
                           capture_output=True, text=True, timeout=60)
     lines = hold.stdout.splitlines()
-    assert lines[:2] == ["LOCKED", "BEGUN"] and lines[2].startswith("ERROR") and "reserved name" in lines[2], lines
+    assert lines[:2] == ["LOCK", "BEGIN"] and lines[2].startswith("ERROR") and "reserved name" in lines[2], lines
     assert not (tmp_path / "step_1").exists()

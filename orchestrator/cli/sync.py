@@ -77,7 +77,7 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
 
 
 def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: str | None = None, jobs: int = 4,
-             dry_run: bool = False, direct: bool | None = None, lock_wait: float = 60.0):
+             dry_run: bool = False, direct: bool | None = None, tunnel: str | None = None, lock_wait: float = 60.0):
     """One sync with its plan, progress bars (on a terminal) and result line; `sync-ckpt` and
     `eval --sync` both run it."""
     from ..reports.render import human_bytes
@@ -85,13 +85,14 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
 
     err, out = console.err(), console.out()
     result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst, jobs=jobs,
-                             dry_run=dry_run, direct=direct, lock_wait=lock_wait,
+                             dry_run=dry_run, direct=direct, tunnel=tunnel, lock_wait=lock_wait,
                              progress=_SyncBars(err) if err.is_terminal else None,
                              on_plan=lambda p: _print_plan(out, p, typed))
     if dry_run:
         return result
     p = result.plan
-    moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
+    how = {"tunnel": " through the tunnel", "direct": " (pulled by the eval host)"}.get(result.path, "")
+    moved = f"moved {human_bytes(result.bytes_moved)}{how} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
     extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
     out.print(f"[green]✔[/] {p.run}:{p.checkpoint} on {p.dst.name}: {moved}; "
               f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
@@ -109,16 +110,28 @@ def sync_ckpt_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (send/resume/skip per file); move nothing."),
     jobs: int = typer.Option(4, "--jobs", "-j", min=1, help="Files moved at once."),
     direct: Optional[bool] = typer.Option(None, "--direct/--relay",
-                                          help="The eval host pulls from the train host itself (default: run's `direct`)."),
+                                          help="The eval host pulls from the train host itself, with its own "
+                                               "credentials (default: run's `direct`); --relay: through here."),
+    tunnel: bool = typer.Option(False, "--tunnel", help="The eval host pulls from the train host through a tunnel "
+                                "forwarded here: encrypted once end to end, this machine only forwards (default: "
+                                "the eval host's `tunnel` in the inventory)."),
+    tunnel_auto: bool = typer.Option(False, "--tunnel-auto", help="--tunnel where it can be set up, else through here "
+                                     "(one line says why)."),
     lock_wait: float = typer.Option(60.0, "--lock-wait", metavar="S", help="Wait this long for another sync's lock."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
 ):
     """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
+    from ..errors import InputError
+
     names = context_names(ctx, catalog=catalog)
+    if direct and (tunnel or tunnel_auto):
+        raise InputError("--direct and --tunnel exclude each other: the eval host pulls either with its own "
+                         "credentials or through the tunnel")
+    mode = "tunnel" if tunnel else "auto" if tunnel_auto else "relay" if direct is False else None
     training_run, ckpt = names.checkpoint_name(name, run)
     source, dest = names.role_host("train", src), names.role_host("eval", dst)
     run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
-             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, lock_wait=lock_wait)
+             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, tunnel=mode, lock_wait=lock_wait)
 
 
 def ckpts_cmd(

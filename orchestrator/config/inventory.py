@@ -49,6 +49,8 @@ class Host:
     kind: str = "ssh"               # ssh | ray (address: ray://HOST:PORT, a Ray cluster's client server)
     via: str | None = None          # ray: reach the address through an SSH tunnel from this inventory host
     example: bool = False           # a placeholder (the shipped examples): listed, never connected to
+    tunnel: bool | str | None = None   # eval host: sync-ckpt pulls through a tunnel (true, false, auto)
+    authorized_keys: str | None = None  # training host: where sync-ckpt --tunnel adds its one-time key
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -105,10 +107,13 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "kind": ((str,), "ssh or ray"),
     "via": ((str,), "a string (an SSH host of the inventory)"),
     "example": ((bool,), "true or false"),
+    "tunnel": ((bool, str), "true, false or auto"),
+    "authorized_keys": ((str,), "a string (path on the host)"),
 }
 KINDS = ("ssh", "ray")
 RAY_ONLY = {"via"}
-SSH_ONLY = {"port", "user", "identity", "known_hosts", "trust_host_key", "ssh_config", "jump", "sglang"}
+SSH_ONLY = {"port", "user", "identity", "known_hosts", "trust_host_key", "ssh_config", "jump", "sglang", "tunnel",
+            "authorized_keys"}
 _LOCAL_ONLY_IGNORED = {"is_local"}
 HOME_PATHS = ("workdir", "checkpoints", "python")   # paths on the host: a leading ~ is expanded there
 
@@ -258,6 +263,8 @@ def _host_from_entry(
         if isinstance(value, str) and value.startswith("~") and value != "~" and not value.startswith("~/"):
             raise InventoryError(f"{where}: field '{key}': {value!r}: only '~' and '~/...' (the login user's home "
                                  f"on the host) are expanded; write the path out")
+    if isinstance(entry.get("tunnel"), str) and entry["tunnel"] != "auto":
+        raise InventoryError(f"{where}: field 'tunnel' must be true, false or auto, got {entry['tunnel']!r}")
     if "port" in entry and entry["port"] is not None and not 0 < entry["port"] < 65536:
         raise InventoryError(f"{where}: field 'port' must be between 1 and 65535, got {entry['port']}")
     if "gpus" in entry and entry["gpus"] is not None and entry["gpus"] < 0:

@@ -10,16 +10,19 @@ from ..config.inventory import Host, Inventory, InventoryError
 from ..transport import TransportError, runner_for
 from .complete import judge_listed
 from .plan import dest_rundir
-from .tool import SyncError, run_tool
+from .tool import Session, SyncError, run_tool
 
 
-def host_checkpoints(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
+def host_checkpoints(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str],
+                     session: Session | None = None) -> dict:
     """The tool's listing of each run's checkpoint folders under ``root_for(run)`` on ``host``
-    (``host``'s paths already expanded there: :meth:`Host.on_host`)."""
-    args: list[str] = ["list", host.checkpoints or "/"]
+    (``host``'s paths already expanded there: :meth:`Host.on_host`), asked through ``session``
+    where the caller has one open, else by a tool run of its own."""
+    args: list[str] = [host.checkpoints or "/"]
     for r in runs:
         args += ["--run", r.name, runner.expand_home(root_for(r)), r.pattern]
-    answer = run_tool(runner, host, *args, timeout=120)
+    answer = (session.call_json("LIST", args, timeout=120) if session is not None
+              else run_tool(runner, host, "list", *args, timeout=120))
     for info in answer["runs"].values():
         info["now"] = answer["now"]  # the host's clock, for the completeness rule
     return answer["runs"]

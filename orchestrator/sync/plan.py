@@ -62,6 +62,7 @@ class SyncResult:
     skipped: int = 0
     resent: list[str] = field(default_factory=list)
     dry_run: bool = False
+    path: str = ""  # how the bytes moved: relay, tunnel or direct ("" when none moved)
 
     @property
     def rate(self) -> float:
