@@ -283,8 +283,11 @@ def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
+    out = console.out()
     for host, state in cancel(record, names.inventory).items():
-        console.out().print(f"{escape(host)}: {escape(json.dumps(state))}")
+        out.print(f"{escape(host)}: {escape(json.dumps(state))}")
+    out.print(f"run {escape(record.id)}: {record.status}" + ("" if record.status == "cancelled" else
+                                                            " (nothing was running; nothing was cancelled)"))
 
 
 def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),

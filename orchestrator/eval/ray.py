@@ -218,8 +218,9 @@ def cluster_info(host: "Host", inventory: "Inventory | None") -> Cluster:
 class ActorRunner(Runner):
     """A :class:`~orchestrator.transport.Runner` whose commands run on a ShardNode actor's node."""
 
-    def __init__(self, name: str, actor, info: dict):
+    def __init__(self, name: str, actor, info: dict, created: bool = True):
         self.name, self.actor, self.info = name, actor, info
+        self.created = created      # placed by this call (not an existing shard's actor found again)
 
     def call(self, method: str, *args, timeout: float | None = 120):
         ray = import_ray()
@@ -323,7 +324,8 @@ def place(host: "Host", inventory: "Inventory | None", name: str | None, num_gpu
     if name is not None:
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
-            return ActorRunner(host.name, actor, ray.get(actor.placement.remote(), timeout=PLACE_TIMEOUT))
+            return ActorRunner(host.name, actor, ray.get(actor.placement.remote(), timeout=PLACE_TIMEOUT),
+                               created=False)
         except ValueError:
             pass                        # not there (fetched, cancelled, or never started): a new one
     options = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 16}   # runtime_env: the job's (connect)
@@ -368,5 +370,6 @@ class RayJob(HostJob):
 
     def cancel(self) -> dict:
         state = super().cancel()
-        release(self.runner)
+        if state.get("signalled") or state.get("state") not in ("done", "failed"):
+            release(self.runner)        # a worker that had ended by itself is fetched first (fetch releases)
         return state
