@@ -5,11 +5,12 @@ stdin: for ``recv`` and ``hold`` stdin carries the data stream / the control lin
 
 Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...`` on stderr):
 
-* ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime)
+* ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime, and every
+  top-level file name: what the completeness rule reads)
 * ``manifest DIR [--hash]``  relative path, size, mtime_ns, inode, ctime_ns and sha256 (from the
   cache ``.dflash-manifest.json`` when none of size, mtime, inode, ctime changed; ``--hash``
-  computes missing ones). Refused when the folder holds symbolic links (never followed: they can
-  point anywhere on the host) or unfinished ``*.part`` files
+  computes missing ones). Refused when the folder is or holds symbolic links (never followed: they
+  can point anywhere on the host) or holds unfinished ``*.part`` files
 * ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
 * ``send FILE SIZE MTIME_NS OFFSET [--hash] [--cache DIR]``  bytes [OFFSET, SIZE) on stdout, then a
   trailer ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on
@@ -224,7 +225,7 @@ def cmd_list(args: list) -> None:
                 "size": sum(st.st_size for _, st in files), "files": len(files),
                 "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
                 "complete": os.path.exists(os.path.join(full, MANIFEST)),
-                "paths": [rel for rel, _ in files][:1000],
+                "paths": [rel for rel, _ in files if "/" not in rel],   # the completeness rule's: top level, all
             })
         runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
     out(json.dumps({"runs": runs, "now": time.time()}))
@@ -293,6 +294,10 @@ def _cache_update(d: str, entries: list) -> None:
 
 
 def manifest(d: str, compute: bool) -> dict:
+    if os.path.islink(d.rstrip("/")):
+        raise ToolError(f"{d} is a symbolic link (-> {os.readlink(d.rstrip('/'))}), which sync-ckpt does not follow "
+                        f"(it can point anywhere on the host); sync the folder it points to under its own name, or "
+                        f"replace the link with that folder")
     if not os.path.isdir(d):
         raise ToolError(f"no such checkpoint folder: {d}")
     cache = _load_cache(d)
