@@ -70,10 +70,16 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
     from ..sync import sync_checkpoint
 
     err, out = console.err(), console.out()
-    result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst, jobs=jobs,
-                             dry_run=dry_run, direct=direct, lock_wait=lock_wait,
-                             progress=_SyncBars(err) if err.is_terminal else None,
-                             on_plan=lambda p: _print_plan(out, p, typed))
+    try:
+        result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst,
+                                 jobs=jobs, dry_run=dry_run, direct=direct, lock_wait=lock_wait,
+                                 progress=_SyncBars(err) if err.is_terminal else None,
+                                 on_plan=lambda p: _print_plan(out, p, typed))
+    except KeyboardInterrupt:
+        if not dry_run:
+            err.print(f"[yellow]sync stopped: what arrived on {escape(dst)} is kept (verified files and partial "
+                      f"ones); run the same command again to resume[/]")
+        raise
     if dry_run:
         return result
     p = result.plan
@@ -100,11 +106,16 @@ def sync_ckpt_cmd(
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
 ):
     """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
+    from ..sync.lock import SyncBusy
+
     names = context_names(ctx, catalog=catalog)
     training_run, ckpt = names.checkpoint_name(name, run)
     source, dest = names.role_host("train", src), names.role_host("eval", dst)
-    run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
-             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, lock_wait=lock_wait)
+    try:
+        run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
+                 typed=name, jobs=jobs, dry_run=dry_run, direct=direct, lock_wait=lock_wait)
+    except SyncBusy as e:
+        raise SyncBusy(f"{e} (or wait longer for it with --lock-wait)") from None
 
 
 def ckpts_cmd(

@@ -17,6 +17,11 @@ from .tool import SyncError, tool_argv, tool_error
 PING_EVERY = 2.0
 
 
+class SyncBusy(SyncError):
+    """Another sync of the checkpoint holds its lock on the destination (nothing was moved): a
+    reason to wait, not a failure of this sync."""
+
+
 def _pump(stream, sink) -> None:
     """Every line of ``stream`` (decoded, without the newline) into ``sink``, then None."""
     try:
@@ -54,8 +59,8 @@ class Holder:
                 raise SyncError(f"host {self.host.name}: lock holder ended: "
                                 f"{tool_error(chr(10).join(e for e in self.err if e), 'connection closed')}")
             if line.startswith("BUSY"):
-                raise SyncError(f"host {self.host.name}: {line[5:]}; it is still running — wait for it "
-                                f"or raise --lock-wait")
+                raise SyncBusy(f"host {self.host.name}: {line[5:]}; it is still running: run this again once it "
+                               f"has finished")
             if line.startswith("ERROR"):
                 raise SyncError(f"host {self.host.name}: {line[6:]}")
             if line.startswith(prefix):
