@@ -66,3 +66,13 @@ def embedded_pair(tmp_path_factory):
     reuse = os.environ.get("DFLASH_OPS_TEST_EMBEDDED")
     out = Path(reuse) if reuse else tmp_path_factory.mktemp("embedded") / "pair"
     return ensure(out)
+
+
+@pytest.fixture(scope="module")
+def local_home(embedded_pair, tmp_path_factory):
+    """A workdir for the built-in `local` host ($DFLASH_OPS_HOME) with the embedded pair in it."""
+    import shutil
+
+    home = tmp_path_factory.mktemp("home")
+    shutil.copytree(Path(embedded_pair["target"]).parent, home / "embedded")
+    return home

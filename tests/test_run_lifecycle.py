@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 FAST = ("--drafter", "embedded", "--max-new-tokens", "8", "--ddtree", "")
-
-
-@pytest.fixture(scope="module")
-def home(embedded_pair, tmp_path_factory):
-    """The local host's workdir, with the embedded pair already in it."""
-    home = tmp_path_factory.mktemp("home")
-    shutil.copytree(Path(embedded_pair["target"]).parent, home / "embedded")
-    return home
 
 
 def cli(home: Path, runs: Path, *args: str, popen: bool = False):
@@ -53,7 +42,8 @@ def run_json(runs: Path, rid: str) -> dict:
     return json.loads((runs / rid / "run.json").read_text())
 
 
-def test_cancel_of_a_finished_run_keeps_it_done_and_fetches_it(home, tmp_path):
+def test_cancel_of_a_finished_run_keeps_it_done_and_fetches_it(local_home, tmp_path):
+    home = local_home
     """A detached run whose worker finished: `cancel` stops nothing, fetches its results and the
     run stays done (with its prompt), in `runs` too; a second cancel changes nothing either."""
     runs = tmp_path / "runs"
@@ -70,7 +60,8 @@ def test_cancel_of_a_finished_run_keeps_it_done_and_fetches_it(home, tmp_path):
     assert row["status"] == "done" and row["prompts"] == 1
 
 
-def test_a_cancel_during_a_resumes_preflight_wins(home, tmp_path):
+def test_a_cancel_during_a_resumes_preflight_wins(local_home, tmp_path):
+    home = local_home
     """`eval --resume RUN` is in its pre-flight when `cancel RUN` comes: the cancel is what
     holds; the resume starts no worker, says so, and the run stays cancelled."""
     runs = tmp_path / "runs"
@@ -103,7 +94,8 @@ def _readable(p: Path) -> bool:
         return False
 
 
-def test_result_files_that_do_not_come_back_leave_the_shard_unfetched(home, tmp_path):
+def test_result_files_that_do_not_come_back_leave_the_shard_unfetched(local_home, tmp_path):
+    home = local_home
     """The worker finished but its summary is not there to fetch: `attach` says which file did
     not come and how to fetch again (exit 4), the run stays running, not done; once the file is
     back, `attach` fetches and reports it."""

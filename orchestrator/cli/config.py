@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP, RUNS_DIR_HELP
 from .context import names as context_names
 
@@ -23,7 +23,7 @@ def init_cmd(
 
     out = console.out()
     for path in write_templates(directory, force):
-        out.print(f"wrote {escape(str(path))}")
+        out.print(f"wrote {safe(str(path))}")
     out.print("Edit the hosts (addresses, roles, python, checkpoints) and the drafters, then check them with: "
               "[bold]dflash-ops config[/] and [bold]dflash-ops hosts check[/]")
 
@@ -52,7 +52,7 @@ def config_cmd(
              ["cache", str(cache_dir()), "$XDG_CACHE_HOME/dflash-ops"]]
     out = console.out()
     out.print(console.table("configuration", ["file", "path", "found by"], rows))
-    out.print(escape(f"hosts: {', '.join(inv.names())}; training runs: {', '.join(cat.runs) or 'none'}; "
+    out.print(safe(f"hosts: {', '.join(inv.names())}; training runs: {', '.join(cat.runs) or 'none'}; "
                      f"drafters: {', '.join(cat.drafters) or 'none'}"
                      + (f"; default drafter: {cat.default}" if cat.default else "")))
     if not all(f.path for f in files.values()):

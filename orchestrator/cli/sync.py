@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP
 from .context import names as context_names
 
@@ -46,17 +46,17 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
     from ..reports.render import human_bytes
 
     if typed:
-        out.print(escape(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
-    out.print(escape(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
+        out.print(safe(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
+    out.print(safe(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
     out.print(console.table(None, ["file", "size", "action", "from"],
                             [[f.path, human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
                              for f in plan.files], right=("size", "from")))
     if plan.incomplete:
-        out.print(f"[yellow]not complete yet on {escape(plan.src.name)}: {escape(plan.incomplete)}; a sync now is refused[/]")
+        out.print(f"[yellow]not complete yet on {safe(plan.src.name)}: {safe(plan.incomplete)}; a sync now is refused[/]")
     if plan.up_to_date:
         out.print("[green]already on the destination and verified: nothing to move[/]")
     elif plan.final_exists:
-        out.print(f"[yellow]{escape(plan.dst_final)} exists (not identical or unverified)[/]")
+        out.print(f"[yellow]{safe(plan.dst_final)} exists (not identical or unverified)[/]")
     else:
         free = "" if plan.free_bytes is None else f", {human_bytes(plan.free_bytes)} free there"
         out.print(f"to move: {human_bytes(plan.to_move)} of {human_bytes(plan.total)}{free}")
@@ -77,7 +77,7 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
                                  on_plan=lambda p: _print_plan(out, p, typed))
     except KeyboardInterrupt:
         if not dry_run:
-            err.print(f"[yellow]sync stopped: what arrived on {escape(dst)} is kept (verified files and partial "
+            err.print(f"[yellow]sync stopped: what arrived on {safe(dst)} is kept (verified files and partial "
                       f"ones); run the same command again to resume[/]")
         raise
     if dry_run:
@@ -85,7 +85,7 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
     p = result.plan
     moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
     extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
-    out.print(f"[green]✔[/] {p.run}:{p.checkpoint} on {p.dst.name}: {moved}; "
+    out.print(f"[green]✔[/] {safe(p.run)}:{safe(p.checkpoint)} on {safe(p.dst.name)}: {moved}; "
               f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
     return result
 
@@ -147,11 +147,11 @@ def ckpts_cmd(
     colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
     out.print(console.table("checkpoints on the training host", ["run", "checkpoint", "step", "size", "files", "time",
                                                                  "on eval"], [
-        [escape(r.run), escape(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
+        [safe(r.run), safe(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
          datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M"), f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
         for r in rows], markup=True))
     for w in warnings:
-        out.print(f"[yellow]! {escape(w)}[/]")
+        out.print(f"[yellow]! {safe(w)}[/]")
 
 
 def register(app: typer.Typer) -> None:
