@@ -144,7 +144,7 @@ def ckpts_cmd(
         console.print_json({"checkpoints": [asdict(r) for r in rows], "warnings": warnings})
         return
     out = console.out()
-    colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
+    colour = {"yes": "green", "stale": "red", "partial": "yellow", "no": "dim", "?": "red"}
     out.print(console.table("checkpoints on the training host", ["run", "checkpoint", "step", "size", "files", "time",
                                                                  "on eval"], [
         [safe(r.run), safe(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
@@ -152,6 +152,9 @@ def ckpts_cmd(
         for r in rows], markup=True))
     for w in warnings:
         out.print(f"[yellow]! {safe(w)}[/]")
+    if any(r.on_eval == "stale" for r in rows):
+        out.print("[yellow]! stale: the training host saved that checkpoint again after it was synced; the eval "
+                  "host's copy is of the old files (eval refuses it: move it away and sync it again)[/]")
 
 
 def register(app: typer.Typer) -> None:
