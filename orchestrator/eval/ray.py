@@ -76,32 +76,40 @@ class Tunnel:
 
     def __init__(self, via: "Host", inventory: "Inventory", target_host: str, target_port: int):
         endpoint = endpoint_for(via, inventory)
+        self.proc = None
         self._pins = tempfile.NamedTemporaryFile("w", prefix="dflash-ops-pins-", suffix=".known_hosts", delete=False)
-        with SSHRunner(endpoint) as control:
-            self._pins.write(control.pin_lines())
-        self._pins.close()
-        self.port = _free_port()
-        argv = ["ssh", *endpoint.pinned_to(self._pins.name).options(("ExitOnForwardFailure=yes",
-                                                                      "ServerAliveInterval=15")),
-                "-N", "-L", f"127.0.0.1:{self.port}:{target_host}:{target_port}", "--", endpoint.address]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+        try:                        # Ctrl-C or SIGTERM meanwhile: neither the tunnel nor its pins outlive this
+            with SSHRunner(endpoint) as control:
+                self._pins.write(control.pin_lines())
+            self._pins.close()
+            self.port = _free_port()
+            argv = ["ssh", *endpoint.pinned_to(self._pins.name).options(("ExitOnForwardFailure=yes",
+                                                                          "ServerAliveInterval=15")),
+                    "-N", "-L", f"127.0.0.1:{self.port}:{target_host}:{target_port}", "--", endpoint.address]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, start_new_session=True)
+            self._wait_open(via, target_host, target_port)
+        except BaseException:
+            self.close()
+            raise
+        Path(self._pins.name).unlink(missing_ok=True)   # read once, at the handshake: gone now
+
+    def _wait_open(self, via: "Host", target_host: str, target_port: int) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = decode(self.proc.stderr.read()).strip().splitlines()[-1:] or ["exited"]
-                self.close()
                 raise TransportError(f"host {via.name}: the SSH tunnel to {target_host}:{target_port} failed: {err[0]}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return
             except OSError:
                 time.sleep(0.1)
-        self.close()
         raise TransportError(f"host {via.name}: the SSH tunnel did not open within {CONNECT_TIMEOUT:g}s")
 
     def close(self) -> None:
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+        self._pins.close()
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(5)
@@ -139,6 +147,7 @@ def connect(host: "Host", inventory: "Inventory | None"):
             if inventory is None:
                 raise RayError(f"host {host.name}: `via: {host.via}` needs the inventory")
             tunnel = Tunnel(inventory.get(host.via), inventory, *split_address(host.address))
+            _connection["tunnel"] = tunnel      # from now on closed at exit, however the connection ends
             address = f"ray://127.0.0.1:{tunnel.port}"
         try:                                    # a clear line at once, not Ray Client's 30 s of retries
             socket.create_connection(split_address(address), timeout=10).close()
