@@ -28,6 +28,10 @@ class UnknownName(InputError):
     """A name that resolves to nothing, or to the wrong kind of thing (exit 2)."""
 
 
+class StaleCheckpoint(InputError):
+    """The eval host's copy of a checkpoint is not the training host's any more (saved again)."""
+
+
 class NotSynced(InputError):
     """The checkpoint is on the training host but not on the eval host (``eval --sync`` copies it)."""
 
@@ -220,6 +224,7 @@ class Resolver:
         there = self._listing(host, runs, lambda r: dest_rundir(host, r))
         found, error = self._pick_checkpoint(choice, runs, there, named)
         if found is not None and not (from_source and named is None):
+            self._check_copy(found, host, there)
             return found
         try:
             source = self.inventory.pick("train")
@@ -240,7 +245,51 @@ class Resolver:
             raise error or InputError(f"training run {choice.run.name} has no checkpoints on {host.name} "
                                       f"or {source.name}")
         synced = any(c["name"] == on_source.checkpoint for c in there[on_source.run.name]["checkpoints"])
+        if synced:
+            self._check_copy(on_source, host, there)
         return replace(on_source, synced=synced, source=None if synced else source)
+
+    def _check_copy(self, choice: DrafterChoice, host: Host, there: dict) -> None:
+        """A checkpoint about to be evaluated from its copy on ``host`` is refused when the
+        training host saved it again since it was synced (sync/fresh.py: sizes and mtimes, hashes
+        where they changed); when the training host cannot be asked, one warning says so."""
+        import warnings
+
+        from .errors import DflashOpsWarning
+        from .sync.fresh import changed_files, describe, differs
+        from .sync.listing import host_checkpoints
+        from .sync.plan import dest_rundir
+        from .sync.tool import SyncError
+        from .transport import TransportError, runner_for
+
+        copy = next((c for c in there[choice.run.name]["checkpoints"] if c["name"] == choice.checkpoint), None)
+        try:
+            source = self.inventory.pick("train")
+        except InventoryError:
+            return
+        if copy is None or not copy.get("complete") or source.name == host.name:
+            return
+        what = f"{choice.label}:{choice.checkpoint}"
+        try:
+            with runner_for(source, self.inventory) as srun, runner_for(host, self.inventory) as drun:
+                src = source.on_host(srun.expand_home)
+                info = host_checkpoints(srun, src, [choice.run], lambda r: r.source_dir(src.checkpoints))[choice.run.name]
+                now = next((c for c in info["checkpoints"] if c["name"] == choice.checkpoint), None)
+                if now is None or not differs(now, copy):
+                    return          # gone from the training host (the copy is all there is), or the same files
+                dst = host.on_host(drun.expand_home)
+                changed = changed_files(srun, src, f"{info['dir']}/{choice.checkpoint}", drun, dst,
+                                        dest_rundir(dst, choice.run), choice.checkpoint)
+        except (TransportError, SyncError) as e:
+            warnings.warn(DflashOpsWarning(f"could not check {what} on {host.name} against {source.name} ({e}); "
+                                           f"its copy on {host.name} is used as it is"))
+            return
+        if changed:
+            folder = f"{dest_rundir(dst, choice.run)}/{choice.checkpoint}"
+            raise StaleCheckpoint(f"{what} on {host.name} is not the one on {source.name} any more: {source.name} "
+                                  f"saved it again after it was synced (changed: {describe(changed)}); move "
+                                  f"{host.name}:{folder} away and sync it again: dflash-ops sync-ckpt {what} "
+                                  f"--to {host.name}")
 
     def _listing(self, host: Host, runs: list[TrainingRun], root_for) -> dict:
         from .sync.listing import host_checkpoints

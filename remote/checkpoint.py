@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from remote.drafter_config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
+from remote.drafter_config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig, raw_size_problems
 
 CONFIG_NAME = "config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -268,6 +268,9 @@ def validate_config(cfg: DrafterConfig, where: str) -> None:
     """Refuse, by name, every setting the drafter cannot honour."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    sizes = cfg.size_problems()
+    if sizes:
+        raise CheckpointError(f"{where}: {'; '.join(sizes)} (a size no drafter has)")
     if len(cfg.layer_types) != cfg.num_hidden_layers:
         raise CheckpointError(f"{where}: layer_types has {len(cfg.layer_types)} entries for "
                               f"{cfg.num_hidden_layers} layers")
@@ -296,6 +299,7 @@ def validate_config(cfg: DrafterConfig, where: str) -> None:
         raise CheckpointError(f"{where}: transformers cannot build this RoPE ({kind}: {type(e).__name__}: {e})") from None
     if cfg.block_size < 2:
         raise CheckpointError(f"{where}: block_size {cfg.block_size}: a DFlash block needs at least 2 slots")
+
     if cfg.architecture not in (DFLASH, DFLASH2):
         raise CheckpointError(f"{where}: unknown architecture {cfg.architecture!r} (dflash or dflash2)")
     if cfg.architecture == DFLASH2:
@@ -356,6 +360,9 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
         raise CheckpointError(f"{folder}: no {CONFIG_NAME} next to the drafter weights")
     raw = _read_json(cfg_path)
     where = str(cfg_path)
+    sizes = raw_size_problems(raw)
+    if sizes:       # before any reader (transformers' included) builds lists or tensors of these sizes
+        raise CheckpointError(f"{where}: {'; '.join(sizes)} (a size no drafter has)")
     if not isinstance(raw.get("architectures") or [], list) or not isinstance(raw.get("dflash_config") or {}, dict):
         check_config_types(raw, "zlab", where)   # detect_format reads these two
     fmt = detect_format(raw)

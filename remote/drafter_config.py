@@ -6,8 +6,31 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+
+# The largest value each size field of a drafter config may take: a checkpoint is input, and every
+# one of these sizes an allocation (per-position arrays of the block, layers, embeddings). Far
+# beyond any real drafter (DFlash blocks are 8 or 16), far below what would exhaust a host.
+MAX_BLOCK_SIZE = 1024
+SIZE_LIMITS = {"block_size": MAX_BLOCK_SIZE, "hidden_size": 1 << 17, "intermediate_size": 1 << 19,
+               "num_hidden_layers": 1024, "num_attention_heads": 4096, "num_key_value_heads": 4096,
+               "head_dim": 8192, "vocab_size": 1 << 24, "draft_vocab_size": 1 << 24, "num_target_layers": 4096,
+               "target_hidden_size": 1 << 17, "max_position_embeddings": 1 << 26, "sliding_window": 1 << 26,
+               "conv_kernel_size": MAX_BLOCK_SIZE, "conv_group_size": 1 << 17, "selector_rank": 1 << 17,
+               "selector_top_k": 1 << 24}
 ZLAB, SPECULATORS = "zlab", "speculators"          # mask rules
 DFLASH, DFLASH2 = "dflash", "dflash2"              # architectures
+
+
+def raw_size_problems(raw: dict, where: str = "", depth: int = 0) -> list[str]:
+    """The size fields of a config's JSON (nested sections included) outside 0..their limit."""
+    out = []
+    for key, value in raw.items():
+        if isinstance(value, dict) and depth < 3:
+            out += raw_size_problems(value, f"{where}{key}.", depth + 1)
+        elif key in SIZE_LIMITS and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and not 0 <= value <= SIZE_LIMITS[key]:
+            out.append(f"{where}{key} {str(value)[:24]} is outside 0..{SIZE_LIMITS[key]}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -59,6 +82,15 @@ class DrafterConfig:
             self.target_hidden_size = self.hidden_size
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.rope_parameters = dict(self.rope_parameters)
+
+    def size_problems(self) -> list[str]:
+        """Each size field outside 1..its limit (SIZE_LIMITS), and a list of target layer ids
+        longer than any target has layers (whether each id fits the target is inspect's check)."""
+        out = [f"{name} {getattr(self, name)} is outside 1..{limit}" for name, limit in SIZE_LIMITS.items()
+               if getattr(self, name) is not None and not 1 <= getattr(self, name) <= limit]
+        if len(self.target_layer_ids) > SIZE_LIMITS["num_target_layers"]:
+            out.append(f"{len(self.target_layer_ids)} target_layer_ids (at most {SIZE_LIMITS['num_target_layers']})")
+        return out
 
     @property
     def num_target_features(self) -> int:

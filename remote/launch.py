@@ -20,6 +20,7 @@ written, which proves it is not the job: ``lost``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import signal
@@ -28,17 +29,49 @@ import sys
 import time
 from pathlib import Path
 
+LOCK = ".start.lock"                 # held by `start` from its state check until the pid file is written
+EXIT_RESERVED = ".exit_code.reserved"
+RESERVED = 4096                      # bytes kept for the exit code (a block)
+LOW_SPACE = 1 << 20                  # less free than this on the run folder's disk: "no space left"
+READ_CHUNK = 1 << 20                 # follow reads events.jsonl in pieces of this
+MAX_LINE = 1 << 20                   # follow drops event lines longer than this
+
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def start(run_dir: Path, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None) -> int:
+def _held_before(run_dir: Path) -> str | None:
+    """A job's ``cmd.json`` already in ``run_dir``, the run folder above it, or a shard folder in it."""
+    for f in (run_dir / "cmd.json", run_dir.parent / "cmd.json", *run_dir.glob("shard-*/cmd.json")):
+        if f.exists():
+            return str(f)
+    return None
+
+
+def start(run_dir: Path, argv: list[str], cwd: str | None = None, env: dict[str, str] | None = None,
+          fresh: bool = False) -> int:
     """Double-fork a supervisor that runs ``argv`` (with ``env`` added to its environment) and
-    records its exit code; returns the job pid."""
+    records its exit code; returns the job pid. Starts in one folder are one at a time (a lock
+    held until the pid file is written), so a folder never has two live jobs. ``fresh``: a new
+    run, refused where another run's job was started before (two runs with the same id)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _start_locked(run_dir, argv, cwd, env, fresh, lock)
+    finally:
+        os.close(lock)
+
+
+def _start_locked(run_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str] | None, fresh: bool,
+                  lock: int) -> int:
+    held = _held_before(run_dir) if fresh else None
+    if held:
+        raise SystemExit(f"{run_dir}: another run's job was started here before ({held}); two runs with the same "
+                         f"id? Start the eval again (it gets a new id)")
     st = state(run_dir)
     if st["state"] == "running":
         raise SystemExit(f"{run_dir}: a job is already running there (pid {st['pid']})")
@@ -48,13 +81,16 @@ def start(run_dir: Path, argv: list[str], cwd: str | None = None, env: dict[str,
     for name in ("exit_code", "pid"):
         (run_dir / name).unlink(missing_ok=True)
     _write_atomic(run_dir / "cmd.json", json.dumps({"argv": argv, "cwd": cwd}))
+    reserved = _reserve(run_dir / EXIT_RESERVED)       # the exit code's room, taken while there is room
     read_end, write_end = os.pipe()
     if os.fork() > 0:                                  # the caller: wait for the pid, then return
         os.close(write_end)
+        os.close(reserved)
         pid = int(os.read(read_end, 64).decode() or 0)
         os.close(read_end)
         return pid
     os.close(read_end)
+    os.close(lock)                                     # the caller's to release, once the pid is known
     os.setsid()                                        # new session: no controlling terminal
     if os.fork() > 0:
         os._exit(0)
@@ -69,15 +105,51 @@ def start(run_dir: Path, argv: list[str], cwd: str | None = None, env: dict[str,
     except OSError as e:
         log.write(f"cannot start {argv[0]}: {e}\n".encode())
         log.flush()
-        _write_atomic(run_dir / "exit_code", "127\n")
+        _record_exit(run_dir, reserved, 127)
         os._exit(0)
     me = os.getpid()               # (a job that already exited is a zombie until proc.wait: still readable)
     _write_atomic(run_dir / "pid", f"{proc.pid} {me} {_start_time(proc.pid) or 0} {_start_time(me) or 0} {_boot_id()}\n")
     os.write(write_end, str(proc.pid).encode())
     os.close(write_end)
     code = proc.wait()
-    _write_atomic(run_dir / "exit_code", f"{code}\n")
+    _record_exit(run_dir, reserved, code)
     os._exit(0)
+
+
+def _reserve(path: Path) -> int:
+    """A file of RESERVED bytes, written now, that the exit code is later written into in place:
+    a job that fills the disk cannot take the room its exit code needs."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, b" " * RESERVED)
+    os.fsync(fd)
+    return fd
+
+
+def no_space(run_dir: Path) -> str | None:
+    """Why a job there may have failed when the disk holding ``run_dir`` is (nearly) full, else None."""
+    try:
+        st = os.statvfs(run_dir)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= LOW_SPACE:
+        return None
+    return f"no space left on the disk holding {run_dir} ({free:,} bytes free)"
+
+
+def _record_exit(run_dir: Path, fd: int, code: int) -> None:
+    """``exit_code``: the code, and on a second line why, when the disk is full (written into the
+    reserved file, then renamed into place: no new block is needed)."""
+    why = no_space(run_dir) if code != 0 else None
+    text = (f"{code}\n" + (f"{why}\n" if why else "")).encode()[:RESERVED]
+    try:
+        os.pwrite(fd, text, 0)
+        os.ftruncate(fd, len(text))
+        os.fsync(fd)
+        os.close(fd)
+        os.replace(run_dir / EXIT_RESERVED, run_dir / "exit_code")
+    except OSError:
+        _write_atomic(run_dir / "exit_code", text.decode())
 
 
 def _boot_id() -> str:
@@ -137,10 +209,11 @@ def _read_pid(pid_file: Path) -> dict | None:
 
 def _exit_state(code_file: Path) -> dict:
     try:
-        code = int(code_file.read_text().strip())
+        first, _, why = code_file.read_text().partition("\n")
+        code = int(first.strip())
     except (OSError, ValueError):
         return {"state": "failed", "exit_code": None, "why": f"unreadable {code_file.name}"}
-    return {"state": "done" if code == 0 else "failed", "exit_code": code}
+    return {"state": "done" if code == 0 else "failed", "exit_code": code, **({"why": why.strip()} if why.strip() else {})}
 
 
 def state(run_dir: Path) -> dict:
@@ -159,7 +232,7 @@ def state(run_dir: Path) -> dict:
         if code_file.exists():
             return _exit_state(code_file)
         why = ("the host rebooted since the job started" if rec["boot_id"] != _boot_id()
-               else "the job ended without recording an exit code (killed with its supervisor?)")
+               else no_space(run_dir) or "the job ended without recording an exit code (killed with its supervisor?)")
         return {"state": "lost", "exit_code": None, "pid": pid, "why": why}
     written = pid_file.stat().st_mtime
     suspects = [p for p in (pid, supervisor) if _alive(p) and not _started_after(p, written)]
@@ -171,39 +244,61 @@ def state(run_dir: Path) -> dict:
             "why": f"pid {suspects[0]} is alive but {pid_file} has no start time to prove it is this run's job"}
 
 
-def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float = 10.0) -> int:
+def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float = 10.0,
+           max_line: int = MAX_LINE) -> int:
     """Copy events.jsonl to stdout from byte ``offset`` until the job has ended, then print a
     final ``{"event": "exit", ...}`` line. A heartbeat line every ``heartbeat`` seconds lets the
     reader tell a quiet job from a dead link. Only whole lines are copied; an unterminated last line
-    left by a job that ended (killed mid-write) is reported in the exit line as ``torn_tail``."""
+    left by a job that ended (killed mid-write) is reported in the exit line as ``torn_tail``.
+    Every byte is read once, and a line longer than ``max_line`` is dropped as it grows (counted in
+    the exit line's ``dropped_lines``): a huge or endless line costs the host neither memory nor
+    CPU again and again."""
     events = run_dir / "events.jsonl"
     last_beat = time.time()
+    pos, pending, dropping, dropped = offset, b"", 0, 0     # pending: the unterminated line so far
     while True:
         if time.time() - last_beat > heartbeat:
             print(json.dumps({"event": "heartbeat"}), flush=True)
             last_beat = time.time()
         st = state(run_dir)
-        data = _read_from(events, offset)  # read after the state: once the job has ended this is all of it
-        cut = data.rfind(b"\n") + 1
-        if cut:
-            sys.stdout.buffer.write(data[:cut])
-            sys.stdout.flush()
-            offset += cut
+        while True:                        # read after the state: once the job has ended this is all of it
+            data = _read_from(events, pos, READ_CHUNK)
+            if not data:
+                break
+            pos += len(data)
+            *lines, tail = data.split(b"\n")
+            out = []
+            for line in lines:
+                line, pending = pending + line, b""
+                if dropping or len(line) > max_line:
+                    dropped += 1
+                else:
+                    out.append(line + b"\n")
+                offset += dropping + len(line) + 1
+                dropping = 0
+            if out:
+                sys.stdout.buffer.write(b"".join(out))
+                sys.stdout.flush()
+            pending += tail
+            if dropping or len(pending) > max_line:
+                dropping, pending = dropping + len(pending), b""
         if st["state"] != "running":
             end = {"event": "exit", **st, "offset": offset}
-            if len(data) > cut:
-                torn = data[cut:]
-                end["torn_tail"] = {"bytes": len(torn), "text": torn[:200].decode("utf-8", "replace")}
+            if pending or dropping:
+                end["torn_tail"] = {"bytes": len(pending) + dropping,
+                                    "text": pending[:200].decode("utf-8", "replace")}
+            if dropped:
+                end["dropped_lines"] = dropped
             print(json.dumps(end), flush=True)
             return 0
         time.sleep(poll)
 
 
-def _read_from(path: Path, offset: int) -> bytes:
+def _read_from(path: Path, offset: int, limit: int = -1) -> bytes:
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            return f.read()
+            return f.read(limit)
     except FileNotFoundError:
         return b""
 
@@ -211,12 +306,12 @@ def _read_from(path: Path, offset: int) -> bytes:
 def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     """SIGTERM, then SIGKILL after ``grace`` seconds, to the job's process group; only while the
     process behind the pid file is provably the job (see the module docstring). The answer is the
-    job's state, with ``"cancelled": true`` when this call stopped it."""
+    job's state, with ``"signalled"``: whether this call signalled it."""
     st = state(run_dir)
     if st["state"] == "unverifiable":
-        return {**st, "why": st["why"] + "; not signalled"}
+        return {**st, "why": st["why"] + "; not signalled", "signalled": False}
     if st["state"] != "running":
-        return st
+        return {**st, "signalled": False}              # ended by itself (or never started): left as it is
     rec = _read_pid(run_dir / "pid")
     pid, start = rec["pid"], rec["starts"][0]
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -227,14 +322,14 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
         except ProcessLookupError:
             break
         except PermissionError as e:
-            return {**st, "why": f"cannot signal process group {pid}: {e}"}
+            return {**st, "why": f"cannot signal process group {pid}: {e}", "signalled": False}
         deadline = time.time() + grace
         while time.time() < deadline and _alive(pid, start):
             time.sleep(0.1)
     deadline = time.time() + 5                         # the supervisor records the exit code
     while state(run_dir)["state"] == "running" and time.time() < deadline:
         time.sleep(0.05)
-    return {**state(run_dir), "cancelled": True}
+    return {**state(run_dir), "signalled": True}
 
 
 def _env_from_stdin() -> dict[str, str]:
@@ -255,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--cwd", default=None)
     p.add_argument("--env-stdin", action="store_true", help="start: a JSON object of environment variables "
                                                              "for the job on stdin (secrets: never argv)")
+    p.add_argument("--fresh", action="store_true", help="start: a new run; refused where another run's job "
+                                                         "was started before")
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -263,7 +360,7 @@ def main(argv=None) -> int:
         if not cmd:
             p.error("start needs -- COMMAND ...")
         env = _env_from_stdin() if args.env_stdin else None
-        pid = start(run_dir, cmd, args.cwd, env)
+        pid = start(run_dir, cmd, args.cwd, env, fresh=args.fresh)
         if not pid:
             print(f"could not start {cmd[0]} in {run_dir} (see {run_dir / 'worker.log'})", file=sys.stderr)
             return 1

@@ -21,24 +21,70 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_HEADER = 100_000_000      # safetensors' own limit on a header's length
 GiB = 2**30
 TEMPLATE_TOKENS = 32          # chat-template tokens around each turn (role markers, thinking tags)
 
 
-def parameter_count(folder: str | Path) -> int:
-    """Parameters in a folder's ``*.safetensors`` files, from their headers only."""
-    total = 0
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
+class WeightsError(ValueError):
+    """A weights file the plan cannot read (named, with why)."""
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files a loader reads from ``folder``: the shards its index names, else
+    ``model.safetensors``, else every ``*.safetensors`` (a consolidated file beside its shards,
+    or any other file there, is not counted twice)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            if index.stat().st_size > MAX_HEADER:
+                raise ValueError(f"larger than {MAX_HEADER:,} bytes")
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            names = sorted({str(v) for v in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+        if any("/" in n or n in ("", ".", "..") for n in names):
+            raise WeightsError(f"{index}: a shard name is not a file of the folder")
+        return [folder / n for n in names]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def header_parameters(path: Path) -> int:
+    """Parameters of one safetensors file, from its header (at most MAX_HEADER bytes, safetensors'
+    own limit, and never more than the file holds)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise ValueError("shorter than its 8-byte header length")
+            (size,) = struct.unpack("<Q", raw)
+            if size > min(MAX_HEADER, path.stat().st_size - 8):
+                raise ValueError(f"header length {size:,} exceeds the file or {MAX_HEADER:,} bytes")
             header = json.loads(fh.read(size))
+        total = 0
         for name, meta in header.items():
-            if name != "__metadata__":
-                n = 1
-                for d in meta["shape"]:
-                    n *= d
-                total += n
-    return total
+            if name == "__metadata__":
+                continue
+            shape = meta["shape"]
+            if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                      for d in shape):
+                raise ValueError(f"tensor {name!r} has shape {str(shape)[:40]}")
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def parameter_count(folder: str | Path) -> int:
+    """Parameters in the safetensors files a loader reads from ``folder`` (:func:`weight_files`),
+    from their headers only."""
+    return sum(header_parameters(f) for f in weight_files(folder))
 
 
 def text_config(folder: str | Path) -> dict:

@@ -13,7 +13,7 @@ import argparse
 import json
 
 from remote.inspect import inspect
-from remote.memory import add_plan_arguments, plan_for_suite
+from remote.memory import WeightsError, add_plan_arguments, plan_for_suite
 from remote.versions import TRANSFORMERS_TESTED, transformers_problem
 
 
@@ -72,8 +72,12 @@ def main(argv=None) -> int:
         report["ok"] = not report["problems"]
     plan = None
     if report["ok"]:
-        plan = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens,
-                              args.device, args.dtype, args.target_devices, args.max_memory).to_dict()
+        try:
+            plan = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens,
+                                  args.device, args.dtype, args.target_devices, args.max_memory).to_dict()
+        except WeightsError as e:
+            report["problems"].append(f"memory plan: {e}")
+            report["ok"] = False
     print(json.dumps({"inspect": report, "memory": plan}))
     return 0 if report["ok"] and plan and plan["fits"] else 1
 

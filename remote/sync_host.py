@@ -5,11 +5,13 @@ stdin: for ``recv`` and ``serve`` stdin carries the data stream / the control li
 
 Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...`` on stderr):
 
-* ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime)
+* ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime, every
+  top-level file name: what the completeness rule reads; ``ident`` of its files and, for a synced
+  copy, ``manifest_ident`` of the files it is a copy of: equal when the copy is current)
 * ``manifest DIR [--hash]``  relative path, size, mtime_ns, inode, ctime_ns and sha256 (from the
   cache ``.dflash-manifest.json`` when none of size, mtime, inode, ctime changed; ``--hash``
-  computes missing ones). Refused when the folder holds symbolic links (never followed: they can
-  point anywhere on the host) or unfinished ``*.part`` files
+  computes missing ones). Refused when the folder is or holds symbolic links (never followed: they
+  can point anywhere on the host) or holds unfinished ``*.part`` files
 * ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
 * ``send FILE SIZE MTIME_NS OFFSET [--hash] [--cache DIR]``  bytes [OFFSET, SIZE) on stdout, then a
   trailer ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on
@@ -229,15 +231,29 @@ def listing(args: list) -> dict:
                 continue
             m = rx.match(n)
             files = Walk(full).files
+            complete = os.path.exists(os.path.join(full, MANIFEST))
             items.append({
                 "name": n, "step": int(m.group(1)) if m else None,
                 "size": sum(st.st_size for _, st in files), "files": len(files),
                 "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
-                "complete": os.path.exists(os.path.join(full, MANIFEST)),
-                "paths": [rel for rel, _ in files][:1000],
+                "complete": complete,
+                "paths": [rel for rel, _ in files if "/" not in rel],   # the completeness rule's: top level, all
+                "ident": ident([(rel, st.st_size, st.st_mtime_ns) for rel, st in files]),
+                "manifest_ident": ident([(e.get("path"), e.get("size"), e.get("mtime_ns"))
+                                         for e in _load_cache(full).values()]) if complete else None,
             })
         runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
     return {"runs": runs, "now": time.time()}
+
+
+def ident(entries: list) -> str:
+    """What a checkpoint folder holds, in short: a digest of its files' (path, size, mtime_ns).
+    Equal on the training host (its files now) and the eval host (the synced copy's manifest,
+    which keeps the source's sizes and mtimes) when the copy is of the files as they are."""
+    h = hashlib.sha256()
+    for path, size, mtime_ns in sorted(entries, key=lambda e: str(e[0])):
+        h.update(f"{path}\0{size}\0{mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
 
 
 def sha256_file(path: str, limit: int | None = None, h=None):
@@ -303,6 +319,10 @@ def _cache_update(d: str, entries: list) -> None:
 
 
 def manifest(d: str, compute: bool) -> dict:
+    if os.path.islink(d.rstrip("/")):
+        raise ToolError(f"{d} is a symbolic link (-> {os.readlink(d.rstrip('/'))}), which sync-ckpt does not follow "
+                        f"(it can point anywhere on the host); sync the folder it points to under its own name, or "
+                        f"replace the link with that folder")
     if not os.path.isdir(d):
         raise ToolError(f"no such checkpoint folder: {d}")
     cache = _load_cache(d)

@@ -114,6 +114,16 @@ def eval_lab(ssh_lab, embedded_pair, tmp_path_factory):
             "pair": pair}
 
 
+@pytest.fixture(scope="module")
+def local_home(embedded_pair, tmp_path_factory):
+    """A workdir for the built-in `local` host ($DFLASH_OPS_HOME) with the embedded pair in it."""
+    import shutil
+
+    home = tmp_path_factory.mktemp("home")
+    shutil.copytree(Path(embedded_pair["target"]).parent, home / "embedded")
+    return home
+
+
 def pytest_terminal_summary(terminalreporter):
     from faulttable import print_tables
 

@@ -115,3 +115,41 @@ def test_a_marker_file_is_what_complete_means_when_the_run_names_one(env):
     (d / "COMPLETE").write_text("")
     _age(d, 120)
     assert env.sync("5").verified == 3
+
+
+def test_a_checkpoint_of_more_than_a_thousand_files_can_be_complete(tmp_path):
+    """1200 weight shards: the training host's listing names every top-level file, so the rule
+    sees the whole shard set (a listing cut at 1000 paths made it incomplete for ever)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from orchestrator.sync.complete import judge_listed, newest_complete
+
+    ckpt = tmp_path / "v5" / "step_100"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}\n")
+    for k in range(1, 1201):
+        (ckpt / f"model-{k:05d}-of-01200.safetensors").write_bytes(b"w")
+    _age(ckpt, 120)
+    tool = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
+    res = subprocess.run([sys.executable, str(tool), "list", str(tmp_path), "--run", "v5", "v5", "step_{step}"],
+                         capture_output=True, text=True, timeout=120)
+    answer = json.loads(res.stdout)
+    info = {**answer["runs"]["v5"], "now": answer["now"]}
+    (entry,) = info["checkpoints"]
+    assert judge_listed(entry, info["now"], RUN).complete, judge_listed(entry, info["now"], RUN).reason
+    assert newest_complete(info, RUN) == "step_100"
+
+
+def test_a_file_server_clock_ahead_is_named_and_a_marker_with_settle_0_needs_no_clock():
+    """Shared storage whose file server's clock runs 10 min ahead of the training host's: the
+    rule says so (not 'changed 0s ago' for ever), and `marker` + `settle: 0` is complete as soon
+    as the marker is there, whatever the clocks."""
+    now = 1_000_000.0
+    files = ["config.json", "model.safetensors", "DONE"]
+    v = judge(files, now + 600, now, TrainingRun(name="v5", dir="v5", settle=30))
+    assert not v.complete and "600s in the future" in v.reason and "`settle: 0`" in v.reason, v
+    assert judge(files, now + 600, now, TrainingRun(name="v5", dir="v5", settle=0, marker="DONE")).complete
+    assert not judge(files[:2], now + 600, now, TrainingRun(name="v5", dir="v5", settle=0, marker="DONE")).complete
+    assert not judge(files, now + 5, now, RUN).complete                 # a little skew: quiet time as before

@@ -145,3 +145,107 @@ def test_follow_ends_on_a_torn_last_line_and_reports_it(tmp_path):
     assert end["event"] == "exit" and end["state"] == "done" and end["offset"] == len(whole)
     assert end["torn_tail"] == {"bytes": len('{"event":"pro'), "text": '{"event":"pro'}
     assert len(lines) == 2
+
+
+def test_concurrent_starts_in_one_folder_give_one_live_worker(tmp_path):
+    """Eight `launch start`s on one run folder at once: exactly one job starts (each job leaves a
+    file named by its pid), the others are refused with one line, and cancel stops it: nothing of
+    the folder is left running."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    job = [sys.executable, "-c", f"import os, time; open(os.path.join({str(marks)!r}, str(os.getpid())), 'w'); "
+                                 f"time.sleep(120)"]
+    run_dir = tmp_path / "run"
+    procs = [subprocess.Popen([sys.executable, "-m", "remote.launch", "start", str(run_dir), "--", *job], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    results = [p.communicate(timeout=60) + (p.returncode,) for p in procs]
+    ok = [json.loads(out)["pid"] for out, _, rc in results if rc == 0]
+    try:
+        assert len(ok) == 1, results
+        assert all("a job is already running there" in err for _, err, rc in results if rc != 0), results
+        wait_until(lambda: len(list(marks.iterdir())) >= 1, what="the job to start")
+        time.sleep(1.0)
+        assert [int(p.name) for p in marks.iterdir()] == ok
+    finally:
+        st = json.loads(launch("cancel", str(run_dir)).stdout)
+    assert st["state"] == "failed" and st["signalled"] is True
+    assert not any(alive(int(p.name)) for p in marks.iterdir())
+
+
+def test_fresh_start_refuses_a_folder_another_run_used(tmp_path):
+    """Two runs with the same id on one host: the second fresh start is refused, the first run's
+    files untouched."""
+    run_dir = tmp_path / "runs" / "20260101-000000-v5-ct129"
+    assert launch("start", str(run_dir), "--fresh", "--", "true").returncode == 0
+    wait_until(lambda: (run_dir / "exit_code").exists(), what="the first job to end")
+    cmd = (run_dir / "cmd.json").read_text()
+    res = launch("start", str(run_dir), "--fresh", "--", "false")
+    assert res.returncode != 0 and "another run's job was started here before" in res.stderr, res.stderr
+    assert (run_dir / "cmd.json").read_text() == cmd and (run_dir / "exit_code").read_text() == "0\n"
+    shard = run_dir / "shard-1"          # a shard folder of a run whose id a one-shard run already has
+    res = launch("start", str(shard), "--fresh", "--", "true")
+    assert res.returncode != 0 and "another run's job was started here before" in res.stderr, res.stderr
+
+
+def test_follow_reads_a_huge_unterminated_line_once_and_drops_it(tmp_path):
+    """A job writes a 24 MiB line without a newline and keeps running: follow must not re-read it
+    every poll (its bytes read stay near the file's size, not a multiple of it) nor hold it in
+    memory; the line is dropped, and the events after it still come."""
+    size = 24 << 20
+    job = [sys.executable, "-c", "import sys, time; sys.stdout.write('x' * %d); sys.stdout.flush(); time.sleep(3); "
+                                 "sys.stdout.write('\\n{\"event\": \"after\"}\\n'); sys.stdout.flush(); time.sleep(120)"
+           % size]
+    assert launch("start", str(tmp_path), "--", *job).returncode == 0
+    wait_until(lambda: (tmp_path / "events.jsonl").exists() and (tmp_path / "events.jsonl").stat().st_size >= size,
+               what="the long line")
+    proc = subprocess.Popen([sys.executable, "-m", "remote.launch", "follow", str(tmp_path)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(6)
+        io = dict(line.split(": ") for line in Path(f"/proc/{proc.pid}/io").read_text().splitlines())
+        rss_kib = int(next(line.split()[1] for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                           if line.startswith("VmHWM:")))
+    finally:
+        launch("cancel", str(tmp_path))
+        out, _ = proc.communicate(timeout=30)
+    assert int(io["rchar"]) < 2 * size, f"follow read {int(io['rchar']) / size:.1f}x the events file"
+    assert rss_kib < 2 * size // 1024, f"follow held {rss_kib} KiB"
+    lines = out.splitlines()
+    assert json.loads(lines[0]) == {"event": "after"}, lines[:1]
+    end = json.loads(lines[-1])
+    assert end["event"] == "exit" and end["dropped_lines"] == 1 and end["offset"] == (tmp_path / "events.jsonl").stat().st_size
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only: skipped where it cannot be mounted)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_job_that_fills_the_disk_is_failed_with_its_exit_code_and_no_space_named(small_disk, tmp_path):
+    """The eval workdir fills up while the worker runs: its exit code is still recorded (the room
+    for it was taken at start), the state says why, and so does the eval's failure line."""
+    from orchestrator.eval.jobs import HostJob
+    from orchestrator.eval.pipeline import EvalError, finish
+    from orchestrator.runs.record import EvalRequest, RunRecord
+    from orchestrator.transport.local import LocalRunner
+
+    run_dir = small_disk / "runs" / "r1"
+    fill = ("import sys\nf = open('fill', 'wb')\nprint('{\"event\": \"phase\", \"phase\": \"drafting\"}', flush=True)\n"
+            "while True:\n    f.write(b'x' * 65536)\n    f.flush()\n")
+    res = launch("start", str(run_dir), "--cwd", str(run_dir), "--", sys.executable, "-c", fill)
+    assert res.returncode == 0, res.stderr
+    job = HostJob(LocalRunner(), sys.executable, str(REPO), str(run_dir))
+    exit_event = [ev for ev in job.follow() if ev.get("event") == "exit"][0]
+    assert exit_event["state"] == "failed" and exit_event["exit_code"] == 1, exit_event
+    assert "no space left on the disk holding" in exit_event["why"], exit_event
+    record = RunRecord.create(tmp_path / "runs", EvalRequest(hosts=["local"]), "v5", None)
+    record.shard_exited(0, exit_event)
+    record.shards[0].fetched = True
+    with pytest.raises(EvalError, match=r"state failed, exit code 1: no space left on the disk holding"):
+        finish(record)

@@ -350,3 +350,83 @@ def test_a_cluster_reached_only_through_an_ssh_host(ssh_lab, embedded_pair, tmp_
         placement = json.loads((only_run(runs) / "env.json").read_text())["placement"]
         assert placement["backend"] == "ray" and placement["gpus"] in (["0"], ["1"])
     assert not [p for p, (_, _, cmd) in _processes().items() if "-N -L 127.0.0.1:" in cmd]   # the tunnel closed
+
+
+HOLDER = """
+import sys, ray
+ray.init(sys.argv[1], namespace="bystander", logging_level="ERROR")
+if sys.argv[2] == "hold":
+    @ray.remote(num_gpus=1, num_cpus=0)
+    class Holder:
+        def ping(self):
+            return 1
+    ray.get(Holder.options(name="holder", lifetime="detached").remote().ping.remote())
+else:
+    ray.kill(ray.get_actor("holder"))
+"""
+
+
+@needs_ray
+def test_a_failed_placement_gives_back_the_gpus_it_placed(ray_cluster, tmp_path, monkeypatch):
+    """Another job holds one of the cluster's two GPUs; `--gpus 2`: shard 0's actor takes the
+    free GPU, shard 1 cannot be placed and the eval fails. The actor already placed is killed (its
+    GPU free again, said in the message): nothing holds a GPU without a run record to cancel it."""
+    inventory = write_inventory(tmp_path, ray_cluster)
+    runs = tmp_path / "runs"
+    holder = [sys.executable, "-c", HOLDER, ray_cluster["address"]]
+    assert subprocess.run([*holder, "hold"], capture_output=True, timeout=300).returncode == 0
+    try:
+        assert free_gpus(inventory, runs) == "ray 2.60.0: 1/2 GPU free"
+        monkeypatch.setenv("DFLASH_OPS_RAY_PLACE_TIMEOUT", "15")
+        proc = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "2",
+                   "--max-new-tokens", "8")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in out, out
+        assert "Ray did not place a worker" in out and "the 1 shard(s) of this run placed before were released" in out
+        assert free_gpus(inventory, runs) == "ray 2.60.0: 1/2 GPU free"       # only the other job's
+        assert not runs.exists() or not any(runs.iterdir())                   # no run left
+    finally:
+        subprocess.run([*holder, "release"], capture_output=True, timeout=300)
+
+
+@needs_ray
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_the_ray_tunnel_ends_with_the_command(ssh_lab, tmp_path, sig):
+    """SIGTERM or SIGHUP of a command holding a `via` tunnel (here `hosts check`, waiting on a Ray
+    head that does not answer behind it): the tunnel's ssh (its own session, so the signal does
+    not reach it) is closed and its known_hosts pins are gone: no Ray port stays open to every
+    local user."""
+    if not ssh_lab.isolated:
+        pytest.skip(f"needs the lab's network namespaces ({ssh_lab.fallback_reason})")
+    inventory = ssh_lab.write_inventory(tmp_path / "inventory.yaml", extra={"cluster": {
+        "kind": "ray", "address": f"ray://127.0.0.1:{free_port()}", "via": "eval", "workdir": "/tmp"}})
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "hosts", "check",
+                             "cluster"], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    tunnels: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not tunnels:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0] if proc.poll() else ""
+            tunnels = [p for p, (ppid, _, cmd) in _processes().items() if ppid == proc.pid and "-N -L 127.0.0.1:" in cmd]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        out = proc.communicate(timeout=60)[0]
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{p}").exists() for p in tunnels) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{p}").exists() for p in tunnels), f"the tunnel outlived the command: {out}"
+        assert not list(tmp.glob("dflash-ops-pins-*")), out
+        assert "Traceback" not in out, out
+    finally:
+        for p in tunnels:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -50,6 +50,19 @@ def test_symlinks_in_a_checkpoint_are_refused_and_named(env):
     assert row["files"] == 2 and row["size"] == MiB + 3
 
 
+def test_a_checkpoint_folder_that_is_itself_a_link_is_refused_and_named(env):
+    """`ln -s /elsewhere step_6`: the folder a link points to is not the checkpoint folder the
+    listing names (it can be anywhere on the host); refused like links inside one, nothing moved."""
+    real = env.src_run.parent / f"{env.run}-elsewhere"
+    env.ckpt(5, {"model.safetensors": 1, "config.json": b"{}\n"}).rename(real)
+    os.symlink(real, env.src_run / "step_6")
+    with pytest.raises(SyncError) as e:
+        env.sync("6")
+    msg = str(e.value)
+    assert "is a symbolic link" in msg and f"-> {real}" in msg and "Traceback" not in msg, msg
+    assert not (env.dst_run / "step_6").exists() and not env.staging(6).exists()
+
+
 def test_a_part_file_in_the_source_is_refused_and_named(env):
     """A `.part` file in a training checkpoint is something still being written; the eval side
     treats `.part` as an interrupted transfer. It is never skipped without a word."""

@@ -100,3 +100,52 @@ def test_wandb_offline_run_holds_the_metrics_and_the_artifacts(run_dir, monkeypa
         files = log.parent / "files"
         assert json.loads((files / "summary.json").read_text()) == summary
         assert (files / "report.html").exists() and (files / "report.md").exists()
+
+
+def test_params_name_folders_not_a_hosts_paths(tmp_path):
+    """A tracker is often shared: the params carry the drafter's and target's folder names, not
+    the absolute paths of someone's host."""
+    runs = tmp_path / "runs"
+    make_run(runs, "20261203-1000-v5-step_100-eval", drafter="v5", checkpoint="step_100",
+             meta={"request": {"hosts": ["eval"], "drafter": "v5:step_100", "prompts": 2,
+                               "drafter_path": "/home/alice/ckpts/v5/step_100", "target_path": "/data/alice/qwen3-8b"}})
+    params, _ = tracking.run_facts(runs / "20261203-1000-v5-step_100-eval", 100)
+    assert not any("/home/alice" in str(v) or "/data/alice" in str(v) for v in params.values()), params
+    assert params["setting.drafter_path"] == "step_100" and params["setting.target_path"] == "qwen3-8b"
+    assert params["setting.prompts"] == 2
+
+
+def test_credentials_in_a_tracking_uri_are_never_printed():
+    assert tracking.redact("mlflow postgresql://alice:s3cret@db.lab:5432/mlflow (experiment x)") == \
+        "mlflow postgresql://***@db.lab:5432/mlflow (experiment x)"
+    assert tracking.redact("https://token123@mlflow.lab/ and sqlite:////tmp/mlflow.db") == \
+        "https://***@mlflow.lab/ and sqlite:////tmp/mlflow.db"
+
+
+def test_a_tracker_outage_after_a_finished_eval_is_one_line_saying_where_the_results_are(local_home, tmp_path):
+    """The eval finished, the MLflow server is down: one red line (exit 1) that says the results
+    are on disk and where, never the URI's password, never a traceback."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    pytest.importorskip("mlflow")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                      # nothing listens there once closed
+    runs = tmp_path / "runs"
+    env = {**os.environ, "DFLASH_OPS_HOME": str(local_home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "200",
+           "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"http://alice:s3cret@127.0.0.1:{port}",
+           "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
+    env.pop("DFLASH_OPS_INVENTORY", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--drafter", "embedded",
+                           "--prompts", "1", "--max-new-tokens", "8", "--ddtree", "", "--log-to", "mlflow"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    (run,) = [d for d in runs.iterdir() if (d / "run.json").exists()]
+    assert json.loads((run / "run.json").read_text())["status"] == "done"
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "--log-to mlflow: could not log run" in line and f"its results are in {run}" in line, line
+    assert "s3cret" not in out

@@ -65,6 +65,19 @@ def _quiet_channel_files_at_exit() -> None:
     sys.unraisablehook = hook
 
 
+def _terminate_like_ctrl_c() -> None:
+    """SIGTERM and SIGHUP (a closed terminal, a killed session) end a command the way Ctrl-C does:
+    through its cleanup (a followed eval detaches, a sync stops its transfers) and the exit
+    handlers (the Ray tunnel is closed, its files removed), never by dying on the spot."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
 def main() -> None:
     _quiet_channel_files_at_exit()
+    _terminate_like_ctrl_c()
     app()

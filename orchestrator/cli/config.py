@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP, RUNS_DIR_HELP
 from .context import names as context_names
 
@@ -23,7 +23,7 @@ def init_cmd(
 
     out = console.out()
     for path in write_templates(directory, force):
-        out.print(f"wrote {escape(str(path))}")
+        out.print(f"wrote {safe(str(path))}")
     out.print("The hosts in inventory.yaml are examples (`example: true`: never connected to): set their "
               "addresses and delete that line, set the drafters' paths, then check them with "
               "[bold]dflash-ops config[/] and [bold]dflash-ops hosts check[/]")
@@ -54,7 +54,7 @@ def config_cmd(
     out = console.out()
     out.print(console.table("configuration", ["file", "path", "found by"], rows, wrap=("path", "found by")))
     hosts = [h.name + (" (example)" if h.example else "") for h in inv]
-    out.print(escape(f"hosts: {', '.join(hosts)}; training runs: {', '.join(cat.runs) or 'none'}; "
+    out.print(safe(f"hosts: {', '.join(hosts)}; training runs: {', '.join(cat.runs) or 'none'}; "
                      f"drafters: {', '.join(cat.drafters) or 'none'}"
                      + (f"; default drafter: {cat.default}" if cat.default else "")))
     if not all(f.path for f in files.values()):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -21,6 +22,22 @@ from rich.table import Table
 from rich.text import Text
 
 PIPE_WIDTH = 200
+# C0 controls but tab and newline, DEL and C1: what makes escape sequences (a window title, the
+# clipboard, a cleared screen, a rewritten line) out of text
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean(value) -> str:
+    """``value`` as text without control characters: whatever a host, a worker or a file sent
+    reaches the terminal as data, never as terminal commands."""
+    return _CONTROL.sub("", str(value))
+
+
+def safe(value) -> str:
+    """``value`` as data in rich markup: control characters stripped (:func:`clean`) and markup
+    escaped, so ``[/x]`` in a prompt id is text, not a tag. Everything printed that did not come
+    from this code goes through it."""
+    return escape(clean(value))
 
 
 def _console(stream) -> Console:
@@ -40,11 +57,11 @@ def err() -> Console:
 
 def error_line(message: str) -> None:
     """The one red line of an expected failure (never wrapped: one line, whatever the width)."""
-    err().print(f"[bold red]error:[/] [red]{escape(message)}[/]", soft_wrap=True)
+    err().print(f"[bold red]error:[/] [red]{safe(message)}[/]", soft_wrap=True)
 
 
 def warning_line(message: str) -> None:
-    err().print(f"[bold yellow]warning:[/] [yellow]{escape(message)}[/]")
+    err().print(f"[bold yellow]warning:[/] [yellow]{safe(message)}[/]")
 
 
 def print_json(data) -> None:
@@ -69,7 +86,7 @@ class Tabular:
         """Each column's width within ``max_width``: every cell on one line, else the ``wrap``
         columns narrowed (sharing what is left, none below MIN_WRAP); None when even that does
         not fit (a table whose ids or numbers wrap is hard to read: it becomes a list)."""
-        columns = [[Text(h)] * self.show_header + [r[i] for r in self.cells] for i, h in enumerate(self.header)]
+        columns = [[Text(clean(h))] * self.show_header + [r[i] for r in self.cells] for i, h in enumerate(self.header)]
         full = [max(max(cell_len(line) for line in t.plain.splitlines() or [""]) for t in col) for col in columns]
         room = max_width - 3 * len(full) - 1     # padding and borders
         if sum(full) <= room:
@@ -85,9 +102,10 @@ class Tabular:
         return widths
 
     def table(self, widths: list[int]) -> Table:
-        t = Table(title=self.title, caption=self.caption, show_header=self.show_header)
+        t = Table(title=safe(self.title) if self.title else None, caption=safe(self.caption) if self.caption else None,
+                  show_header=self.show_header)
         for h, w in zip(self.header, widths):
-            t.add_column(escape(h), justify="right" if h in self.right else "left", width=w, overflow="fold")
+            t.add_column(safe(h), justify="right" if h in self.right else "left", width=w, overflow="fold")
         for r in self.cells:
             t.add_row(*r)
         return t
@@ -95,18 +113,18 @@ class Tabular:
     def records(self) -> Group:
         """One record per row (or, ``transpose``d, per column): its first cell, then the other
         cells as ``column value`` pairs."""
-        parts = [Text(self.title, style="italic")] if self.title else []
+        parts = [Text(clean(self.title), style="italic")] if self.title else []
         header, cells = self.header, self.cells
         if self.transpose:
             header = [self.header[0]] + [r[0].plain for r in self.cells]
-            cells = [[Text(h)] + [r[i] for r in self.cells] for i, h in enumerate(self.header) if i]
+            cells = [[Text(clean(h))] + [r[i] for r in self.cells] for i, h in enumerate(self.header) if i]
         for r in cells:
             parts.append(Text.assemble(r[0], style="bold"))
             pairs = Text(" · ").join(Text.assemble((f"{h} ", "dim"), c)
                                      for h, c in zip(header[1:], r[1:]) if c.plain not in ("", "-", "—"))
             parts.append(Padding(pairs, (0, 0, 0, 2), expand=False))
         if self.caption:
-            parts.append(Text(self.caption, style="dim"))
+            parts.append(Text(clean(self.caption), style="dim"))
         return Group(*parts)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions):
@@ -117,9 +135,9 @@ class Tabular:
 def table(title: str | None, header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[str] = (),
           caption: str | None = None, show_header: bool = True, markup: bool = False,
           transpose: bool = False, wrap: Sequence[str] = ()) -> Tabular:
-    """A table that fits the terminal (see :class:`Tabular`); cells are escaped unless ``markup``
-    (then they may carry [colour] tags). Columns named in ``right`` are right-aligned; columns
+    """A table that fits the terminal (see :class:`Tabular`); cells are data (:func:`clean`) unless ``markup``
+    (then they may carry [colour] tags, their data made :func:`safe` by the caller). Columns named in ``right`` are right-aligned; columns
     named in ``wrap`` hold free text that may wrap inside the table rather than turn it into a
     list. ``transpose``: as a list, one record per column (a table of runs side by side)."""
-    cells = [[Text.from_markup(str(c)) if markup else Text(str(c)) for c in r] for r in rows]
+    cells = [[Text.from_markup(str(c)) if markup else Text(clean(c)) for c in r] for r in rows]
     return Tabular(title, header, cells, right, caption, show_header, transpose, wrap)

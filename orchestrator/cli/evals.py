@@ -5,11 +5,11 @@ import sys
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 
 from remote.settings import EvalSettings
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP, RUNS_DIR_HELP
 from .context import names as context_names
 from .guard import INTERRUPTED
@@ -31,53 +31,65 @@ class _Progress:
         self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(bar_width=12),
                              MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}"), TimeElapsedColumn(),
                              TextColumn("{task.fields[last]}", table_column=last), console=out, transient=False)
-        self.tasks = {s.index: self.bars.add_task("", total=None, host=s.label, phase="waiting", tau="-", last="")
-                      for s in record.shards if not s.fetched}
+        self.tasks = {s.index: self.bars.add_task("", total=None, host=safe(s.label), phase="waiting", tau="-",
+                                                  last="") for s in record.shards if not s.fetched}
         self.taus: dict[int, list[float]] = {i: [] for i in self.tasks}
         self.done: dict[int, int] = {i: 0 for i in self.tasks}
         self.ended: set[int] = set()     # the worker wrote its summary (it is finishing or finished)
         self.errors: dict[int, str] = {}
 
     def on_event(self, i: int, ev: dict) -> None:
+        """Show a worker event: a host's data, so every text in it is shown :func:`console.safe`
+        (markup escaped, control characters stripped) and a malformed event is skipped, never the
+        end of the display."""
+        try:
+            self._show(i, ev)
+        except (KeyError, TypeError, ValueError):
+            pass
+
+    def _show(self, i: int, ev: dict) -> None:
         kind, task = ev.get("event"), self.tasks[i]
         if kind == "phase":
-            self.bars.update(task, phase=ev.get("phase", ""))
+            self.bars.update(task, phase=safe(ev.get("phase", "")))
         elif kind == "start":
-            self.done[i] = ev.get("done", 0)
-            self.bars.update(task, total=ev["prompts"], completed=self.done[i], phase="drafting")
+            self.done[i] = int(ev.get("done", 0))
+            self.bars.update(task, total=int(ev["prompts"]), completed=self.done[i], phase="drafting")
         elif kind == "prompt":
             tau = ev.get("tau") if ev.get("tau") is not None else ev.get("expected_tau")
+            shown = "-" if tau is None else f"{float(tau):.2f}"
+            done = int(ev["done"])
             if tau is not None:
-                self.taus[i].append(tau)
-            self.done[i] = ev["done"]
+                self.taus[i].append(float(tau))
+            self.done[i] = done
             macro = sum(self.taus[i]) / len(self.taus[i]) if self.taus[i] else None
-            self.bars.update(task, completed=ev["done"], tau="-" if macro is None else f"{macro:.2f}",
-                             last=f"{ev['id']}: {ev['cycles']} blocks, τ {'-' if tau is None else f'{tau:.2f}'}")
+            self.bars.update(task, completed=done, tau="-" if macro is None else f"{macro:.2f}",
+                             last=safe(f"{ev['id']}: {ev['cycles']} blocks, τ {shown}"))
         elif kind == "end":
             self.ended.add(i)
             self.bars.update(task, phase="finished")
         elif kind == "exit":
             self.ended.add(i)
-            self.bars.update(task, phase="finished" if ev.get("state") == "done" else str(ev.get("state")))
+            self.bars.update(task, phase="finished" if ev.get("state") == "done" else safe(ev.get("state")))
         elif kind == "error":
-            self.errors[i] = ev.get("message", "")
+            self.errors[i] = str(ev.get("message", ""))
 
     def interrupted(self) -> str:
         """What is true when the user presses Ctrl-C: which workers still run, which finished."""
-        rid, shards = self.record.id, self.record.shards
+        rid, shards = safe(self.record.id), self.record.shards
         running = [s for s in shards if not s.fetched and s.index not in self.ended]
         unfetched = [s for s in shards if not s.fetched and s.index in self.ended]
         if running:
             done = {s.index: self.done.get(s.index, 0) for s in running}
-            where = ", ".join(f"{s.label} ({done[s.index]} prompt{'' if done[s.index] == 1 else 's'} done)"
+            where = ", ".join(f"{safe(s.label)} ({done[s.index]} prompt{'' if done[s.index] == 1 else 's'} done)"
                               for s in running)
             return (f"Detached. The worker keeps running on {where}. Re-attach with: [bold]dflash-ops attach {rid}[/]"
                     f"  (cancel with: dflash-ops cancel {rid})")
         if unfetched:
-            return (f"Detached. The worker on {', '.join(s.label for s in unfetched)} had already finished; its "
-                    f"results are not fetched yet: [bold]dflash-ops attach {rid}[/] fetches them and writes the report.")
-        return (f"Interrupted after the results were fetched into {self.record.folder}; the report may be missing: "
-                f"[bold]dflash-ops show {rid}[/] writes it.")
+            return (f"Detached. The worker on {', '.join(safe(s.label) for s in unfetched)} had already finished; "
+                    f"its results are not fetched yet: [bold]dflash-ops attach {rid}[/] fetches them and writes the "
+                    f"report.")
+        return (f"Interrupted after the results were fetched into {safe(self.record.folder)}; the report may be "
+                f"missing: [bold]dflash-ops show {rid}[/] writes it.")
 
 
 def _follow_and_finish(record, jobs, out) -> None:
@@ -92,15 +104,15 @@ def _follow_and_finish(record, jobs, out) -> None:
                 summary, (_, html_path) = complete(record, jobs, progress.on_event)
         finally:
             for i, msg in progress.errors.items():
-                out.print(f"[red]{escape(record.shards[i].label)}: {escape(msg)}[/]")
+                out.print(f"[red]{safe(record.shards[i].label)}: {safe(msg)}[/]")
     except KeyboardInterrupt:
         record.detached()
         out.print(f"\n[yellow]{progress.interrupted()}[/]")
         raise typer.Exit(INTERRUPTED) from None
     except EvalError:
         for host, tail in failed_logs(record, jobs).items():
-            out.print(f"[bold red]worker {escape(host)} failed.[/] Last lines of its log:")
-            out.print(escape(tail or "(no log)"))
+            out.print(f"[bold red]worker {safe(host)} failed.[/] Last lines of its log:")
+            out.print(safe(tail or "(no log)"))
         raise
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
     rows = [[key, fmt(summary.get(key))] for key in ("tau_macro", "tau_macro_turns", "tau_pooled",
@@ -118,10 +130,10 @@ def _follow_and_finish(record, jobs, out) -> None:
     from ..reports.report import report_verdict
     from ..runs.folders import load_run
 
-    out.print(f"[bold]{escape(report_verdict(load_run(record.folder)))}[/]")
+    out.print(f"[bold]{safe(report_verdict(load_run(record.folder)))}[/]")
     out.print(console.table(f"run {record.id}", ["metric", "value"], rows, right=("value",)))
-    out.print(f"results: {escape(str(record.folder))}")
-    out.print(f"report:  {escape(str(html_path))}")
+    out.print(f"results: {safe(str(record.folder))}")
+    out.print(f"report:  {safe(str(html_path))}")
 
 
 def _locate_or_sync(names, choice, host, sync: bool, out, err):
@@ -190,7 +202,7 @@ def eval_cmd(
         record = names.run_record(resume, prefer=("running", "failed", "cancelled"))
         done, total = record.progress
         (err if as_json else out).print(
-            f"resuming run {record.id} ({record.label} on {escape(', '.join(record.hosts))}): "
+            f"resuming run {record.id} ({record.label} on {safe(', '.join(record.hosts))}): "
             + (f"{done} of {total} prompts were done when last heard from; " if total else "")
             + "a worker still running is followed, a stopped one restarts and skips its finished prompts")
     else:
@@ -198,12 +210,12 @@ def eval_cmd(
         choice = names.drafter(drafter, hosts[0], target)
         if choice.run:
             choice = _locate_or_sync(names, choice, hosts[0], sync, out, err)
-        (err if as_json else out).print(escape(choice.statement(hosts[0].name)))
+        (err if as_json else out).print(safe(choice.statement(hosts[0].name)))
         record = new_run(names.runs_root, [h.name for h in hosts], choice, settings, sglang=sglang, gpus=gpus,
                          verify_weights=verify_weights)
         if record.request.suite_file:
-            (err if as_json else out).print(f"suite {escape(record.request.suite_file)}: this machine's file, sent to "
-                                            f"{escape(', '.join(record.hosts))}")
+            (err if as_json else out).print(f"suite {safe(record.request.suite_file)}: this machine's file, sent to "
+                                            f"{safe(', '.join(record.hosts))}")
     status = err.status("pre-flight ...") if not as_json else None
     if status:
         status.start()
@@ -219,16 +231,16 @@ def eval_cmd(
             console.print_json({"id": record.id, "hosts": [s.host for s in record.shards], "folder": str(record.folder),
                                 "status": str(record.status), "attach": f"dflash-ops attach {record.id}"})
         else:
-            out.print(f"run [bold]{record.id}[/] started on {escape(where)}")
+            out.print(f"run [bold]{safe(record.id)}[/] started on {safe(where)}")
             out.print(f"follow with: dflash-ops attach {record.id}")
         return
-    out.print(f"run [bold]{record.id}[/] started on {escape(where)}")
+    out.print(f"run [bold]{safe(record.id)}[/] started on {safe(where)}")
     _follow_and_finish(record, jobs, out)
     if trackers:
         from ..reports.tracking import log_run
 
         for where in log_run(trackers, record.folder, record.folder.parent):
-            out.print(f"logged to {escape(where)}")
+            out.print(f"logged to {safe(where)}")
 
 
 RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its newest run), or latest."
@@ -255,7 +267,7 @@ def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     record = names.run_record(run, prefer=("running",))
     out = console.out()
     for host, st in cancel(record, names.inventory).items():
-        out.print(escape(cancel_line(host, st)))
+        out.print(safe(cancel_line(host, st)))
     out.print(f"`dflash-ops eval --resume {record.id}` finishes it; `dflash-ops show {record.id}` shows what is there")
 
 

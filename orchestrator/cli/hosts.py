@@ -47,7 +47,6 @@ def hosts_check(
     """Connect to hosts in parallel and report python, torch/CUDA, GPUs, disk and SGLang."""
     from dataclasses import asdict
 
-    from rich.markup import escape
 
     from ..eval.hostcheck import HostCheckFailed, check_hosts
 
@@ -59,19 +58,19 @@ def hosts_check(
     if as_json:
         console.print_json([asdict(r) | {"ok": r.ok} for r in reports])
     else:
-        rows = [[escape(r.name), "[green]passed[/]" if r.ok else "[red]FAILED[/]", *(escape(v or "-") for v in (
+        rows = [[console.safe(r.name), "[green]passed[/]" if r.ok else "[red]FAILED[/]", *(console.safe(v or "-") for v in (
                  r.python, r.torch, r.cuda, r.transformers, r.fla)),
-                 escape(", ".join(r.gpus) or ("none" if r.python else "-")),
-                 escape(" / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))),
-                 escape(r.sglang or "-"), escape(r.model or "-")] for r in reports]
+                 console.safe(", ".join(r.gpus) or ("none" if r.python else "-")),
+                 console.safe(" / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))),
+                 console.safe(r.sglang or "-"), console.safe(r.model or "-")] for r in reports]
         out = console.out()
         out.print(console.table("hosts check", ["host", "check", "python", "torch", "cuda", "transformers", "fla",
                                                 "gpus", "free (workdir / ckpts)", "sglang", "model"], rows, markup=True))
         for r in reports:
             for e in r.errors:
-                out.print(f"[red]✘ {escape(r.name)}: {escape(e)}[/]")
+                out.print(f"[red]✘ {console.safe(r.name)}: {console.safe(e)}[/]")
             for w in r.warnings:
-                out.print(f"[yellow]! {escape(r.name)}: {escape(w)}[/]")
+                out.print(f"[yellow]! {console.safe(r.name)}: {console.safe(w)}[/]")
     if failed:
         raise HostCheckFailed(f"{len(failed)} of {len(reports)} host(s) failed: {', '.join(failed)}")
 

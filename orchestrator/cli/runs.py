@@ -5,10 +5,10 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 from rich.panel import Panel
 
 from . import console
+from .console import safe
 from .context import RUNS_DIR_HELP
 from .context import names as context_names
 
@@ -33,7 +33,7 @@ def runs_cmd(
         return
     if not rows:
         filtered = " matching the filters" if any((drafter, suite, host, status)) else ""
-        console.err().print(f"no runs in {escape(str(d))}{filtered}")
+        console.err().print(f"no runs in {safe(str(d))}{filtered}")
         return
     colors = {"done": "green", "failed": "red", "running": "yellow"}
     table_rows = []
@@ -41,10 +41,10 @@ def runs_cmd(
         n = "-" if row["prompts"] is None else str(row["prompts"])
         if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
             n += f"/{row['prompts_planned']}"
-        table_rows.append([escape(row["id"]), *(escape(str(row[k] or "-")) for k in ("label", "target", "mode", "suite")),
-                           n, escape(row["settings"]), "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
-                           escape(str(row["host"] or "-")), escape(row["created_at"][:16].replace("T", " ")),
-                           f"[{colors.get(row['status'], 'white')}]{escape(row['status'])}[/]"])
+        table_rows.append([safe(row["id"]), *(safe(str(row[k] or "-")) for k in ("label", "target", "mode", "suite")),
+                           n, safe(row["settings"]), "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
+                           safe(str(row["host"] or "-")), safe(row["created_at"][:16].replace("T", " ")),
+                           f"[{colors.get(row['status'], 'white')}]{safe(row['status'])}[/]"])
     console.out().print(console.table(f"runs ({d})", ["id", "drafter", "target", "mode", "suite", "prompts", "settings",
                                                      "τ macro", "host", "date", "status"], table_rows,
                                       right=("prompts", "τ macro"), markup=True))
@@ -73,7 +73,7 @@ def show_cmd(
             "report": {"md": str(md_path), "html": str(html_path)}})
         return
     out = console.out()
-    out.print(f"[bold]{escape(verdict)}[/]")
+    out.print(f"[bold]{safe(verdict)}[/]")
     out.print(console.table(f"run {r.id}", ["metric", "value"], summary_rows(r, m), show_header=False,
                             wrap=("value",)))
     dd = ddtree_table(m)
@@ -84,8 +84,8 @@ def show_cmd(
             [c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])] for c, v in m["categories"].items()],
             right=("prompts", "tau_macro", "tau_pooled")))
     if warnings:
-        out.print(Panel("\n".join(f"• {escape(w)}" for w in warnings), title="warnings", border_style="yellow"))
-    out.print(f"report: {escape(str(md_path))}\n        {escape(str(html_path))}")
+        out.print(Panel("\n".join(f"• {safe(w)}" for w in warnings), title="warnings", border_style="yellow"))
+    out.print(f"report: {safe(str(md_path))}\n        {safe(str(html_path))}")
 
 
 def compare_cmd(
@@ -117,13 +117,13 @@ def compare_cmd(
     con = console.out()
     if not as_json:
         for line in result.get("verdict") or []:
-            con.print(f"[bold]{escape(line)}[/]")
+            con.print(f"[bold]{safe(line)}[/]")
         for p in result["picked"]:
-            con.print(escape(p["why"]))
-    mismatches = "\n".join(f"• {escape(m['message'])}" for m in result["mismatches"])
+            con.print(safe(p["why"]))
+    mismatches = "\n".join(f"• {safe(m['message'])}" for m in result["mismatches"])
     if result["refused"]:
         if not as_json:
-            closest = "\n".join(f"• {escape(' + '.join(c['runs']))}: {escape(c['why'])}" for c in result["closest"])
+            closest = "\n".join(f"• {safe(' + '.join(c['runs']))}: {safe(c['why'])}" for c in result["closest"])
             if closest:
                 a, b = result["closest"][0]["runs"]
                 closest += f"\nrun the eval that would pair, or compare a pair anyway: dflash-ops compare {a} {b} --force"
@@ -138,15 +138,15 @@ def compare_cmd(
         con.print(Panel(mismatches, title="FORCED: runs do not pair (--force)", border_style="red"))
     env_lines = env_warning_lines(result)
     if env_lines:
-        con.print(Panel("\n".join(f"• {escape(x)}" for x in env_lines),
+        con.print(Panel("\n".join(f"• {safe(x)}" for x in env_lines),
                         title="environment differences that can change the numbers", border_style="yellow"))
     for w in result["warnings"]:
-        con.print(f"[yellow]! {escape(w)}[/]")
+        con.print(f"[yellow]! {safe(w)}[/]")
     pub = result.get("published")
     caption = (f"{pub['name']} at T={pub['temperature']:g}: {pub['label']} ({pub['source'].get('title')}, arXiv "
                f"{pub['source'].get('arxiv')})" + (f"; {pub['caveat']}" if pub.get("caveat") else "")) if pub else None
     if result.get("published_note"):
-        con.print(f"[dim]{escape(result['published_note'])}[/]")
+        con.print(f"[dim]{safe(result['published_note'])}[/]")
     tables = [("side by side", side_by_side(result), caption),
               ("difference vs baseline", difference_rows(result), stats_note(result)),
               ("per-position acceptance", per_position_rows(result), None)]
@@ -154,7 +154,7 @@ def compare_cmd(
         tables.append(("per category (τ macro)", category_rows(result), None))
     for title, (head, rows), cap in tables:
         con.print(console.table(title, head, rows, right=head[1:], caption=cap, transpose=title == "side by side"))
-    con.print(f"compare report:\n  {escape(result['outputs']['md'])}\n  {escape(result['outputs']['html'])}")
+    con.print(f"compare report:\n  {safe(result['outputs']['md'])}\n  {safe(result['outputs']['html'])}")
 
 
 def register(app: typer.Typer) -> None:

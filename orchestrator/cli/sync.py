@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP
 from .context import names as context_names
 
@@ -60,17 +60,17 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
     from ..reports.render import human_bytes
 
     if typed:
-        out.print(escape(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
-    out.print(escape(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
+        out.print(safe(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
+    out.print(safe(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
     out.print(console.table(None, ["file", "size", "action", "from"],
                             [[f.path, human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
                              for f in plan.files], right=("size", "from")))
     if plan.incomplete:
-        out.print(f"[yellow]not complete yet on {escape(plan.src.name)}: {escape(plan.incomplete)}; a sync now is refused[/]")
+        out.print(f"[yellow]not complete yet on {safe(plan.src.name)}: {safe(plan.incomplete)}; a sync now is refused[/]")
     if plan.up_to_date:
         out.print("[green]already on the destination and verified: nothing to move[/]")
     elif plan.final_exists:
-        out.print(f"[yellow]{escape(plan.dst_final)} exists (not identical or unverified)[/]")
+        out.print(f"[yellow]{safe(plan.dst_final)} exists (not identical or unverified)[/]")
     else:
         free = "" if plan.free_bytes is None else f", {human_bytes(plan.free_bytes)} free there"
         out.print(f"to move: {human_bytes(plan.to_move)} of {human_bytes(plan.total)}{free}")
@@ -84,17 +84,23 @@ def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: st
     from ..sync import sync_checkpoint
 
     err, out = console.err(), console.out()
-    result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst, jobs=jobs,
-                             dry_run=dry_run, direct=direct, tunnel=tunnel, lock_wait=lock_wait,
-                             progress=_SyncBars(err) if err.is_terminal else None,
-                             on_plan=lambda p: _print_plan(out, p, typed))
+    try:
+        result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst,
+                                 jobs=jobs, dry_run=dry_run, direct=direct, tunnel=tunnel, lock_wait=lock_wait,
+                                 progress=_SyncBars(err) if err.is_terminal else None,
+                                 on_plan=lambda p: _print_plan(out, p, typed))
+    except KeyboardInterrupt:
+        if not dry_run:
+            err.print(f"[yellow]sync stopped: what arrived on {safe(dst)} is kept (verified files and partial "
+                      f"ones); run the same command again to resume[/]")
+        raise
     if dry_run:
         return result
     p = result.plan
     how = {"tunnel": " through the tunnel", "direct": " (pulled by the eval host)"}.get(result.path, "")
     moved = f"moved {human_bytes(result.bytes_moved)}{how} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
     extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
-    out.print(f"[green]✔[/] {p.run}:{p.checkpoint} on {p.dst.name}: {moved}; "
+    out.print(f"[green]✔[/] {safe(p.run)}:{safe(p.checkpoint)} on {safe(p.dst.name)}: {moved}; "
               f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
     return result
 
@@ -122,6 +128,7 @@ def sync_ckpt_cmd(
 ):
     """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
     from ..errors import InputError
+    from ..sync.tool import SyncBusy
 
     names = context_names(ctx, catalog=catalog)
     if direct and (tunnel or tunnel_auto):
@@ -130,8 +137,11 @@ def sync_ckpt_cmd(
     mode = "tunnel" if tunnel else "auto" if tunnel_auto else "relay" if direct is False else None
     training_run, ckpt = names.checkpoint_name(name, run)
     source, dest = names.role_host("train", src), names.role_host("eval", dst)
-    run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
-             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, tunnel=mode, lock_wait=lock_wait)
+    try:
+        run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
+                 typed=name, jobs=jobs, dry_run=dry_run, direct=direct, tunnel=mode, lock_wait=lock_wait)
+    except SyncBusy as e:
+        raise SyncBusy(f"{e} (or wait longer for it with --lock-wait)") from None
 
 
 def ckpts_cmd(
@@ -160,23 +170,26 @@ def ckpts_cmd(
         console.print_json({"checkpoints": [asdict(r) for r in rows], "warnings": warnings})
         return
     out = console.out()
-    colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
+    colour = {"yes": "green", "stale": "red", "partial": "yellow", "no": "dim", "?": "red"}
     one_run = len({r.run for r in rows}) == 1
     head = ["checkpoint", "step", "size", "files", "changed", "state", "on eval"]
-    cells = [[escape(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
+    cells = [[safe(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
               datetime.fromtimestamp(r.mtime).strftime("%m-%d %H:%M"),
               "[yellow]being written[/]" if r.incomplete else "complete", f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
              for r in rows]
     if not one_run:
-        head, cells = ["run", *head], [[escape(r.run), *c] for r, c in zip(rows, cells)]
+        head, cells = ["run", *head], [[safe(r.run), *c] for r, c in zip(rows, cells)]
     title = f"checkpoints of {rows[0].run} on {source.name}" if one_run and rows else f"checkpoints on {source.name}"
     out.print(console.table(title, head, cells, markup=True, right=("step", "size", "files")))
     for r in rows:
         if r.incomplete:
-            out.print(f"[yellow]! {escape(r.run)}:{escape(r.name)} is being written: {escape(r.incomplete)} "
+            out.print(f"[yellow]! {safe(r.run)}:{safe(r.name)} is being written: {safe(r.incomplete)} "
                       f"(sync-ckpt and watch wait for it)[/]")
     for w in warnings:
-        out.print(f"[yellow]! {escape(w)}[/]")
+        out.print(f"[yellow]! {safe(w)}[/]")
+    if any(r.on_eval == "stale" for r in rows):
+        out.print("[yellow]! stale: the training host saved that checkpoint again after it was synced; the eval "
+                  "host's copy is of the old files (eval refuses it: move it away and sync it again)[/]")
 
 
 def register(app: typer.Typer) -> None:

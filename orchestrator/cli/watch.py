@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 
 from remote.settings import EvalSettings
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP, RUNS_DIR_HELP
 from .context import names as context_names
 from .options import with_settings
@@ -20,7 +20,7 @@ def _line(level: str, message: str) -> str:
     from datetime import datetime
 
     colour = COLOUR.get(level, "")
-    text = f"{datetime.now():%H:%M:%S} {escape(message)}"
+    text = f"{datetime.now():%H:%M:%S} {safe(message)}"
     return f"[{colour}]{text}[/]" if colour else text
 
 
@@ -54,7 +54,7 @@ class LiveView:
     def on_event(self, host: str, ev: dict) -> None:
         kind = ev.get("event")
         if kind == "sync":
-            self.hosts[host] = f"syncing {escape(ev['checkpoint'])}"
+            self.hosts[host] = f"syncing {safe(ev['checkpoint'])}"
         elif kind == "start":
             self.hosts[host] = f"eval: 0/{ev.get('prompts')} prompts"
         elif kind == "prompt":
@@ -120,7 +120,7 @@ def watch_cmd(
     else:
         result = watcher.watch(once=once, every_s=interval)
     out = console.out()
-    out.print(f"trajectory: {escape(str(watcher.folder / 'trajectory.html'))}")
+    out.print(f"trajectory: {safe(str(watcher.folder / 'trajectory.html'))}")
     result.raise_for_outcome(watcher.folder / "trajectory.html")
 
 

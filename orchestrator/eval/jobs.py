@@ -6,6 +6,7 @@ so no shell command is ever composed here; argv lists are quoted by the transpor
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -13,6 +14,32 @@ from typing import Iterator
 from ..transport import Runner, TransportError
 
 FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json")
+RESULTS = ("results.jsonl", "summary.json", "env.json")     # what a worker that ended `done` leaves
+_CODE_DIR = re.compile(r"[0-9a-f]{16}")
+
+
+class FetchFailed(TransportError):
+    """A finished worker's result files did not come back (the shard stays unfetched)."""
+
+
+def check_shard(record_id: str, shard, host, code: bool = True) -> None:
+    """A run.json is input (it may come from another machine): the code and run folders a shard
+    names are used on its host only when they are where ``eval`` puts them for that host in this
+    inventory (``host``, its paths expanded there): a shipped code folder under its workdir, and
+    this run's folder there. (The interpreter is always the inventory's, never run.json's.)"""
+    from ..runs.record import RunRecordError
+
+    workdir = (host.workdir or "").rstrip("/")
+    run_dir = f"{workdir}/runs/{record_id}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
+    code_parent, _, digest = shard.code_dir.rpartition("/")
+    problems = [f"code_dir {shard.code_dir!r} is not a worker folder under {workdir}/code"
+                if code and (not workdir or code_parent != f"{workdir}/code" or not _CODE_DIR.fullmatch(digest))
+                else "",
+                f"run_dir {shard.run_dir!r} is not {run_dir}" if not workdir or shard.run_dir != run_dir else ""]
+    problems = [p for p in problems if p]
+    if problems:
+        raise RunRecordError(f"run {record_id}, shard {shard.index}: {'; '.join(problems)}: run.json does not match "
+                             f"host {host.name} in this inventory; nothing was run there")
 
 
 @dataclass
@@ -32,12 +59,13 @@ class HostJob:
                                env={"PYTHONPATH": self.code_dir, **(env or {})}, cwd=self.code_dir)
 
     def start(self, worker_args: list[str], secrets: dict[str, str] | None = None,
-              env: dict[str, str] | None = None) -> int:
+              env: dict[str, str] | None = None, fresh: bool = False) -> int:
         """Start the worker detached; ``env`` (e.g. CUDA_VISIBLE_DEVICES) is inherited by it;
-        ``secrets`` (environment variables) travel on stdin, never argv."""
+        ``secrets`` (environment variables) travel on stdin, never argv. ``fresh``: a new run,
+        whose run folder on the host must not hold another run's job."""
         argv = [self.python, "-m", "remote.worker", *worker_args]
-        stdin_env = ("--env-stdin",) if secrets else ()
-        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, *stdin_env, "--", *argv,
+        flags = ("--env-stdin",) * bool(secrets) + ("--fresh",) * fresh
+        res = self._launch("start", self.run_dir, "--cwd", self.code_dir, *flags, "--", *argv,
                            input=json.dumps(secrets) if secrets else None, env=env)
         if not res.ok:
             raise TransportError(f"could not start the worker: {res.stderr.strip()[-500:]}")
@@ -83,16 +111,22 @@ class HostJob:
             handle.kill()
             handle.close()
 
-    def fetch(self, local_dir: Path) -> list[str]:
-        """Copy the job's files into ``local_dir`` (results, summary, env, logs); returns what came."""
+    def fetch(self, local_dir: Path, required: tuple[str, ...] = ()) -> list[str]:
+        """Copy the job's files into ``local_dir`` (results, summary, env, logs); returns what came.
+        A file of ``required`` (names in :data:`RESULTS`) that does not come raises
+        :class:`FetchFailed`, naming each and why: the shard is then not fetched."""
         local_dir.mkdir(parents=True, exist_ok=True)
-        got = []
+        got, missing = [], []
         for rel in FETCHED:
+            name = Path(rel).name
             try:
-                self.runner.get_file(f"{self.run_dir}/{rel}", local_dir / Path(rel).name)
-                got.append(Path(rel).name)
-            except (TransportError, OSError):
-                pass
+                self.runner.get_file(f"{self.run_dir}/{rel}", local_dir / name)
+                got.append(name)
+            except (TransportError, OSError) as e:
+                if name in required:
+                    missing.append(f"{name} ({getattr(e, 'strerror', None) or e})")
+        if missing:
+            raise FetchFailed(f"could not fetch {', '.join(missing)} from {self.run_dir} on {self.runner.name}")
         return got
 
     def log_tail(self, lines: int = 30) -> str:

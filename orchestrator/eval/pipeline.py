@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,9 +27,9 @@ from remote.states import State
 from ..config.catalog import EMBEDDED
 from ..config.inventory import Host, Inventory
 from ..errors import InputError, OperationFailed
-from ..runs.record import EvalRequest, RunRecord, Shard
+from ..runs.record import RESUME_LOCK, EvalRequest, RunRecord, Shard
 from ..transport import TransportError, runner_for
-from .jobs import HostJob
+from .jobs import RESULTS, FetchFailed, HostJob, check_shard
 from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
 from .ship import ship
 
@@ -43,6 +44,10 @@ class RunUnfinished(EvalError):
     """Some shard was not followed to its end (contact lost); its worker keeps running."""
 
     exit_code = 4
+
+
+class RunCancelled(EvalError):
+    """`cancel` came while `eval --resume` was preparing the run: nothing was started."""
 
 
 class InvalidRun(EvalError):
@@ -361,7 +366,36 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     worker detached, each with its GPU as ``CUDA_VISIBLE_DEVICES``. ``on_phase(host, phase)`` hears
     each step: connecting, pre-flight, starting the worker. Resuming, a finished and fetched shard
     is kept, and a worker still running or finished but not fetched (its follower was cut off: a
-    killed CLI, a dropped link) is followed and fetched, not started twice."""
+    killed CLI, a dropped link) is followed and fetched, not started twice. A new run that does
+    not start gives its claimed run folder back."""
+    try:
+        with record.lock(RESUME_LOCK) if resume else nullcontext():    # a `cancel` meanwhile is seen
+            return _start(record, inventory, resume, on_phase)
+    except BaseException:
+        if not resume:
+            record.abandon()
+        raise
+
+
+def _abandon(placed: list, launched: list) -> int:
+    """A start that failed part way: stop the workers it started and give back the Ray actors it
+    placed (their GPUs), so nothing runs or holds a GPU without a run record to cancel it from.
+    Returns how many placed shards were given back."""
+    for job in launched:
+        try:
+            job.cancel()
+        except Exception:  # noqa: BLE001 — best effort; the start's own error is what the user sees
+            pass
+    freed = [job for job in placed if getattr(job.runner, "created", False)]
+    for job in freed:
+        from . import ray as ray_backend
+
+        ray_backend.release(job.runner)
+    return len(freed)
+
+
+def _start(record: RunRecord, inventory: Inventory, resume: bool,
+           on_phase: Callable[[str, str], None] | None) -> dict[int, HostJob]:
     req = record.request
     clusters = [h for h in dict.fromkeys(req.hosts) if inventory.get(h).is_ray]
     if len(clusters) > 1:
@@ -378,44 +412,66 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     if not resume:
         record.place(placements(req, [inventory.get(h) for h in req.hosts], preps))
         todo = record.shards
-    jobs = {}
-    for s in todo:
-        prep = preps[s.host]
-        if prep.host.is_ray:
-            jobs[s.index] = ray_job(record, s, prep, inventory)
-            continue
-        run_dir = f"{prep.host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{s.index}" if s.count > 1 else "")
-        record.prepared(s.index, run_dir=run_dir, code_dir=prep.code_dir, python=prep.host.python,
-                        drafter_path=prep.drafter_path, target_path=prep.target_path)
-        jobs[s.index] = HostJob(prep.runner, prep.host.python, prep.code_dir, run_dir)
-    for s in todo:
-        job, host = jobs[s.index], inventory.get(s.host)
-        if resume and job.status().get("state") in (State.RUNNING, State.DONE):
-            continue        # still going, or finished and not yet fetched: followed, not redone
-        if on_phase:
-            on_phase(s.host, "starting the worker")
-        _, auth = reference_sglang(req, host)
-        job.start(worker_args(req, s, host, resume=resume, suite=preps[s.host].suite),
-                  secrets={AUTH_ENV: auth} if auth else None,
-                  env={"CUDA_VISIBLE_DEVICES": s.gpu} if s.gpu is not None else None)
-    record.started(shards=[s.index for s in todo])
+    jobs, placed, launched = {}, [], []
+    try:
+        for s in todo:
+            prep = preps[s.host]
+            if prep.host.is_ray:
+                jobs[s.index] = ray_job(record, s, prep, inventory)
+                placed.append(jobs[s.index])
+                continue
+            run_dir = f"{prep.host.workdir.rstrip('/')}/runs/{record.id}" + (f"/shard-{s.index}" if s.count > 1 else "")
+            record.prepared(s.index, run_dir=run_dir, code_dir=prep.code_dir, python=prep.host.python,
+                            drafter_path=prep.drafter_path, target_path=prep.target_path)
+            jobs[s.index] = HostJob(prep.runner, prep.host.python, prep.code_dir, run_dir)
+        with record.lock():     # a `cancel` now waits, and one that came during pre-flight is seen
+            if resume and record.cancelled_meanwhile():
+                raise RunCancelled(f"run {record.id} was cancelled while `eval --resume` prepared it; no worker "
+                                   f"was started")
+            for s in todo:
+                job, host = jobs[s.index], inventory.get(s.host)
+                if resume and job.status().get("state") in (State.RUNNING, State.DONE):
+                    continue        # still going, or finished and not yet fetched: followed, not redone
+                if on_phase:
+                    on_phase(s.host, "starting the worker")
+                _, auth = reference_sglang(req, host)
+                job.start(worker_args(req, s, host, resume=resume, suite=preps[s.host].suite),
+                          secrets={AUTH_ENV: auth} if auth else None,
+                          env={"CUDA_VISIBLE_DEVICES": s.gpu} if s.gpu is not None else None, fresh=not resume)
+                launched.append(job)
+            record.started(shards=[s.index for s in todo])
+    except BaseException as e:
+        freed = _abandon(placed, launched)
+        if freed and isinstance(e, OperationFailed):
+            raise EvalError(f"{e}; the {freed} shard(s) of this run placed before were released (their GPUs "
+                            f"are free again)") from None
+        raise
     return jobs
 
 
-def jobs_of(record: RunRecord, inventory: Inventory) -> dict[int, HostJob]:
-    """The started workers of a run, to follow or cancel them (a Ray shard through its actor, or a
-    0-GPU one on the same node when the actor is gone)."""
+def jobs_of(record: RunRecord, inventory: Inventory, shards: list[Shard] | None = None) -> dict[int, HostJob]:
+    """The started workers of a run (or of ``shards`` of it), to follow or cancel them (a Ray
+    shard through its actor, or a 0-GPU one on the same node when the actor is gone)."""
     def job(s: Shard) -> HostJob:
         host = inventory.get(s.host)
         if not host.is_ray:
-            return HostJob(runner_for(host, inventory), s.python, s.code_dir, s.run_dir)
+            runner = runner_for(host, inventory)
+            there = host.on_host(runner.expand_home)
+            check_shard(record.id, s, there)
+            return HostJob(runner, there.python, s.code_dir, s.run_dir)
         from . import ray as ray_backend
 
         runner = ray_backend.place(host, inventory, ray_backend.actor_name(record.id, s.index), 0,
                                    node_id=(s.ray or {}).get("node_id"), strict_node=True)
-        return ray_backend.RayJob(runner, s.python, s.code_dir, s.run_dir)
+        try:
+            check_shard(record.id, s, host.on_host(runner.expand_home), code=False)   # code: the actor's own
+        except InputError:
+            if runner.created:
+                ray_backend.release(runner)
+            raise
+        return ray_backend.RayJob(runner, runner.info["python"], runner.info["code_dir"], s.run_dir)
 
-    return {s.index: job(s) for s in record.shards}
+    return {s.index: job(s) for s in (record.shards if shards is None else shards)}
 
 
 # ----------------------------------------------------------------------------- following
@@ -434,8 +490,10 @@ def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int,
                 record.shard_progressed(i, ev)
                 if ev.get("event") == "exit":
                     record.shard_exited(i, ev)
-                    job.fetch(shard.local_dir(record.folder))
+                    job.fetch(shard.local_dir(record.folder), required=RESULTS if ev.get("state") == "done" else ())
                     record.shard_fetched(i)
+        except FetchFailed as e:
+            lost[i] = f"{e}; they stay on the host: dflash-ops attach {record.id} fetches them again"
         except Exception as e:  # noqa: BLE001 — reported to the caller; the worker itself keeps running
             lost[i] = f"lost contact with {shard.host}: {e}"
 
@@ -516,9 +574,12 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
     with an unfetched shard raises :class:`RunUnfinished`, one with a failed worker
     :class:`EvalError` (the caller shows the failed shards' logs first, see :func:`failed_logs`)."""
     outcome = record.settle()
+    if outcome == "cancelled":
+        raise EvalError(f"run {record.id} was cancelled; finished prompts are kept: dflash-ops eval --resume "
+                        f"{record.id} continues it")
     if outcome == "unfinished":
-        raise RunUnfinished(f"not all shards finished; the workers keep running. Re-attach with: "
-                            f"dflash-ops attach {record.id}")
+        raise RunUnfinished(f"not all shards finished and were fetched; their workers keep running (or their "
+                            f"files wait on the host). Re-attach with: dflash-ops attach {record.id}")
     if outcome == "failed":
         invalid = [s for s in record.shards if s.exit_code == exits.INVALID]
         if invalid:
@@ -529,8 +590,8 @@ def finish(record: RunRecord) -> tuple[dict, tuple[Path, Path] | None]:
             except (OSError, ValueError, KeyError, TypeError):
                 why = f"the worker reported invalid results ({summary} unreadable)"
             raise InvalidRun(f"run {record.id} is invalid: on {s.label}, {why}")
-        hosts = ", ".join(f"{s.label} (shard {s.index + 1}/{s.count}, state {s.state}, exit code {s.exit_code})"
-                          if s.count > 1 else f"{s.label} (state {s.state}, exit code {s.exit_code})"
+        hosts = ", ".join(f"{s.label} (" + (f"shard {s.index + 1}/{s.count}, " if s.count > 1 else "")
+                          + f"state {s.state}, exit code {s.exit_code}" + (f": {s.why}" if s.why else "") + ")"
                           for s in record.shards if s.state != State.DONE)
         raise EvalError(f"the worker failed on {hosts}; finished prompts are kept: "
                         f"dflash-ops eval --resume {record.id}")
@@ -546,14 +607,43 @@ def failed_logs(record: RunRecord, jobs: dict[int, HostJob], lines: int = 25) ->
     for s in record.shards:
         if s.fetched and s.state != State.DONE:
             log = s.local_dir(record.folder) / "worker.log"
-            tail = "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else jobs[s.index].log_tail(lines)
+            text = log.read_text(errors="replace") if log.exists() else None   # a host's log: any bytes
+            tail = "\n".join(text.splitlines()[-lines:]) if text is not None else jobs[s.index].log_tail(lines)
             out[s.label] = tail
     return out
 
 
 def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
-    """Stop a run's workers (finished prompts stay on the hosts); {shard label: the worker's state}."""
-    states = {i: job.cancel() for i, job in jobs_of(record, inventory).items()}
-    record.cancelled(states)
-    return {record.shards[i].label: {**st, "state": "cancelled" if st.get("cancelled") else st.get("state")}
-            for i, st in states.items()}
+    """Stop what still runs of a run (finished prompts stay on the hosts); {shard label: its
+    worker's state, ``cancelled`` where this stopped it}. Only what is unfinished is cancelled: a
+    worker that had ended by itself is fetched instead, and a run with nothing left running keeps
+    its outcome (a finished run stays done, and is merged and reported). A run an `eval --resume`
+    is preparing is cancelled even with nothing running yet: that resume then starts nothing."""
+    with record.lock():            # not while a start is starting workers: before it, or after it
+        record.refresh()
+        live = [s for s in record.shards if not s.fetched]
+        jobs = jobs_of(record, inventory, live)
+        states = {s.index: jobs[s.index].cancel() for s in live}
+        stopped, ended = [], []
+        for s in live:
+            st = states[s.index]
+            if not st.get("signalled", st.get("state") != State.DONE) and st.get("state") in (State.DONE, State.FAILED) \
+                    and s.state != State.CANCELLED:
+                ended.append(s)             # it had ended by itself, not by this or an earlier cancel
+            else:
+                stopped.append(s.index)
+        for s in ended:
+            record.shard_exited(s.index, states[s.index])
+            try:
+                jobs[s.index].fetch(s.local_dir(record.folder), required=RESULTS if s.state == State.DONE else ())
+                record.shard_fetched(s.index)
+            except FetchFailed as e:
+                states[s.index]["fetch"] = str(e)
+        if stopped or record.being_resumed():
+            record.cancelled(stopped)
+        elif ended:
+            try:
+                finish(record)      # done: merged and reported; failed or unfetched: settled as such
+            except EvalError:
+                pass
+    return {record.shards[i].label: {**st, "state": "cancelled"} if i in stopped else st for i, st in states.items()}

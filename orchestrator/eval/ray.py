@@ -76,32 +76,40 @@ class Tunnel:
 
     def __init__(self, via: "Host", inventory: "Inventory", target_host: str, target_port: int):
         endpoint = endpoint_for(via, inventory)
+        self.proc = None
         self._pins = tempfile.NamedTemporaryFile("w", prefix="dflash-ops-pins-", suffix=".known_hosts", delete=False)
-        with SSHRunner(endpoint) as control:
-            self._pins.write(control.pin_lines())
-        self._pins.close()
-        self.port = _free_port()
-        argv = ["ssh", *endpoint.pinned_to(self._pins.name).options(("ExitOnForwardFailure=yes",
-                                                                      "ServerAliveInterval=15")),
-                "-N", "-L", f"127.0.0.1:{self.port}:{target_host}:{target_port}", "--", endpoint.address]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+        try:                        # Ctrl-C or SIGTERM meanwhile: neither the tunnel nor its pins outlive this
+            with SSHRunner(endpoint) as control:
+                self._pins.write(control.pin_lines())
+            self._pins.close()
+            self.port = _free_port()
+            argv = ["ssh", *endpoint.pinned_to(self._pins.name).options(("ExitOnForwardFailure=yes",
+                                                                          "ServerAliveInterval=15")),
+                    "-N", "-L", f"127.0.0.1:{self.port}:{target_host}:{target_port}", "--", endpoint.address]
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, start_new_session=True)
+            self._wait_open(via, target_host, target_port)
+        except BaseException:
+            self.close()
+            raise
+        Path(self._pins.name).unlink(missing_ok=True)   # read once, at the handshake: gone now
+
+    def _wait_open(self, via: "Host", target_host: str, target_port: int) -> None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 err = decode(self.proc.stderr.read()).strip().splitlines()[-1:] or ["exited"]
-                self.close()
                 raise TransportError(f"host {via.name}: the SSH tunnel to {target_host}:{target_port} failed: {err[0]}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
                 return
             except OSError:
                 time.sleep(0.1)
-        self.close()
         raise TransportError(f"host {via.name}: the SSH tunnel did not open within {CONNECT_TIMEOUT:g}s")
 
     def close(self) -> None:
-        if getattr(self, "proc", None) is not None and self.proc.poll() is None:
+        self._pins.close()
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(5)
@@ -140,6 +148,7 @@ def connect(host: "Host", inventory: "Inventory | None"):
             if inventory is None:
                 raise RayError(f"host {host.name}: `via: {host.via}` needs the inventory")
             tunnel = Tunnel(inventory.get(host.via), inventory, *split_address(host.address))
+            _connection["tunnel"] = tunnel      # from now on closed at exit, however the connection ends
             address = f"ray://127.0.0.1:{tunnel.port}"
         try:                                    # a clear line at once, not Ray Client's 30 s of retries
             socket.create_connection(split_address(address), timeout=10).close()
@@ -219,8 +228,9 @@ def cluster_info(host: "Host", inventory: "Inventory | None") -> Cluster:
 class ActorRunner(Runner):
     """A :class:`~orchestrator.transport.Runner` whose commands run on a ShardNode actor's node."""
 
-    def __init__(self, name: str, actor, info: dict):
+    def __init__(self, name: str, actor, info: dict, created: bool = True):
         self.name, self.actor, self.info = name, actor, info
+        self.created = created      # placed by this call (not an existing shard's actor found again)
 
     def call(self, method: str, *args, timeout: float | None = 120):
         ray = import_ray()
@@ -324,7 +334,8 @@ def place(host: "Host", inventory: "Inventory | None", name: str | None, num_gpu
     if name is not None:
         try:
             actor = ray.get_actor(name, namespace=NAMESPACE)
-            return ActorRunner(host.name, actor, ray.get(actor.placement.remote(), timeout=PLACE_TIMEOUT))
+            return ActorRunner(host.name, actor, ray.get(actor.placement.remote(), timeout=PLACE_TIMEOUT),
+                               created=False)
         except ValueError:
             pass                        # not there (fetched, cancelled, or never started): a new one
     options = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 16}   # runtime_env: the job's (connect)
@@ -369,5 +380,6 @@ class RayJob(HostJob):
 
     def cancel(self) -> dict:
         state = super().cancel()
-        release(self.runner)
+        if state.get("signalled") or state.get("state") not in ("done", "failed"):
+            release(self.runner)        # a worker that had ended by itself is fetched first (fetch releases)
         return state

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import secrets
 import tarfile
 import tempfile
 from functools import lru_cache
@@ -21,19 +22,36 @@ from ..transport import Runner, TransportError
 PACKAGE = Path(remote.__file__).resolve().parent
 SHIPPED = ("*.py", "suites/*.jsonl")
 
-# Runs on the host: extract the tar next to the final folder, mark it complete, rename into place.
+# Runs on the host: extract the tar next to the final folder, mark it complete, rename it into
+# place. A folder marked complete is never replaced (another eval may be running from it): when
+# two ships race, the second finds the first's folder there and drops its own copy.
 _EXTRACT = """
 import os, shutil, sys, tarfile
 tar, final = sys.argv[1], sys.argv[2]
-if not os.path.exists(os.path.join(final, ".complete")):
-    tmp = final + ".tmp.%d" % os.getpid()
+done = os.path.join(final, ".complete")
+if not os.path.exists(done):
+    tmp = "%s.tmp.%d" % (final, os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     with tarfile.open(tar) as t:
         kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
         t.extractall(tmp, **kw)
     open(os.path.join(tmp, ".complete"), "w").close()
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    for attempt in range(5):
+        try:
+            os.rename(tmp, final)            # refused while final exists and is not empty
+            break
+        except OSError:
+            if os.path.exists(done):         # the same code, installed meanwhile by another ship
+                shutil.rmtree(tmp, ignore_errors=True)
+                break
+            stale = "%s.stale.%d" % (final, os.getpid())
+            try:                             # an unfinished folder (no .complete): aside, then gone
+                os.rename(final, stale)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(stale, ignore_errors=True)
+    else:
+        sys.exit("cannot put the worker code in place at " + final)
 os.remove(tar)
 """
 
@@ -66,7 +84,7 @@ def ship(runner: Runner, python: str, workdir: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".tar", delete=False) as f:
         f.write(data)
     try:
-        tar_remote = f"{code_dir}.{os.getpid()}.tar"
+        tar_remote = f"{code_dir}.{os.getpid()}.{secrets.token_hex(4)}.tar"
         runner.put_file(f.name, tar_remote)
     finally:
         os.unlink(f.name)

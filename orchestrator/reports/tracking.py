@@ -13,17 +13,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, OperationFailed
 
 TRACKERS = ("mlflow", "tensorboard", "wandb")
 EXTRA = {"mlflow": "mlflow", "tensorboard": "tensorboard", "wandb": "wandb"}
+_USERINFO = re.compile(r"(?<=//)[^/@\s]*@")
 
 
 class TrackingError(InputError):
     pass
+
+
+class TrackingFailed(OperationFailed):
+    """A tracker could not take a finished run (its results are on disk all the same)."""
+
+
+def redact(text: str) -> str:
+    """``text`` with the user and password of every URL in it replaced (a database or HTTP
+    tracking URI often carries them): what is printed or logged never holds a credential."""
+    return _USERINFO.sub("***@", text)
 
 
 def check_trackers(names: list[str]) -> list[str]:
@@ -52,7 +64,8 @@ def run_facts(run_dir: Path, step: int | None = None) -> tuple[dict, dict]:
     params = {"run_id": run_dir.name, "drafter": rec.get("drafter"), "checkpoint": rec.get("checkpoint"),
               "step": step, "suite": rec.get("suite"), "host": rec.get("host"), "mode": rec.get("mode"),
               "prompts": summary.get("prompts")}
-    params.update({f"setting.{k}": v for k, v in req.items() if k not in ("hosts", "drafter")})
+    params.update({f"setting.{k}": Path(v).name if k.endswith("_path") and isinstance(v, str) else v
+                   for k, v in req.items() if k not in ("hosts", "drafter")})   # folder names, not a host's layout
     params.update({f"version.{k}": v for k, v in (env.get("versions") or {}).items() if isinstance(v, (str, int, float))})
     metrics = {k: summary[k] for k in ("tau_macro", "tau_pooled", "cycles", "tokens") if isinstance(summary.get(k), (int, float))}
     for b, t in (summary.get("ddtree") or {}).items():
@@ -68,7 +81,15 @@ def log_run(trackers: list[str], run_dir: Path, runs_root: Path, *, step: int | 
     """Log one finished eval run to each tracker; returns where each went (for the user)."""
     params, metrics = run_facts(Path(run_dir), step)
     artifacts = [p for p in (Path(run_dir) / n for n in ("report.md", "report.html", "summary.json")) if p.exists()]
-    return [_LOGGERS[t](params, metrics, artifacts, Path(runs_root), step, group) for t in trackers]
+    where = []
+    for t in trackers:
+        try:
+            where.append(_LOGGERS[t](params, metrics, artifacts, Path(runs_root), step, group))
+        except Exception as e:  # noqa: BLE001 — any failure of the tracker's library or service
+            why = (str(e).strip().splitlines() or [""])[0][:300]
+            raise TrackingFailed(f"--log-to {t}: could not log run {Path(run_dir).name} ({type(e).__name__}: "
+                                 f"{redact(why)}); its results are in {run_dir} all the same") from None
+    return where
 
 
 def _mlflow(params, metrics, artifacts, runs_root: Path, step, group) -> str:
@@ -89,7 +110,7 @@ def _mlflow(params, metrics, artifacts, runs_root: Path, step, group) -> str:
     for a in artifacts:
         client.log_artifact(run.info.run_id, str(a))
     client.set_terminated(run.info.run_id)
-    return f"mlflow {uri} (experiment {name}, run {run.info.run_id})"
+    return f"mlflow {redact(uri)} (experiment {name}, run {run.info.run_id})"
 
 
 def _tensorboard(params, metrics, artifacts, runs_root: Path, step, group) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from remote.drafter_config import MAX_BLOCK_SIZE
 from remote.states import State
 
 from ..config.catalog import parse_step, same_checkpoint
@@ -140,7 +141,7 @@ class EvalRun:
     def block_size(self) -> int:
         b = self.settings.get("block_size") or (self.summary or {}).get("block_size")
         if b:
-            return int(b)
+            return self._bounded(b, "block_size")
         longest = max((n for r in self.results for n in (r.get("acceptance_lengths") or [])), default=16)
         return max(16, int(longest))
 
@@ -148,7 +149,15 @@ class EvalRun:
     def max_length(self) -> int:
         """The most tokens one cycle can commit: B, or B + 1 for a sample_from_anchor drafter
         (env.json's ``verify_block``)."""
-        return int(self.settings.get("verify_block") or self.block_size)
+        return self._bounded(self.settings.get("verify_block") or self.block_size, "verify_block")
+
+    def _bounded(self, value, name: str) -> int:
+        """A block size from the run's files, refused (one line) beyond any drafter's: the
+        metrics allocate per position of the block."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= MAX_BLOCK_SIZE + 1:
+            raise RunError(f"{self.path / 'env.json'}: {name} {str(value)[:24]} is not a block size (1.."
+                           f"{MAX_BLOCK_SIZE}); not a run folder dflash-ops wrote")
+        return int(value)
 
     @property
     def status(self) -> State:

@@ -6,19 +6,23 @@ the workers on, each transition writes run.json (atomically), so an interrupted 
 a record another can pick up; a run whose pre-flight failed leaves nothing.
 
 Run status:   preparing -> running -> done | failed | cancelled     (remote/states.py: State)
-              (running stays running when the user detaches or contact is lost: `attach`)
+              (running stays running when the user detaches or contact is lost: `attach`; a
+              cancel stays: a save or settle of a record read before it keeps the run cancelled)
 Shard state:  pending -> running -> the worker's exit state (done, failed, lost, ...) | cancelled;
               ``fetched`` once its files are back here.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import tempfile
 import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
+from itertools import count
 from pathlib import Path
 
 from remote.settings import EvalSettings
@@ -29,6 +33,8 @@ from ..errors import InputError
 
 RUN_FILE = "run.json"
 _SAVING = threading.Lock()
+LOCK_FILE = ".lock"
+RESUME_LOCK = ".resume.lock"
 
 
 class RunRecordError(InputError):
@@ -99,6 +105,7 @@ class Shard:
     exit_code: int | None = None
     done: int = 0                   # prompts its worker had finished when last heard from
     prompts: int | None = None      # prompts its worker has to do (None: not heard yet)
+    why: str | None = None          # the host's reason for that state (a full disk, a lost job), if any
     ray: dict | None = None         # a Ray host's shard: its actor, job, node (backends/ray.py)
 
     @property
@@ -113,6 +120,33 @@ class Shard:
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def claim_run_folder(runs_dir: Path, rid: str) -> str:
+    """``rid``, else ``rid-2``, ``rid-3``, ...: the first id whose folder under ``runs_dir`` this
+    call creates itself (an atomic mkdir), so two evals started in the same second never share one."""
+    Path(runs_dir).mkdir(parents=True, exist_ok=True)
+    for n in count(1):
+        candidate = rid if n == 1 else f"{rid}-{n}"
+        try:
+            (Path(runs_dir) / candidate).mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` replaced by ``text`` at once, through a temporary file of its own (concurrent
+    writers never share one)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def run_id(drafter: str, checkpoint: str | None, host: str, when: datetime | None = None) -> str:
@@ -135,6 +169,7 @@ class RunRecord:
     request: EvalRequest
     shards: list[Shard] = field(default_factory=list)
     step: int | None = None         # the checkpoint's training step
+    cancels: int = 0                # times `cancel` stopped it (a resume that started meanwhile sees it)
     folder: Path | None = field(default=None, repr=False, compare=False)   # runs/<id>, not saved
 
     @property
@@ -158,7 +193,7 @@ class RunRecord:
                step: int | None = None) -> "RunRecord":
         """A new run of drafter ``label`` at checkpoint folder ``checkpoint`` (training ``step``)."""
         hosts = request.hosts
-        rid = run_id(label, checkpoint, "+".join(hosts))
+        rid = claim_run_folder(Path(runs_dir), run_id(label, checkpoint, "+".join(hosts)))
         return cls(id=rid, drafter=label, checkpoint=checkpoint, step=step, target=request.target or "default",
                    created_at=now_iso(), status=State.PREPARING, request=request,
                    shards=[Shard(host=h, index=i, count=len(hosts)) for i, h in enumerate(hosts)],
@@ -182,6 +217,8 @@ class RunRecord:
         for s in record.shards:
             s.state = State(s.state)
         _check_types(record)
+        if any(s.index != i or s.count != len(record.shards) for i, s in enumerate(record.shards)):
+            raise ValueError("'shards' are not numbered 0..n-1 with count n")
         return record
 
     @classmethod
@@ -207,16 +244,72 @@ class RunRecord:
         """run.json, atomically; shards followed side by side save from their own threads."""
         with _SAVING:
             self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=RUN_FILE + ".", suffix=".tmp", dir=self.folder)
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.to_dict(), indent=2))
-            os.replace(tmp, self.folder / RUN_FILE)
+            self._adopt_cancel()
+            write_atomic(self.folder / RUN_FILE, json.dumps(self.to_dict(), indent=2))
 
     @property
     def progress(self) -> tuple[int, int | None]:
         """(prompts finished, prompts in all) as the workers last reported them."""
         todo = [s.prompts for s in self.shards]
         return sum(s.done for s in self.shards), (sum(todo) if all(t is not None for t in todo) else None)
+
+    def refresh(self) -> None:
+        """Read run.json again: another command (cancel, a resume) may have moved the run on."""
+        fresh = RunRecord.load(self.folder)
+        for f in fields(self):
+            if f.name != "folder":
+                setattr(self, f.name, getattr(fresh, f.name))
+
+    @contextmanager
+    def lock(self, name: str = LOCK_FILE):
+        """The run's own lock (``runs/<id>/.lock``): `cancel` and the start of workers never
+        interleave, so a cancel either comes first (and the start sees it) or finds the workers
+        started and stops them. ``RESUME_LOCK`` is held by `eval --resume` from its pre-flight on."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / name, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def being_resumed(self) -> bool:
+        """Is an `eval --resume` of this run preparing it right now (holding ``RESUME_LOCK``)?"""
+        try:
+            fd = os.open(self.folder / RESUME_LOCK, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def cancelled_meanwhile(self) -> bool:
+        """Was the run cancelled after this record was read (run.json on disk says so)?"""
+        if not (self.folder / RUN_FILE).exists():
+            return False
+        return RunRecord.load(self.folder).cancels > self.cancels
+
+    def _adopt_cancel(self) -> None:
+        """A `cancel` that came after this record was read stays: the run is cancelled."""
+        try:
+            if self.cancelled_meanwhile():
+                self.cancels, self.status = RunRecord.load(self.folder).cancels, State.CANCELLED
+        except RunRecordError:
+            pass
+
+    def abandon(self) -> None:
+        """A run that never started (its pre-flight failed) gives its claimed folder back, when
+        nothing was written into it."""
+        if self.folder is not None and not (self.folder / RUN_FILE).exists():
+            try:
+                (self.folder / LOCK_FILE).unlink(missing_ok=True)
+                self.folder.rmdir()
+            except OSError:
+                pass
 
     # --- transitions ---------------------------------------------------------------------------
 
@@ -266,6 +359,7 @@ class RunRecord:
         s = self.shards[index]
         s.state = _state(exit_event.get("state"))
         s.exit_code = exit_event.get("exit_code")
+        s.why = exit_event.get("why")
 
     def shard_fetched(self, index: int) -> None:
         self.shards[index].fetched = True
@@ -276,9 +370,13 @@ class RunRecord:
         self.save()
 
     def settle(self) -> str:
-        """After following: ``unfinished`` (some shard not fetched: still running), ``failed``
-        (some worker failed) or ``done``; the status follows."""
-        if not all(s.fetched for s in self.shards):
+        """After following: ``cancelled`` (a `cancel` stopped it meanwhile), ``unfinished`` (some
+        shard not fetched: still running), ``failed`` (some worker failed) or ``done``; the status
+        follows."""
+        self._adopt_cancel()
+        if self.status == State.CANCELLED:
+            outcome = "cancelled"
+        elif not all(s.fetched for s in self.shards):
             self.status, outcome = State.RUNNING, "unfinished"
         elif any(s.state != State.DONE for s in self.shards):
             self.status, outcome = State.FAILED, "failed"
@@ -287,19 +385,14 @@ class RunRecord:
         self.save()
         return outcome
 
-    def cancelled(self, answers: dict[int, dict]) -> None:
-        """`cancel` asked each shard's host (``answers``: the host's answer per shard): a worker it
-        stopped is ``cancelled``, one that had ended keeps its state; the run is ``cancelled`` when
-        any worker was, and otherwise keeps its status (a finished run stays done)."""
-        stopped = False
-        for index, answer in answers.items():
-            s = self.shards[index]
-            if answer.get("cancelled"):
-                s.state, stopped = State.CANCELLED, True
-            elif s.state == State.RUNNING or not s.state.is_terminal():
-                s.state = _state(answer.get("state"))
-        if stopped:
-            self.status = State.CANCELLED
+    def cancelled(self, stopped: list[int]) -> None:
+        """`cancel` stopped the workers of shards ``stopped`` (a shard whose worker had ended by
+        itself was fetched instead); the run is cancelled (also with none stopped: a resume that is
+        preparing it then starts nothing)."""
+        for index in stopped:
+            self.shards[index].state = State.CANCELLED
+        self.status = State.CANCELLED
+        self.cancels += 1
         self.save()
 
 
@@ -312,10 +405,11 @@ def _state(value) -> State:
 
 
 _TYPES = {"id": str, "drafter": str, "checkpoint": (str, type(None)), "target": str, "created_at": str,
-          "step": (int, type(None))}
+          "step": (int, type(None)), "cancels": int}
 _SHARD_TYPES = {"host": str, "index": int, "count": int, "gpu": (str, type(None)), "run_dir": str, "code_dir": str,
                 "python": str, "drafter_path": str, "target_path": str, "fetched": bool,
-                "exit_code": (int, type(None)), "ray": (dict, type(None)), "done": int, "prompts": (int, type(None))}
+                "exit_code": (int, type(None)), "ray": (dict, type(None)), "done": int, "prompts": (int, type(None)),
+                "why": (str, type(None))}
 
 
 def _check_types(record: RunRecord) -> None:

@@ -3,7 +3,9 @@
 
 Complete = both
 * **quiet**: no file in it changed for the run's ``settle`` seconds (catalog; measured on the
-  training host's own clock, so clock skew between hosts does not matter), and
+  training host's own clock, so clock skew between hosts does not matter; but on shared storage
+  the mtimes come from the file server's clock: a file dated well in the future is named as skew,
+  and ``settle: 0`` with a ``marker`` is the rule that needs no clock), and
 * **the expected files exist**: the file the run names as ``marker`` in the catalog (training
   writes it last), or else a ``config.json`` plus weights (``*.safetensors``/``.pt``/``.pth``/
   ``.bin``; every shard of a ``-0000k-of-0000n`` set).
@@ -22,6 +24,7 @@ from .tool import SyncError
 CONFIG = "config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 _SHARD = re.compile(r"^(.*)-(\d+)-of-(\d+)(\.[a-z]+)$")
+CLOCK_SKEW = 60.0         # a file dated further than this in the host's future: the clocks disagree
 
 
 class IncompleteCheckpoint(SyncError):
@@ -64,6 +67,13 @@ def judge(paths: list[str], newest_mtime: float, host_now: float, run: TrainingR
         return Verdict(False, f"expected files missing: {', '.join(missing[:5])}"
                               f"{' …' if len(missing) > 5 else ''}")
     age = host_now - newest_mtime
+    if run.settle <= 0:         # the expected files alone (a marker) say it is complete
+        return Verdict(True)
+    if age < -CLOCK_SKEW:
+        return Verdict(False, f"a file is dated {-age:.0f}s in the future of the training host's clock (shared "
+                              f"storage whose file server's clock runs ahead?), so quiet time cannot be measured; "
+                              f"set `marker` (a file training writes last) and `settle: 0` for run {run.name} in "
+                              f"the catalog")
     if age < run.settle:
         return Verdict(False, f"a file changed {max(age, 0):.0f}s ago (settle time {run.settle:g}s)",
                        wait=run.settle - max(age, 0.0))

@@ -9,6 +9,7 @@ from ..config.catalog import Catalog, CatalogError, TrainingRun
 from ..config.inventory import Host, Inventory, InventoryError
 from ..transport import TransportError, runner_for
 from .complete import judge_listed
+from .fresh import changed_files, differs
 from .plan import dest_rundir
 from .tool import Session, SyncError, run_tool
 
@@ -28,6 +29,20 @@ def host_checkpoints(runner, host: Host, runs: list[TrainingRun], root_for: Call
     return answer["runs"]
 
 
+def stale_copies(listing: dict, there: dict, srun, src: Host, drun, dst: Host,
+                 runs: list[TrainingRun]) -> set[tuple[str, str]]:
+    """(run, checkpoint) of the complete copies on the eval host that are not the training host's
+    checkpoint any more (sync/fresh.py: listings first, hashes only where those differ)."""
+    out = set()
+    for r in runs:
+        copies = {c["name"]: c for c in there.get(r.name, {}).get("checkpoints", []) if c["complete"]}
+        for c in listing[r.name]["checkpoints"]:
+            if c["name"] in copies and differs(c, copies[c["name"]]) and changed_files(
+                    srun, src, f"{listing[r.name]['dir']}/{c['name']}", drun, dst, dest_rundir(dst, r), c["name"]):
+                out.add((r.name, c["name"]))
+    return out
+
+
 @dataclass
 class CkptRow:
     run: str
@@ -36,7 +51,7 @@ class CkptRow:
     size: int
     files: int
     mtime: float
-    on_eval: str  # yes | partial | no | ?
+    on_eval: str  # yes | stale (the training host's files changed since) | partial | no | ?
     incomplete: str = ""   # why it is not complete yet on the training host (sync/complete.py); "" = complete
 
 
@@ -49,18 +64,20 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
     if not runs:
         raise CatalogError(f"no training runs in the catalog ({catalog.path or 'none found'})")
     warnings: list[str] = []
+    stale: set[tuple[str, str]] = set()
     with runner_for(src, inv) as srun:
         src = src.on_host(srun.expand_home)
         listing = host_checkpoints(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
-    there: dict | None = None
-    try:
-        dst = inv.pick("eval", dst_name)
-        if dst.checkpoints:
-            with runner_for(dst, inv, connect_timeout=10) as drun:
-                dst = dst.on_host(drun.expand_home)
-                there = host_checkpoints(drun, dst, runs, lambda r: dest_rundir(dst, r))
-    except (InventoryError, TransportError, SyncError) as e:
-        warnings.append(f"eval host: {e}")
+        there: dict | None = None
+        try:
+            dst = inv.pick("eval", dst_name)
+            if dst.checkpoints:
+                with runner_for(dst, inv, connect_timeout=10) as drun:
+                    dst = dst.on_host(drun.expand_home)
+                    there = host_checkpoints(drun, dst, runs, lambda r: dest_rundir(dst, r))
+                    stale = stale_copies(listing, there, srun, src, drun, dst, runs)
+        except (InventoryError, TransportError, SyncError) as e:
+            warnings.append(f"eval host: {e}")
     rows = []
     for r in runs:
         info = listing[r.name]
@@ -71,6 +88,8 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
         for c in info["checkpoints"]:
             if there is None:
                 on = "?"
+            elif (r.name, c["name"]) in stale:
+                on = "stale"
             elif c["name"] in d and d[c["name"]]["complete"]:
                 on = "yes"
             elif c["name"] in staging or c["name"] in d:

@@ -121,11 +121,17 @@ class Transfer:
 
     def kill(self, why: str) -> None:
         self.killed_for = self.killed_for or why
-        for p in self.procs:
+        for p in list(self.procs):
             try:
                 os.killpg(p.pid, 9)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def _started(self, proc: subprocess.Popen) -> None:
+        """``proc`` is one of the transfer's now; one killed meanwhile does not outlive the kill."""
+        self.procs.append(proc)
+        if self.killed_for:
+            self.kill(self.killed_for)
 
     def run(self, on_bytes: Callable[[int], None]) -> tuple[str, str, str, str]:
         """Returns (status line, dst stderr, src stderr, src rc)."""
@@ -140,13 +146,13 @@ class Transfer:
                 pass
             src = subprocess.Popen(self.src_argv, stdin=subprocess.DEVNULL, stdout=w,
                                    stderr=subprocess.PIPE, start_new_session=True)
-            self.procs.append(src)
+            self._started(src)
             os.close(w)
         else:
             src = None
         dst = subprocess.Popen(self.dst_argv, stdin=r if r is not None else subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        self.procs.append(dst)
+        self._started(dst)
         if r is not None:
             os.close(r)  # only the two ssh clients hold the pipe now
         errs = {"src": b"", "dst": b""}
@@ -212,10 +218,10 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
         progress.file_started(f)
         offset = f.offset
         for attempt in range(2):
-            if abort.is_set():
-                return
             t = Transfer(f, *argv_pair(f, offset))
             with lock:
+                if abort.is_set():
+                    return
                 active[f.path] = t
 
             def on_bytes(n: int) -> None:
@@ -259,23 +265,24 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
 
     wd = threading.Thread(target=watchdog, daemon=True)
     wd.start()
+    pool = ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo), MAX_SESSIONS)))
     try:
         progress.start(plan)
-        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo), MAX_SESSIONS))) as pool:
-            futures = [pool.submit(guarded, f) for f in sorted(todo, key=lambda f: -f.to_move)]
-            for fut in futures:
-                try:
-                    fut.result()
-                except BaseException:
-                    pass
-    except BaseException:
-        abort.set()
+        futures = [pool.submit(guarded, f) for f in sorted(todo, key=lambda f: -f.to_move)]
+        for fut in futures:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001 — recorded in `failures` by guarded(); the first is raised below
+                pass
+    except BaseException:              # Ctrl-C (or SIGTERM): stop every transfer now, not at its end
         with lock:
+            abort.set()
             for t in active.values():
                 t.kill("interrupted")
         raise
     finally:
         abort.set()
+        pool.shutdown(wait=True, cancel_futures=True)   # quick once the transfers are killed
         progress.stop()
     if failures:
         raise SyncError(failures[0])

@@ -97,6 +97,11 @@ class SessionError(SyncError):
         self.reason = reason
 
 
+class SyncBusy(SessionError):
+    """Another sync of the checkpoint holds its lock on the destination (nothing was moved): a
+    reason to wait, not a failure of this sync."""
+
+
 def _pump(stream, sink) -> None:
     """Every line of ``stream`` (decoded, without the newline) into ``sink``, then None."""
     try:
@@ -145,8 +150,8 @@ class Session:
             self.lines.put(None)  # stays ended for later calls
             raise SyncError(f"host {name}: {self._ended()}")
         if line.startswith("BUSY "):
-            raise SessionError(f"host {name}: {line[5:]}; it is still running — wait for it or raise --lock-wait",
-                               line[5:])
+            raise SyncBusy(f"host {name}: {line[5:]}; it is still running: run this again once it has finished",
+                           line[5:])
         if line.startswith("ERROR "):
             raise SessionError(f"host {name}: {line[6:]}", line[6:])
         if line == verb or line.startswith(verb + " "):

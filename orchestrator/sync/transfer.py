@@ -24,6 +24,7 @@ from ..reports.render import human_bytes
 from ..transport import SSHRunner, TransportError, runner_for
 from ..transport.master import Master
 from .complete import judge_manifest, newest_complete, require_complete
+from .fresh import describe
 from .listing import host_checkpoints
 from .lock import Destination
 from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
@@ -164,8 +165,12 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                     on_plan(plan)
                 return SyncResult(plan=plan, seconds=time.monotonic() - started,
                                   verified=len(plan.files), skipped=len(plan.files))
-            raise SyncError(f"{dst.name}:{plan.dst_final} already exists with different content "
-                            f"(or without a dflash manifest); move it away to sync again")
+            copy = {e["path"]: e.get("sha256") for e in st["final_manifest"] or []}
+            now = {e["path"]: e.get("sha256") for e in src_files}
+            changed = sorted(p for p in copy.keys() | now.keys() if copy.get(p) != now.get(p))
+            why = (f"a copy of other files (changed on {src.name} since it was synced: {describe(changed)})"
+                   if copy else "without a dflash manifest")
+            raise SyncError(f"{dst.name}:{plan.dst_final} already exists, {why}; move it away to sync again")
         make_plan(plan, src_files, st)
         if on_plan:
             on_plan(plan)

@@ -91,6 +91,6 @@ class LocalRunner(Runner):
 
     def read_text(self, remote) -> str:
         try:
-            return self._path(remote).read_text()
+            return decode(self._path(remote).read_bytes())
         except FileNotFoundError:
             raise TransportError(f"host {self.name}: no such file: {remote}") from None

@@ -185,6 +185,7 @@ class Watcher:
     def _checkpoint(self, name: str, step: int, host: str) -> bool:
         from ..sync import sync_checkpoint
         from ..sync.complete import IncompleteCheckpoint
+        from ..sync.tool import SyncBusy
 
         with self.lock:
             p = self.state.point(name, step)
@@ -201,7 +202,7 @@ class Watcher:
                                 dst_name=host, **self.sync_kw)
                 summary = self._evaluate(p, f"{self.label}:{name}", host, lambda rid: self._mark(p, "evaluating",
                                                                                                  eval_run=rid))
-        except IncompleteCheckpoint as e:
+        except (IncompleteCheckpoint, SyncBusy) as e:      # not complete yet, or another sync of it: later
             self.say("info", f"{name}: {e}")
             with self.lock:
                 self.state.mark(p, "waiting", reason=str(e))
