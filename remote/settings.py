@@ -10,6 +10,7 @@ touched, the worker when it is run by hand.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -173,6 +174,14 @@ class EvalSettings:
         unknown = sorted(set(data) - known)
         if unknown:
             raise TypeError(f"unknown settings {', '.join(unknown)}")
+        default = cls()
+        for f in FIELDS:
+            value = data.get(f.name, getattr(default, f.name))
+            if value is None and getattr(default, f.name) is None:
+                continue
+            if isinstance(value, bool) != (f.kind is bool) or not isinstance(value, (int, float) if f.kind is float
+                                                                              else f.kind):
+                raise TypeError(f"setting '{f.name}' must be {f.kind.__name__}, not {json.dumps(value)[:40]}")
         return cls(**data)
 
 

@@ -412,7 +412,20 @@ _SHARD_TYPES = {"host": str, "index": int, "count": int, "gpu": (str, type(None)
                 "why": (str, type(None))}
 
 
+_REQUEST_TYPES = {"sglang": str, "gpus": (str, type(None)), "min_free_gb": (int, float), "verify_weights": bool}
+
+
 def _check_types(record: RunRecord) -> None:
+    req = record.request
+    if not isinstance(req.hosts, list) or not all(isinstance(h, str) for h in req.hosts):
+        raise TypeError("'request.hosts' is not a list of host names")
+    for name, kind in _REQUEST_TYPES.items():
+        if not isinstance(getattr(req, name), kind):
+            raise TypeError(f"'request.{name}' has the wrong type ({type(getattr(req, name)).__name__})")
+    for name in ("drafter_ref", "target", "drafter_path", "drafter_run", "checkpoint", "target_path", "suite_file",
+                 "suite_sha256"):
+        if not isinstance(getattr(req, name), (str, type(None))):
+            raise TypeError(f"'request.{name}' has the wrong type ({type(getattr(req, name)).__name__})")
     for name, kind in _TYPES.items():
         if not isinstance(getattr(record, name), kind):
             raise TypeError(f"'{name}' has the wrong type ({type(getattr(record, name)).__name__})")
