@@ -373,8 +373,8 @@ def release(runner: ActorRunner) -> None:
 class RayJob(HostJob):
     """A shard's worker on a Ray node, run through its actor; the actor ends with the job."""
 
-    def fetch(self, local_dir: Path) -> list[str]:
-        got = super().fetch(local_dir)
+    def fetch(self, local_dir: Path, required: tuple[str, ...] = ()) -> list[str]:
+        got = super().fetch(local_dir, required)
         release(self.runner)
         return got
 
