@@ -67,7 +67,7 @@ def fake_sglang(ssh_lab):
 def test_hosts_check_all_lab_hosts(ssh_lab, tmp_path, fake_sglang):
     inv = ssh_lab.write_inventory(tmp_path / "inv.yaml", eval={"sglang": fake_sglang})
     t = time.monotonic()
-    res = invoke("--inventory", str(inv), "hosts", "check")
+    res = invoke("--inventory", str(inv), "hosts", "check", env={"COLUMNS": "200"})   # a table, whatever the values' widths
     assert res.exit_code == 0, res.output
     rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 5}
     assert set(rows) >= {"local", "train", "eval"}

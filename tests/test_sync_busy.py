@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_a_busy_lock_is_waited_for_by_watch_and_named_without_a_missing_option(ssh_lab, tmp_path):
     from orchestrator.names import Resolver
     from orchestrator.watch.loop import Watcher, WatchOptions
+    from remote.settings import EvalSettings
 
     run = f"r{uuid.uuid4().hex[:8]}"
     src = ssh_lab.train.root / "checkpoints" / run / "step_1"
@@ -37,7 +38,7 @@ def test_a_busy_lock_is_waited_for_by_watch_and_named_without_a_missing_option(s
     said: list[tuple[str, str]] = []
     try:
         names = Resolver(str(inventory), str(catalog), tmp_path / "runs")
-        opts = WatchOptions(run=run, hosts=["eval"], settings={"prompts": 1}, max_attempts=3)
+        opts = WatchOptions(run=run, hosts=["eval"], settings=EvalSettings(prompts=1), max_attempts=3)
         watcher = Watcher(names, opts, lambda level, msg: said.append((level, msg)),
                           sync_kw={"lock_wait": 1, "alive": (2, 3), "idle": 6.0, "stall": 20.0})
         for _ in range(3):

@@ -34,7 +34,7 @@ from orchestrator.sync import SyncError, SyncProgress, TunnelFallback, TunnelUna
 from orchestrator.sync.tool import tool_blob
 from orchestrator.transport import master as master_mod
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("tunnel")]  # /tmp/dflash-t-*: one at a time
 KEY_TAG = "dflash-ops-sync-"
 ALIAS = "dflash-ops-training-host"
 
@@ -51,6 +51,16 @@ def authorized_keys(lab) -> str | None:
     return f.read_text() if f.exists() else None
 
 
+def _ours(master_dir: str) -> bool:
+    """A master folder of this test process (or of a command it ran that is gone): not one of a sync
+    the other pytest-xdist worker is running now."""
+    try:
+        pid = int(Path(master_dir, "pid").read_text())
+    except (OSError, ValueError):
+        return False
+    return pid == os.getpid() or not Path(f"/proc/{pid}").exists()
+
+
 def leftovers(lab, here: bool = True) -> list[str]:
     """Whatever a tunnel sync may leave behind: one-time key lines on the training host, the eval
     host's tunnel folders (key, known_hosts, sockets), processes (masters here, the eval host's
@@ -59,7 +69,8 @@ def leftovers(lab, here: bool = True) -> list[str]:
     found = []
     text = authorized_keys(lab) or ""
     found += [f"authorized_keys: {ln[:60]}..." for ln in text.splitlines() if KEY_TAG in ln]
-    found += glob("/tmp/dflash-t-*") + (glob(f"{master_mod._socket_base()}/dflash-m-*") if here else [])
+    masters = [d for d in glob(f"{master_mod._socket_base()}/dflash-m-*") if _ours(d)] if here else []
+    found += glob("/tmp/dflash-t-*") + masters
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
@@ -68,7 +79,7 @@ def leftovers(lab, here: bool = True) -> list[str]:
         except OSError:
             continue
         line = b" ".join(argv).decode(errors="replace")
-        if "dflash-t-" in line or "dflash-m-" in line or ALIAS in line:
+        if "dflash-t-" in line or any(m in line for m in masters) or ALIAS in line:
             found.append(f"process {entry}: {line[:100]}")
     unix = lab.exec_in(lab.eval, ["cat", "/proc/net/unix"]).stdout
     found += [f"socket {ln.split()[-1]}" for ln in unix.splitlines() if "dflash-t-" in ln]

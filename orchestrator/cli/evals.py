@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from remote.settings import EvalSettings
+from remote.states import State
 
 from . import console
 from .console import safe
@@ -268,7 +269,11 @@ def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     out = console.out()
     for host, st in cancel(record, names.inventory).items():
         out.print(safe(cancel_line(host, st)))
-    out.print(f"`dflash-ops eval --resume {record.id}` finishes it; `dflash-ops show {record.id}` shows what is there")
+    if record.status == State.CANCELLED:
+        out.print(f"`dflash-ops eval --resume {safe(record.id)}` finishes it; `dflash-ops show {safe(record.id)}` shows "
+                  f"what is there")
+    else:
+        out.print(f"run {safe(record.id)}: {record.status} (nothing was running; nothing was cancelled)")
 
 
 def cancel_line(host: str, st: dict) -> str:
