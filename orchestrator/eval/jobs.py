@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from remote.engine_phase import LOGS as ENGINE_LOGS
+
 from ..transport import Runner, TransportError
 
-FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json")
+FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json",
+           *(f"out/{name}" for name in ENGINE_LOGS.values()))      # the engine's server logs (--engine)
 
 
 @dataclass
