@@ -294,6 +294,10 @@ def checks(spec: list[dict], requests: list[TurnRequest], ours: list[OurTurn], b
     known = [s for s in spec if s["accepted"] is not None and s["tokens"] is not None]
     c["counts_prefill_token"] = bool(known) and all(s["tokens"] - s["cycles"] - s["accepted"] == 1 for s in known)
     c["overshoot"] = sum(engine_overshoot(s) for s in known) if known else 0
+    # the overshoot is the last step's matched drafts past the end: never negative, never more than
+    # that step accepted (K where the steps are not reported)
+    c["overshoot_fits"] = all(0 <= engine_overshoot(s) <= (s["per_step_accepted"][-1] if s["per_step_accepted"]
+                                                           else s["num_speculative_tokens"] or 0) for s in known)
     c["finish_reasons"] = [s["finish_reason"] for s in spec]
     c["reconcile"] = [reconcile(s, o.acceptance_lengths, block_size) if o.acceptance_lengths and s["cycles"] else None
                       for s, o in zip(spec, ours)]
@@ -360,7 +364,7 @@ def explain(c: dict) -> list[str]:
         out.append("prefill_token")
     if any(cause in out for cause in DECODING_CAUSES):
         return out
-    if c["overshoot"] > 0:
+    if c["overshoot"] > 0 and c["overshoot_fits"]:
         out.append("stop_overshoot" if "stop" in c["finish_reasons"] else "length_overshoot")
     kernel = c.get("kernel")
     if c["first_difference"] is not None:
@@ -370,7 +374,7 @@ def explain(c: dict) -> list[str]:
     elif c["last_cycles"]:
         out.append("last_cycles")
     counts = c["counts"]
-    if not out or (out == ["prefill_token"] and counts["engine"] != counts["ours"]):
+    if not out or not c["overshoot_fits"] or (out == ["prefill_token"] and counts["engine"] != counts["ours"]):
         out.append("unexplained")
     return out
 

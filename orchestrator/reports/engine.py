@@ -152,8 +152,9 @@ def cause_detail(cause: str, rows: list[dict]) -> str:
         d = c.get("output_difference") or {}
         return f"first at output token {d.get('position')}: engine {d.get('engine')}, ours {d.get('ours')}"
     if cause in ("stop_overshoot", "length_overshoot"):
-        return f"{sum((x.get('checks') or {}).get('overshoot') or 0 for x in rows if cause in (x.get('causes') or []))} " \
-               f"drafts counted past the end in all; drafts + accepted = output − 1 + overshoot on every prompt"
+        n = sum((x.get("checks") or {}).get("overshoot") or 0 for x in rows if cause in (x.get("causes") or []))
+        return (f"{n} matched draft{'s' * (n != 1)} counted past the end (drafts + accepted − (output − 1)), "
+                f"each within what the engine's last step accepted")
     if cause == "kernel_quirk":
         f = c.get("first_difference") or {}
         return f"unchanged, ours first differs at cycle {f.get('cycle')}; with the quirk, no full-block cycle differs"
