@@ -106,6 +106,7 @@ def log_tail(path: str | Path, lines: int = 25) -> str:
 
 _ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
 _GENERIC_ERRORS = ("EngineDeadError", "EngineCore encountered an issue")  # wrappers of an earlier, real cause
+_NOT_AN_ERROR = re.compile(r"\b(?:INFO|WARNING|DEBUG)\b")   # a log record below error level that quotes one
 
 
 def log_error(path: str | Path) -> str | None:
@@ -118,7 +119,7 @@ def log_error(path: str | Path) -> str | None:
     found = None
     for i, line in enumerate(lines):
         m = _ERROR_LINE.search(line)
-        if not m or (found and any(g in line for g in _GENERIC_ERRORS)):
+        if not m or _NOT_AN_ERROR.search(line[:m.start()]) or (found and any(g in line for g in _GENERIC_ERRORS)):
             continue
         found = f"{m.group(1)}: {m.group(2).strip()}"
         if "validation error" in m.group(2):
@@ -205,7 +206,8 @@ class ServerProcess:
         """The error for a server found dead: its exit status, its own error line and its log tail."""
         code = self.proc.poll()
         status = f"exit code {code}" if code is not None and code >= 0 else f"killed by signal {-(code or 0)}"
-        reason = log_error(self.log_path)
+        # killed by a signal (SIGKILL, the OOM killer): the log cannot hold the reason
+        reason = log_error(self.log_path) if code is None or code >= 0 else None
         kind = "died" if when == "mid-run" else "start_failed"
         if when != "mid-run" and reason and "address already in use" in reason.lower():
             kind = "port_taken"

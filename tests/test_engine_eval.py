@@ -124,6 +124,20 @@ def test_eval_engine_beside_ours(engine_run, setup):
     print(f"\n{report}\n(eval --engine: {seconds:.0f}s)")
 
 
+def test_parity_three_way(engine_run, setup):
+    """parity on the engine run: teacher-forced τ (training and eval way), our online τ and the engine's
+    own, on the same checkpoint and prompts, with the causes of the engine's difference named."""
+    run_dir, _, _ = engine_run
+    par = cli(setup, "parity", run_dir.name, runs=run_dir.parent, timeout=900)
+    assert par.returncode == 0, par.stdout + par.stderr
+    text = " ".join(par.stdout.split())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "teacher-forced, training way" in text and "ours, online" in text, par.stdout
+    assert "vLLM 0.32.0, its own count" in text and f"{summary['engine']['tau_pooled']:.3f}" in text, par.stdout
+    assert "why it differs from ours: " in text and "kernel quirk" in text, par.stdout
+    print(par.stdout)
+
+
 def test_engine_killed_mid_run_then_resume(setup, tmp_path):
     """The engine server dies mid-run: the run fails with one line naming it; `eval --resume` starts the
     engine again and finishes every prompt once."""
@@ -156,3 +170,29 @@ def test_engine_killed_mid_run_then_resume(setup, tmp_path):
     assert sorted(r["id"] for r in rows) == sorted({r["id"] for r in rows}) and len(rows) == 3 and before < 3
     assert all(r["engine"]["output_ids"] == r["output_ids"] for r in rows)
     assert servers_of(setup["target"]) == []
+
+
+def test_cancel_stops_the_engine_servers(setup, tmp_path):
+    """`cancel` while the engine serves: the worker's SIGTERM handler stops both servers (their own process
+    groups, which the signal to the worker's group does not reach) before the worker ends."""
+    runs = tmp_path / "runs"
+    proc = cli(setup, "eval", "--host", "eval", "--drafter", "q", "--prompts", 3, "--max-new-tokens", MAX_NEW,
+               "--device", "cpu", "--engine", runs=runs, popen=True)
+    host_runs = setup["lab"].eval.root / "workdir" / "runs"
+    deadline = time.monotonic() + 900
+    started = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        ours = {d.name for d in runs.iterdir()} if runs.exists() else set()
+        started = next((p.parent for p in host_runs.glob("*/events.jsonl") if p.parent.name in ours
+                        and '"event": "start"' in p.read_text()), None)
+        if started:
+            break
+        time.sleep(0.5)
+    assert started is not None, proc.communicate()[0]
+    assert len(servers_of(setup["target"])) == 2
+    res = cli(setup, "cancel", started.name, runs=runs, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert servers_of(setup["target"]) == [], "engine servers left running after cancel"
+    assert not (started / "out" / "engine.pids").exists()
+    proc.communicate(timeout=120)
+    assert "SIGTERM: stopping the engine servers" in (started / "worker.log").read_text()
