@@ -111,3 +111,24 @@ def test_engine_refusals_are_one_line(case, embedded_pair, stand_in, tmp_path):
     errors = [json.loads(line) for line in proc.stdout.splitlines() if '"error"' in line]
     assert errors and want in errors[-1]["message"] and "\n" not in errors[-1]["message"], (errors, proc.stderr[-2000:])
     assert not (tmp_path / "o" / "results.jsonl").exists() or not (tmp_path / "o" / "results.jsonl").read_text()
+
+
+def test_servers_an_earlier_worker_left_are_ended(tmp_path):
+    """A worker killed with SIGKILL cannot stop its engine servers (their own process groups): the next
+    worker of the run ends the recorded ones, and only those (a pid is checked with its start time)."""
+    from remote.engine import ServerProcess, kill_recorded, process_start
+
+    left = ServerProcess([sys.executable, "-c", "import time; time.sleep(300)"], tmp_path / "left.log", name="left")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    try:
+        record = tmp_path / "engine.pids"
+        left.record(record)
+        with open(record, "a") as f:                    # the same pid number, another process: left alone
+            f.write(f"{other.pid} {process_start(other.pid) + 1}\n")
+        assert kill_recorded(record) == [left.pid]
+        assert left.proc.wait(timeout=10) == -9 and other.poll() is None and not record.exists()
+        assert kill_recorded(record) == []
+    finally:
+        left.stop(grace=1)
+        other.kill()
+        other.wait()
