@@ -132,3 +132,21 @@ def test_servers_an_earlier_worker_left_are_ended(tmp_path):
         left.stop(grace=1)
         other.kill()
         other.wait()
+
+
+def test_hosts_check_reads_what_a_running_server_serves(stand_in, embedded_pair):
+    """`hosts check` on a host whose engine is a `url:` server: the probe asks the server what it serves."""
+    from orchestrator.config.inventory import EngineSpec, Host
+    from orchestrator.eval.hostcheck import HostReport, _fill_engine
+    from remote.probe import engine
+
+    for url, want in ((stand_in[0], "speculative, 7 drafts per step"), (stand_in[1], "no speculative decoding")):
+        found = engine("sglang", None, url, 10.0)
+        assert found["served"]["model"] == embedded_pair["target"], found
+        report = HostReport(name="ev", endpoint="x")
+        _fill_engine(report, Host(name="ev", address="x", engine=EngineSpec("sglang", url=url)), found)
+        assert report.engine == f"sglang stand-in at {url}: {embedded_pair['target']}, {want}", report.engine
+    down = engine("sglang", None, "http://127.0.0.1:9", 5.0)
+    report = HostReport(name="ev", endpoint="x")
+    _fill_engine(report, Host(name="ev", address="x", engine=EngineSpec("sglang", url="http://127.0.0.1:9")), down)
+    assert report.engine == "sglang (not usable)" and report.warnings[0].startswith("engine: sglang server at "), report
