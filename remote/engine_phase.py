@@ -31,6 +31,11 @@ KINDS = ("vllm", "sglang")
 LOGS = {"drafter": "engine-drafter.log", "plain": "engine-plain.log"}
 PIDS = "engine.pids"
 QUIRK = "first_layer_context_k_norm"      # remote/engine_quirks.py: vLLM CPU's context-key norm
+# On a GPU the two servers share the worker's GPU(s) with its own target and drafter: each gets this
+# share of GPU memory instead of the engine's default (vLLM 0.9, which leaves no room for the second
+# server). The inventory's `args` come after it, so they can set another.
+GPU_SHARE = 0.3
+GPU_SHARE_ARGS = {"vllm": ["--gpu-memory-utilization", str(GPU_SHARE)], "sglang": ["--mem-fraction-static", str(GPU_SHARE)]}
 
 # Why an engine's τ differs from ours, in the order a report names them. The first group changes
 # what is decoded (then a step-by-step comparison means nothing); the rest are ways of counting or
@@ -105,10 +110,13 @@ class EnginePhase:
 
     def __init__(self, kind: str, target: str, drafter: str, out: Path, num_drafts: int, python: str | None = None,
                  url: str | None = None, extra_args: list[str] | tuple = (), dtype: str | None = None, seed: int = 0,
+                 device: str = "cpu",
                  log: Callable[[str], None] = lambda _: None):
         self.kind, self.target, self.drafter, self.out = kind, str(target), str(drafter), Path(out)
         self.num_drafts, self.python, self.url, self.extra_args = int(num_drafts), python, url, list(extra_args)
         self.dtype, self.seed, self.log = dtype, seed, log
+        if str(device).startswith("cuda"):
+            self.extra_args = GPU_SHARE_ARGS[kind] + self.extra_args
         self.module = _module(kind)
         self.servers: dict = {}
         self.clients: dict = {}

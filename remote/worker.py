@@ -212,7 +212,7 @@ def run(args) -> dict:
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     preflight(args, device)
-    phase = start_engine(args, out, dtype) if args.engine else None
+    phase = start_engine(args, out, device, dtype) if args.engine else None
     try:
         return run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase)
     finally:
@@ -220,7 +220,7 @@ def run(args) -> dict:
             phase.stop()
 
 
-def start_engine(args, out: Path, dtype: str):
+def start_engine(args, out: Path, device: str, dtype: str):
     """The engine phase's servers started (not waited for: the models load meanwhile), or the
     running server checked; a SIGTERM (``cancel``) from here on stops them before the worker ends:
     they run in process groups of their own, which the signal to the worker's group does not reach."""
@@ -231,7 +231,8 @@ def start_engine(args, out: Path, dtype: str):
 
     phase = EnginePhase(args.engine_kind, args.target, args.drafter, out,
                         open_checkpoint(args.drafter).config.num_drafts, python=args.engine_python,
-                        url=args.engine_url, extra_args=args.engine_arg, dtype=dtype, seed=args.seed, log=log)
+                        url=args.engine_url, extra_args=args.engine_arg, dtype=dtype, seed=args.seed,
+                        device=device, log=log)
 
     def on_term(signum, frame):
         log("SIGTERM: stopping the engine servers")
