@@ -150,3 +150,19 @@ def test_hosts_check_reads_what_a_running_server_serves(stand_in, embedded_pair)
     report = HostReport(name="ev", endpoint="x")
     _fill_engine(report, Host(name="ev", address="x", engine=EngineSpec("sglang", url="http://127.0.0.1:9")), down)
     assert report.engine == "sglang (not usable)" and report.warnings[0].startswith("engine: sglang server at "), report
+
+
+def test_servers_on_a_gpu_get_a_share_of_its_memory(tmp_path):
+    """On a GPU the servers share the worker's GPU with its models: each is given a share of its memory,
+    which the inventory's args (after it on the command line) can override; on a CPU nothing is added."""
+    from remote import sglang_engine, vllm_engine
+    from remote.engine_phase import EnginePhase
+
+    vllm = EnginePhase("vllm", "T", "D", tmp_path, 7, python="/p", extra_args=["--gpu-memory-utilization", "0.2"],
+                       device="cuda:1")
+    argv = vllm_engine.server_argv("/p", "T", "D", 7, extra_args=vllm.extra_args)
+    assert argv[-4:] == ["--gpu-memory-utilization", "0.3", "--gpu-memory-utilization", "0.2"]
+    sglang = EnginePhase("sglang", "T", "D", tmp_path, 7, python="/p", device="cuda")
+    assert sglang_engine.server_argv("/p", "T", "D", 8, extra_args=sglang.extra_args)[-2:] == \
+        ["--mem-fraction-static", "0.3"]
+    assert EnginePhase("vllm", "T", "D", tmp_path, 7, python="/p", device="cpu").extra_args == []
