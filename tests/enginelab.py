@@ -34,9 +34,13 @@ SKIP = pytest.mark.skipif(ENGINE is None, reason=WHY)
 
 def engine_pair(tmp_path_factory) -> dict:
     """``{"target": dir, "drafter": dir}``: remote/embedded.py's ``qwen3`` recipe (head_dim 32, which
-    vLLM's CPU attention serves), built once per test session or reused."""
+    vLLM's CPU attention serves), built once (tests/buildcache.py) or reused."""
+    import buildcache
+
     from remote.embedded import QWEN3_RECIPE, ensure
 
     reuse = os.environ.get("DFLASH_OPS_TEST_ENGINE_PAIR")
-    out = Path(reuse) if reuse else tmp_path_factory.getbasetemp() / "engine-pair" / "pair"
-    return ensure(out, QWEN3_RECIPE)
+    if reuse:
+        return ensure(Path(reuse), QWEN3_RECIPE)
+    built = buildcache.built("engine-pair", QWEN3_RECIPE, lambda out: ensure(out / "pair", QWEN3_RECIPE))
+    return ensure(built / "pair", QWEN3_RECIPE)

@@ -18,7 +18,7 @@ from enginelab import ENGINE, SKIP, engine_pair
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 40
-pytestmark = [SKIP, pytest.mark.timeout(1800)]
+pytestmark = [SKIP, pytest.mark.engine, pytest.mark.xdist_group("engine"), pytest.mark.timeout(1800)]
 CAUSES = {"kernel_quirk", "last_cycles", "length_overshoot", "stop_overshoot"}   # docs/engine.md: the two causes
 
 

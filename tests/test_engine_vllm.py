@@ -24,7 +24,7 @@ PROMPTS = 4
 EAGER = ("--enforce-eager",)   # no compile warm-up at start: the tiny model gains nothing from it
 
 
-pytestmark = SKIP
+pytestmark = [SKIP, pytest.mark.engine, pytest.mark.xdist_group("engine")]
 
 
 @pytest.fixture(scope="module")
