@@ -3,7 +3,8 @@ subprocess in its own process group on a free loopback port (log to a file, read
 URL answers, stopped by SIGTERM to the group then SIGKILL), a JSON-over-HTTP client (stdlib
 ``urllib``, no proxies), and the Prometheus text format. Stdlib only: the engine runs in its own
 environment (it pins its own torch and transformers) and this side only talks HTTP to it. One
-module per engine: :mod:`remote.vllm_engine`.
+module per engine: :mod:`remote.vllm_engine`, :mod:`remote.sglang_engine`; the worker's engine phase is
+:mod:`remote.engine_phase`.
 
 Every failure is an :class:`EngineError` whose message is one line (a log tail, where there is one,
 follows on the next lines)."""
@@ -33,6 +34,40 @@ class EngineError(Exception):
     def __init__(self, message: str, kind: str, status: int | None = None, log_tail: str = ""):
         super().__init__(message + (f"\n{log_tail}" if log_tail else ""))
         self.headline, self.kind, self.status, self.log_tail = message, kind, status, log_tail
+
+
+# ----------------------------------------------------------------------------- the engine's environment
+
+def environment_python(python: str | None, env_var: str, name: str, install: str) -> str:
+    """The engine environment's python: ``python``, else ``$env_var``. EngineError
+    (``not_installed``, saying how to install) when neither names an executable."""
+    path = python or os.environ.get(env_var)
+    if not path:
+        raise EngineError(f"no {name} environment given (an engine python, or ${env_var}); install one: {install}",
+                          "not_installed")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise EngineError(f"{name} is not installed: {path} is not an executable python; install it: {install}",
+                          "not_installed")
+    return path
+
+
+def environment_versions(python: str, kind: str, name: str, install: str, timeout: float = 120.0) -> dict:
+    """``{kind: VERSION, "distribution": ..., "torch": ..., "transformers": ...}`` of the engine
+    environment, from package metadata (:func:`remote.probe.engine_packages`: importing an engine
+    takes far longer). EngineError (``not_installed``) when the engine is not in it."""
+    import subprocess
+
+    from remote.probe import ENGINE_DISTRIBUTIONS, engine_packages
+
+    try:
+        found = engine_packages(python, timeout)
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        raise EngineError(f"cannot read the versions in {python}'s environment: {e}", "not_installed") from None
+    dist = next((d for d in ENGINE_DISTRIBUTIONS[kind] if found.get(d)), None)
+    if dist is None:
+        raise EngineError(f"{name} is not installed in {python}'s environment; install it: {install}", "not_installed")
+    return {kind: found[dist], "distribution": dist, "torch": found.get("torch"),
+            "transformers": found.get("transformers")}
 
 
 # ----------------------------------------------------------------------------- ports and logs
@@ -71,6 +106,7 @@ def log_tail(path: str | Path, lines: int = 25) -> str:
 
 _ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
 _GENERIC_ERRORS = ("EngineDeadError", "EngineCore encountered an issue")  # wrappers of an earlier, real cause
+_NOT_AN_ERROR = re.compile(r"\b(?:INFO|WARNING|DEBUG)\b")   # a log record below error level that quotes one
 
 
 def log_error(path: str | Path) -> str | None:
@@ -83,7 +119,7 @@ def log_error(path: str | Path) -> str | None:
     found = None
     for i, line in enumerate(lines):
         m = _ERROR_LINE.search(line)
-        if not m or (found and any(g in line for g in _GENERIC_ERRORS)):
+        if not m or _NOT_AN_ERROR.search(line[:m.start()]) or (found and any(g in line for g in _GENERIC_ERRORS)):
             continue
         found = f"{m.group(1)}: {m.group(2).strip()}"
         if "validation error" in m.group(2):
@@ -91,6 +127,44 @@ def log_error(path: str | Path) -> str | None:
             if detail:
                 found += f": {detail.split(' [type=')[0]}"
     return found
+
+
+# ----------------------------------------------------------------------------- processes of an earlier worker
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot, ``/proc/PID/stat`` field 22), or None when there
+    is no such process: a pid names a process only together with its start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kill_recorded(path: str | Path) -> list[int]:
+    """SIGKILL the process groups of the servers recorded in ``path`` (:meth:`ServerProcess.record`)
+    that still run: servers an earlier worker started and could not stop (it was killed with
+    SIGKILL). A pid whose start time differs is another process and is left alone. Returns the pids
+    killed; the file is removed."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    killed = []
+    for line in lines:
+        try:
+            pid, start = (int(x) for x in line.split()[:2])
+        except ValueError:
+            continue
+        if process_start(pid) == start:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                killed.append(pid)
+            except (ProcessLookupError, PermissionError):
+                pass
+    path.unlink(missing_ok=True)
+    return killed
 
 
 # ----------------------------------------------------------------------------- the server process
@@ -115,6 +189,12 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def record(self, path: str | Path) -> None:
+        """Append ``PID START`` to ``path``, so a later worker can end this server should this one
+        be killed before it could (:func:`kill_recorded`)."""
+        with open(path, "a") as f:
+            f.write(f"{self.pid} {process_start(self.pid) or 0}\n")
+
     @property
     def returncode(self) -> int | None:
         return self.proc.poll()
@@ -126,7 +206,8 @@ class ServerProcess:
         """The error for a server found dead: its exit status, its own error line and its log tail."""
         code = self.proc.poll()
         status = f"exit code {code}" if code is not None and code >= 0 else f"killed by signal {-(code or 0)}"
-        reason = log_error(self.log_path)
+        # killed by a signal (SIGKILL, the OOM killer): the log cannot hold the reason
+        reason = log_error(self.log_path) if code is None or code >= 0 else None
         kind = "died" if when == "mid-run" else "start_failed"
         if when != "mid-run" and reason and "address already in use" in reason.lower():
             kind = "port_taken"
@@ -155,7 +236,8 @@ class ServerProcess:
             time.sleep(interval)
 
     def stop(self, grace: float = 20.0) -> int | None:
-        """End the server's process group (SIGTERM, then SIGKILL after ``grace`` s); its exit status."""
+        """End the server's process group (SIGTERM, then SIGKILL after ``grace`` s); its exit status.
+        Safe to call from a signal handler and more than once."""
         if self.proc.poll() is None:
             self._signal(signal.SIGTERM)
             try:
@@ -173,6 +255,40 @@ class ServerProcess:
             os.killpg(self.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class OwnServer:
+    """An engine server this process started and owns (one subclass per engine): ``url``,
+    ``client``, ``process``, ``argv``, ``settings``, ``startup_s``; ``stop()`` (also on leaving a
+    ``with`` block)."""
+
+    name = "server"
+    health_path = "/health"
+    client_class: type = None       # the engine's client: client_class(url, process=process)
+
+    def __init__(self, process: ServerProcess, url: str, argv: list[str], startup_s: float | None, settings: dict):
+        self.process, self.url, self.argv, self.startup_s, self.settings = process, url, argv, startup_s, settings
+        self.client = self.client_class(url, process=process)
+
+    def wait_ready(self, timeout: float):
+        """Wait until the health URL answers; EngineError (the server stopped) when it refuses its
+        settings (its own message), fails otherwise (log tail) or is not up within ``timeout``."""
+        probe = HTTPClient(self.url, name=self.name)
+        try:
+            self.startup_s = self.process.wait_ready(lambda: probe.ok(self.health_path, 5.0), timeout)
+        except BaseException:
+            self.process.stop()
+            raise
+        return self
+
+    def stop(self, grace: float = 20.0) -> int | None:
+        return self.process.stop(grace)
 
     def __enter__(self):
         return self

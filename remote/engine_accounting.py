@@ -52,15 +52,20 @@ def reconcile(engine: dict, acceptance_lengths: list[int], block_size: int) -> d
     first full-block cycle before our last (which counts only what it commits) whose count differs (the engine drafted other tokens from the same
     context: its drafter computes differently, see :mod:`remote.engine_quirks`), or None when
     every full-block cycle agrees and the counts differ only by the cut last blocks and the
-    engine's overshoot."""
+    engine's overshoot. An engine without per-step counts (SGLang) has ``same_steps`` and
+    ``first_difference`` None."""
     ours = [int(a) - 1 for a in acceptance_lengths]
-    steps = list(engine.get("per_step_accepted") or [])
+    full = full_block_cycles(acceptance_lengths, len(engine["output_ids"]), block_size)
+    out = {"engine_tau": engine["tau"], "our_tau": sum(acceptance_lengths) / len(acceptance_lengths)
+           if acceptance_lengths else None, "engine_drafts": engine["drafts"], "our_cycles": len(ours),
+           "engine_accepted": engine["accepted"], "our_accepted": sum(ours),
+           "overshoot": engine_overshoot(engine) if engine.get("accepted") is not None else None,
+           "full_block_cycles": full, "same_steps": None, "first_difference": None}
+    if engine.get("per_step_accepted") is None:     # an engine that reports totals only (SGLang)
+        return out
+    steps = list(engine["per_step_accepted"])
     same = 0
     while same < min(len(ours), len(steps)) and ours[same] == steps[same]:
         same += 1
-    full = full_block_cycles(acceptance_lengths, len(engine["output_ids"]), block_size)
-    return {"engine_tau": engine["tau"], "our_tau": sum(acceptance_lengths) / len(acceptance_lengths),
-            "engine_drafts": engine["drafts"], "our_cycles": len(ours),
-            "engine_accepted": engine["accepted"], "our_accepted": sum(ours),
-            "overshoot": engine_overshoot(engine), "full_block_cycles": full, "same_steps": same,
-            "first_difference": same if same < min(full, len(ours) - 1) else None}
+    out.update(same_steps=same, first_difference=same if same < min(full, len(ours) - 1) else None)
+    return out

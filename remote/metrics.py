@@ -121,6 +121,54 @@ def online_summary(rows: list[dict]) -> dict:
     return online
 
 
+def engine_summary(rows: list[dict]) -> dict | None:
+    """The serving engine's own counts over the rows that have them (``eval --engine``), beside ours
+    on the same prompts: τ exactly as the engine counts it per prompt (``tokens / cycles`` of each
+    row's ``engine``), macro (mean over prompts) and pooled (Σ / Σ, how the engine's own /metrics
+    pool it); drafts and accepted drafts, per-position acceptance (steps that accepted more than k
+    drafts / steps), the histogram of drafts accepted per step (0..K); its speed with the drafter and
+    without (``speedup`` = Σ time without / Σ time with); prompts whose output equals ours; and per
+    cause (remote/engine_phase.py ``CAUSES``) the prompts it explains. None without engine rows."""
+    pairs = [(r, r["engine"]) for r in rows if r.get("engine")]
+    if not pairs:
+        return None
+    counted = [(r, e) for r, e in pairs if e.get("cycles")]
+    cycles = sum(e["cycles"] for _, e in counted)
+    tokens = sum(e["tokens"] for _, e in counted)
+    ours = tau_summary([r.get("acceptance_lengths") or [] for r, _ in counted])
+    out = {"kind": pairs[0][1].get("kind"), "prompts": len(pairs),
+           "tau_macro": sum(e["tokens"] / e["cycles"] for _, e in counted) / len(counted) if counted else None,
+           "tau_pooled": tokens / cycles if cycles else None, "cycles": cycles, "tokens": tokens,
+           "our_tau_macro": ours["tau_macro"], "our_tau_pooled": ours["tau_pooled"],
+           "drafts": sum(e.get("drafts") or 0 for _, e in pairs),
+           "accepted": sum(e.get("accepted") or 0 for _, e in pairs),
+           "same_output": sum(bool((e.get("checks") or {}).get("same_output")) for _, e in pairs)}
+    per_pos = [e.get("accepted_per_pos") for _, e in pairs]
+    if out["drafts"] and all(p is not None for p in per_pos):
+        width = max(len(p) for p in per_pos)
+        out["per_position_acceptance"] = [sum((p + [0] * width)[k] for p in per_pos) / out["drafts"]
+                                          for k in range(width)]
+    hists = [e.get("histogram") for _, e in pairs]
+    if all(h is not None for h in hists):
+        width = max(len(h) for h in hists)
+        out["histogram"] = [sum((h + [0] * width)[k] for h in hists) for k in range(width)]
+    wall = sum(e.get("wall_s") or 0.0 for _, e in pairs)
+    out_tokens = sum(sum(len(t.get("output_ids") or []) for t in e["turns"]) if e.get("turns")
+                     else len(e.get("output_ids") or []) for _, e in pairs)
+    out["wall_s"], out["tokens_per_s"] = wall, out_tokens / wall if wall else None
+    plain = [e["plain"] for _, e in pairs if e.get("plain")]
+    if len(plain) == len(pairs):
+        plain_wall = sum(p["wall_s"] for p in plain)
+        out["plain_tokens_per_s"] = out_tokens / plain_wall if plain_wall else None
+        out["speedup"] = plain_wall / wall if wall else None
+    causes: dict[str, int] = {}
+    for _, e in pairs:
+        for cause in e.get("causes") or []:
+            causes[cause] = causes.get(cause, 0) + 1
+    out["causes"] = causes
+    return out
+
+
 def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: int | None = None) -> dict:
     """``max_length``: the most tokens a cycle can commit (default ``block_size``; ``B + 1`` for a
     sample_from_anchor drafter)."""
@@ -147,4 +195,7 @@ def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: i
         summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows, longest - 1)
     if rows and all(r.get("wall_s") is not None for r in rows):
         summary["online"] = online_summary(rows)
+    engine = engine_summary(rows)
+    if engine:
+        summary["engine"] = engine
     return summary

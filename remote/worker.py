@@ -5,7 +5,9 @@ reference completion per prompt (SGLang's output when ``--sglang`` is given, oth
 decoding with the loaded target; greedy, or sampled with ``--temperature``), evaluates the drafter
 (``offline`` walk or real ``online`` speculative decoding) and writes ``results.jsonl`` (one line
 per prompt, flushed as it finishes), ``summary.json`` and ``env.json`` into ``--out`` (format:
-docs/run-format.md). Progress: one JSON event per line on stdout; human-readable logs on stderr.
+docs/run-format.md). With ``--engine`` each prompt is also served by the host's engine (vLLM or
+SGLang, with and without the drafter: :mod:`remote.engine_phase`), its own counters recorded in
+the prompt's row beside our online decoding. Progress: one JSON event per line on stdout; human-readable logs on stderr.
 
 Defaults follow z-lab's benchmark: thinking off (``--thinking on`` to enable), stop tokens
 ``generation_config.eos_token_id`` (else the tokenizer's eos), greedy unless ``--temperature``.
@@ -13,7 +15,8 @@ Sampled runs seed torch's generator per prompt from ``--seed`` and the prompt id
 sharded run draws the same numbers for the same prompt.
 
 Exit status (:mod:`remote.exits`): 0 done, 1 a check failed (drafter/target mismatch, bad prompts,
-a transformers the host must not decode with, SGLang down), 2 bad usage (missing folders, ...), 3 an
+a transformers the host must not decode with, SGLang down, the engine missing, refusing its
+settings or dying), 2 bad usage (missing folders, ...), 3 an
 unexpected error during the run (finished prompts kept), 4 invalid results: a greedy online output
 differs from the target's own greedy output other than at a near-tie (the row is kept with its
 ``divergence``, the run stops there and ``summary.json`` says ``invalid`` and carries no τ).
@@ -31,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from remote import exits
+from remote.engine import EngineError
 from remote.settings import EvalSettings, add_arguments
 
 
@@ -68,9 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checked", action="store_true",
                    help="the drafter/target check and the library self-test already passed on this host for this "
                         "run (`python -m remote.preflight`, as dflash-ops runs it just before): not repeated")
+    from remote.engine_phase import add_arguments as add_engine_arguments, argument_problems
+    add_engine_arguments(p)
     args = p.parse_args(argv)
     args.settings = EvalSettings.from_args(args)
-    for problem in args.settings.problems():
+    for name, value in args.settings.to_dict().items():    # the settings' own rules (--engine: online)
+        setattr(args, name, value)
+    for problem in args.settings.problems() + argument_problems(args):
         p.error(problem)
     args.shard_index, args.shard_count = 0, 1
     if args.shard:
@@ -172,7 +180,7 @@ def run(args) -> dict:
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
         if not Path(value).expanduser().is_dir():
             raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
-    from remote.prompts import load_suite, reference_turns
+    from remote.prompts import load_suite
     from remote.prompts import PromptError
     try:
         suite = load_suite(args.suite, limit=args.prompts)
@@ -199,14 +207,50 @@ def run(args) -> dict:
     done_ids = {r["id"] for r in finished}
 
     import torch
-    from remote.target import features_device, gdn_kernel_path, load_target
-    from remote.checkpoint import load_drafter
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     preflight(args, device)
+    phase = start_engine(args, out, device, dtype) if args.engine else None
+    try:
+        return run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase)
+    finally:
+        if phase is not None:
+            phase.stop()
+
+
+def start_engine(args, out: Path, device: str, dtype: str):
+    """The engine phase's servers started (not waited for: the models load meanwhile), or the
+    running server checked; a SIGTERM (``cancel``) from here on stops them before the worker ends:
+    they run in process groups of their own, which the signal to the worker's group does not reach."""
+    import signal
+
+    from remote.checkpoint import open_checkpoint
+    from remote.engine_phase import EnginePhase
+
+    phase = EnginePhase(args.engine_kind, args.target, args.drafter, out,
+                        open_checkpoint(args.drafter).config.num_drafts, python=args.engine_python,
+                        url=args.engine_url, extra_args=args.engine_arg, dtype=dtype, seed=args.seed,
+                        device=device, log=log)
+
+    def on_term(signum, frame):
+        log("SIGTERM: stopping the engine servers")
+        phase.stop(grace=3.0)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    emit("phase", phase="starting the engine")
+    log(f"engine: {args.engine_kind} " + (f"at {args.engine_url}" if args.engine_url else f"from {args.engine_python}"))
+    return phase.launch()
+
+
+def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase) -> dict:
+    import torch
+    from remote.checkpoint import load_drafter
     from remote.memory import check as memory_check
+    from remote.prompts import reference_turns
+    from remote.target import features_device, gdn_kernel_path, load_target
     plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
                         args.target_devices, args.max_memory)
     if not plan.fits:
@@ -235,6 +279,9 @@ def run(args) -> dict:
         if any(r.input_ids is None for r in rows_to_do):
             raise WorkerError(f"cannot load the target's tokenizer from {args.target}: {e}")
     stops = stop_ids(tokenizer, target)
+    if phase is not None:
+        emit("phase", phase="waiting for the engine")
+        phase.wait()
 
     env = {"host": args.host_label or socket.gethostname(), "device": device,
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -253,10 +300,13 @@ def run(args) -> dict:
                         "sampling_seed": "per prompt: sha256('<seed>:<prompt id>'), first 8 bytes",
                         "ddtree_budgets": args.budgets if args.mode == "offline" else [],
                         "all_anchors": args.all_anchors, "reference": "sglang" if client else "local",
-                        "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE},
+                        "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE,
+                        "engine": bool(args.engine)},
            "seed": args.seed, "command": [sys.executable, "-m", "remote.worker",
                                           *(client.display if client and a == args.sglang else a for a in sys.argv[1:])],
            "started_at": now(), "finished_at": None}
+    if phase is not None:
+        env["engine"] = phase.describe()
     (out / "env.json").write_text(json.dumps(env, indent=2))
 
     emit("start", prompts=len(rows_to_do), done=len(done_ids), mode=args.mode)
@@ -269,7 +319,7 @@ def run(args) -> dict:
             if row.id in done_ids:
                 continue
             t0 = time.perf_counter()
-            result = evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns)
+            result = evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns, phase)
             results.write(json.dumps(result) + "\n")
             results.flush()
             os.fsync(results.fileno())
@@ -277,11 +327,17 @@ def run(args) -> dict:
             cycles = sum(len(r["acceptance_lengths"]) for r in rows)
             tau_running = sum(sum(r["acceptance_lengths"]) for r in rows) / cycles if cycles else None
             extra = {"expected_tau": result["expected"]["expected_tau"]} if "expected" in result else {}
+            if "engine" in result:
+                extra["engine_tau"] = result["engine"]["tau"]
             emit("prompt", id=row.id, index=index, done=len(rows), prompts=len(rows_to_do), cycles=result["cycles"],
                  tau=result["tau"], tau_running=tau_running, **extra)
             shown = result["tau"] if "expected" not in result else result["expected"]["expected_tau"]
-            log(f"{row.id}: {result['cycles']} cycles, {'expected ' if extra else ''}tau "
-                f"{'n/a' if shown is None else f'{shown:.2f}'} ({time.perf_counter() - t0:.1f}s)")
+            engine = result.get("engine")
+            log(f"{row.id}: {result['cycles']} cycles, {'expected ' if 'expected_tau' in extra else ''}tau "
+                f"{'n/a' if shown is None else f'{shown:.2f}'}"
+                + (f"; engine tau {engine['tau']:.2f}" if engine and engine["tau"] is not None else "")
+                + (f" ({', '.join(engine['causes'])})" if engine and engine["causes"] else "")
+                + f" ({time.perf_counter() - t0:.1f}s)")
             invalid = invalid_reason(result)
 
     from remote.metrics import summarize
@@ -321,7 +377,7 @@ def invalidated(summary: dict, invalid: dict) -> dict:
 THINKING = {"default": None, "on": True, "off": False}
 
 
-def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns) -> dict:
+def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns, phase=None) -> dict:
     """All turns of one prompt row -> one results row (docs/run-format.md)."""
     import torch
     from remote.metrics import row_stats
@@ -384,7 +440,41 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
             result["divergence"] = {**({"turn": t} if len(turn_stats) > 1 else {}), "position": d.position,
                                     "ours": d.ours, "target": d.target, "margin": d.margin,
                                     "near_tie": d.near_tie, "describe": d.describe()}
+        if phase is not None and not (result.get("divergence") and not result["divergence"]["near_tie"]):
+            result["engine"] = serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer, stops)
     return result
+
+
+def serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer, stops) -> dict:
+    """The row's ``engine`` object (remote/engine_phase.py): the prompt's turns served by the engine as
+    they were decoded by us, checked against our decoding; where the engine drafted other tokens
+    from the same context, our decoding is redone with the drafter computed as vLLM's CPU kernel
+    computes it (remote/engine_quirks.py) to see whether that is why."""
+    import torch
+    from remote.engine_phase import OurTurn, TurnRequest, chat_messages, serve_row
+    from remote.engine_quirks import first_layer_context_k_norm
+    from remote.online import speculative_generate
+
+    sampling = args.sampling
+    thinking = THINKING[args.thinking]
+    chats = chat_messages(row.turns, [t.output_ids for t in turns],
+                          lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) \
+        if row.input_ids is None else [None] * len(turns)
+    requests = [TurnRequest(list(t.prompt_ids), m, thinking, args.max_new_tokens, stops, sampling.temperature,
+                            sampling.top_p, sampling.top_k, prompt_seed(args.seed, row.id) if not sampling.greedy
+                            else None) for t, m in zip(turns, chats)]
+    ours = [OurTurn(list(t.prompt_ids), list(t.output_ids), list(s["acceptance_lengths"]))
+            for t, s in zip(turns, turn_stats)]
+    device = next(target.parameters()).device
+
+    def rerun(i: int):
+        if len(drafter.layers) < 2:      # one layer: its own k_norm is layer 0's, nothing changes
+            return None
+        with first_layer_context_k_norm(drafter):
+            ids = torch.tensor([ours[i].prompt_ids], dtype=torch.long, device=device)
+            return speculative_generate(target, drafter, ids, args.max_new_tokens, stops).acceptance_lengths
+
+    return serve_row(phase, requests, ours, drafter.block_size, rerun=rerun if phase.kind == "vllm" else None)
 
 
 def merge_expected(parts: list[dict]) -> dict:
@@ -405,6 +495,10 @@ def main(argv=None) -> int:
         emit("error", message=str(e))
         log(f"error: {e}")
         return e.code
+    except EngineError as e:        # missing, refusing its settings, died: one line (its log tail below)
+        emit("error", message=e.headline)
+        log(f"error: {e}")
+        return exits.CHECK_FAILED
     except Exception as e:  # finished prompts are already on disk
         import traceback
         traceback.print_exc()

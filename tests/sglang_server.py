@@ -8,7 +8,17 @@
   "stop_token_ids"}}`` -> ``{"text", "output_ids", "meta_info": {"prompt_tokens", "completion_tokens",
   "finish_reason": {"type": "length"|"stop", "matched"?}}}`` (a list in, a list out), by greedy decoding.
 
-Greedy only (temperature 0); like SGLang, a matched stop token is the last id of ``output_ids``.
+- ``GET /get_server_info`` -> the server's settings (``model_path``, ``version``, ``dtype``, and with
+  a drafter ``speculative_algorithm: DFLASH``, ``speculative_draft_model_path``,
+  ``speculative_num_draft_tokens`` = the drafter's block).
+
+With ``drafter`` the server decodes speculatively (``remote.online.speculative_generate``) and
+answers SGLang's counters in ``meta_info``: ``spec_verify_ct`` (cycles), ``spec_accept_token_num``
+(drafts accepted), ``spec_draft_token_num``, ``spec_accept_histogram`` (cycles by drafts accepted)
+and ``spec_accept_length`` = ``completion_tokens / spec_verify_ct``, SGLang's own formula.
+
+Greedy only (temperature 0); like SGLang, a matched stop token is the last id of ``output_ids``;
+``ignore_eos`` leaves out the model's own EOS from the stop tokens.
 With ``auth`` every request needs HTTP basic auth (as behind an authenticating proxy).
 A model failure (e.g. an id outside the embedding) answers HTTP 500 with the error's message.
 """
@@ -27,9 +37,33 @@ class BadRequest(Exception):
     pass
 
 
+def _stops(model, stop_token_ids: list[int] | None, ignore_eos: bool = False) -> set[int]:
+    eos = None if ignore_eos else getattr(model.generation_config, "eos_token_id", None)
+    return set(stop_token_ids or []) | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+
+def speculative(model, drafter, input_ids: list[int], max_new_tokens: int, stops: set[int]) -> tuple[list[int], dict]:
+    from remote.online import speculative_generate
+
+    ids = torch.tensor([input_ids], dtype=torch.long, device=next(model.parameters()).device)
+    res = speculative_generate(model, drafter, ids, max_new_tokens, sorted(stops))
+    output, lengths = res.output_ids, res.acceptance_lengths
+    k = drafter.config.num_drafts
+    hist = [0] * (k + 1)
+    for n in lengths:
+        hist[n - 1] += 1
+    finish = {"type": "stop", "matched": output[-1]} if output and output[-1] in stops else \
+        {"type": "length", "length": len(output)}
+    meta = {"finish_reason": finish}
+    if lengths:
+        meta.update(spec_verify_ct=len(lengths), spec_accept_token_num=sum(lengths) - len(lengths),
+                    spec_draft_token_num=len(lengths) * k, spec_accept_histogram=hist,
+                    spec_accept_length=len(output) / len(lengths))
+    return output, meta
+
+
 def greedy(model, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int] | None) -> tuple[list[int], dict]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    stops = set(stop_token_ids or []) | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    stops = _stops(model, stop_token_ids)
     ids = torch.tensor([input_ids], dtype=torch.long, device=next(model.parameters()).device)
     kwargs = {"eos_token_id": sorted(stops)} if stops else {}
     with torch.no_grad():
@@ -41,7 +75,7 @@ def greedy(model, input_ids: list[int], max_new_tokens: int, stop_token_ids: lis
     return output, {"type": "length", "length": len(output)}
 
 
-def _answer(model, tokenizer, lock, req: dict) -> dict:
+def _answer(model, tokenizer, lock, req: dict, drafter=None) -> dict:
     params = req.get("sampling_params") or {}
     if float(params.get("temperature", 1.0)) != 0:
         raise BadRequest("this test server decodes greedily only: pass sampling_params.temperature = 0")
@@ -54,17 +88,28 @@ def _answer(model, tokenizer, lock, req: dict) -> dict:
     if not isinstance(input_ids, list) or not input_ids or not all(isinstance(i, int) for i in input_ids):
         raise BadRequest("'input_ids' must be a non-empty list of integers")
     with lock:
-        output, finish = greedy(model, input_ids, int(params.get("max_new_tokens", 128)), params.get("stop_token_ids"))
+        if drafter is not None:
+            output, meta = speculative(model, drafter, input_ids, int(params.get("max_new_tokens", 128)),
+                                       _stops(model, params.get("stop_token_ids"), bool(params.get("ignore_eos"))))
+        else:
+            output, finish = greedy(model, input_ids, int(params.get("max_new_tokens", 128)),
+                                    params.get("stop_token_ids"))
+            meta = {"finish_reason": finish}
     text = tokenizer.decode(output, skip_special_tokens=True) if tokenizer is not None else ""
     return {"text": text, "output_ids": output,
-            "meta_info": {"id": "0", "prompt_tokens": len(input_ids), "completion_tokens": len(output),
-                          "finish_reason": finish}}
+            "meta_info": {"id": "0", "prompt_tokens": len(input_ids), "completion_tokens": len(output), **meta}}
 
 
-def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None, hits: list | None = None):
+def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None, hits: list | None = None,
+                 drafter=None, drafter_path: str | None = None):
     lock = threading.Lock()
     want = "Basic " + base64.b64encode(auth.encode()).decode() if auth else None
     model_path = getattr(model.config, "_name_or_path", "") or f"tiny-{model.config.model_type}"
+    info = {"model_path": model_path, "version": "stand-in", "dtype": str(model.dtype).replace("torch.", ""),
+            "speculative_algorithm": None}
+    if drafter is not None:
+        info.update(speculative_algorithm="DFLASH", speculative_draft_model_path=drafter_path,
+                    speculative_num_draft_tokens=drafter.config.num_drafts + 1)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -95,6 +140,8 @@ def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None
                 self._send(200, None)
             elif self.path == model_info_path:
                 self._send(200, {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True})
+            elif self.path == "/get_server_info":
+                self._send(200, info)
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -110,13 +157,13 @@ def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None
                 return self._send(404, {"detail": "Not Found"})
             try:
                 if isinstance(req, list):
-                    return self._send(200, [_answer(model, tokenizer, lock, r) for r in req])
+                    return self._send(200, [_answer(model, tokenizer, lock, r, drafter) for r in req])
                 if isinstance(req, dict) and req.get("input_ids") and isinstance(req["input_ids"][0], list):
-                    return self._send(200, [_answer(model, tokenizer, lock, {**req, "input_ids": ids})
+                    return self._send(200, [_answer(model, tokenizer, lock, {**req, "input_ids": ids}, drafter)
                                             for ids in req["input_ids"]])
                 if not isinstance(req, dict):
                     raise BadRequest("the request body must be a JSON object")
-                self._send(200, _answer(model, tokenizer, lock, req))
+                self._send(200, _answer(model, tokenizer, lock, req, drafter))
             except BadRequest as e:
                 self._send(400, {"error": {"message": str(e)}})
             except Exception as e:  # the model failed: like a server-side crash
@@ -127,11 +174,13 @@ def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None
 
 @contextmanager
 def serve_sglang(model, tokenizer=None, model_info_path: str = "/get_model_info", host: str = "127.0.0.1",
-                 auth: str | None = None, hits: list | None = None):
+                 auth: str | None = None, hits: list | None = None, drafter=None, drafter_path: str | None = None):
     """Serve ``model`` over SGLang's protocol on ``host``; yields the base URL. ``auth``
     (``user:password``): HTTP basic auth required (401 otherwise); ``hits`` collects
-    (method, path, authorized) per request."""
-    server = ThreadingHTTPServer((host, 0), make_handler(model, tokenizer, model_info_path, auth, hits))
+    (method, path, authorized) per request; ``drafter`` (loaded from ``drafter_path``): decode
+    speculatively with it and report SGLang's counters."""
+    server = ThreadingHTTPServer((host, 0), make_handler(model, tokenizer, model_info_path, auth, hits, drafter,
+                                                         drafter_path))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()

@@ -214,3 +214,31 @@ def test_published_rows(tmp_path):
     assert "published for target Qwen3-8B" in r["published"]["caveat"]
     code, r = compare_json(runs, "r-c", "r-d", "--no-published")
     assert r["published"] is None
+
+
+def test_engine_tau_and_speedup_pair_like_every_metric(tmp_path):
+    """Runs with the engine's own counts (`eval --engine`): its τ and speedup are paired prompt by
+    prompt with CIs, beside our τ, and shown side by side."""
+    d = tmp_path / "runs"
+
+    def engine_rows(run_id, counts):
+        ids = [f"gsm8k-{i}" for i in range(len(counts))]
+        make_run(d, run_id, run_id.split("-")[-1], prompts=len(ids), mode="online", ddtree=False, all_anchors=False,
+                 row_overrides={i: {"engine": {"kind": "vllm", "tokens": t, "cycles": c, "wall_s": w,
+                                               "plain": {"wall_s": p}}} for i, (t, c, w, p) in zip(ids, counts)})
+
+    engine_rows("20261204-1000-a", [(30, 10, 1.0, 0.8)] * 6)
+    engine_rows("20261204-1100-b", [(40, 10, 1.0, 1.2)] * 6)
+    code, result = compare_json(d, "20261204-1000-a", "20261204-1100-b")
+    assert code == 0, result
+    (c,) = result["comparisons"]
+    assert c["engine"]["tau"]["n"] == 6 and c["engine"]["tau"]["macro"]["diff"] == pytest.approx(1.0)
+    assert c["engine"]["tau"]["pooled"]["diff"] == pytest.approx(1.0)
+    assert c["engine"]["speedup"]["macro"]["diff"] == pytest.approx(0.4) and c["engine"]["speedup"]["wins"] == 6
+    m = result["metrics"]["20261204-1100-b"]["engine"]
+    assert (m["tau_macro"], m["speedup"]) == (pytest.approx(4.0), pytest.approx(1.2))
+    res = invoke("compare", "20261204-1000-a", "20261204-1100-b", "--runs-dir", str(d), "--resamples", "1000",
+                 "--out", str(tmp_path / "cmp"))
+    md = next((tmp_path / "cmp").glob("*.md")).read_text()
+    assert res.exit_code == 0 and "engine τ macro (the engine's own count)" in md and "↳ engine τ" in md, md
+    assert "↳ engine speedup" in md

@@ -3,10 +3,7 @@ remote/embedded.py's ``qwen3`` recipe) with the DFlash drafter trained for it, b
 online decoding on the same prompt ids.
 
 One server with the drafter and one without are started side by side for the whole module (a start
-costs 30-70 s on 2 cores). The engine is found through ``$DFLASH_OPS_VLLM_PYTHON`` (CI sets it to
-``.ci/vllm-env``'s environment), else in ``.ci/vllm-env``'s default folder; without either the module
-is skipped, with a warning in the summary. Set ``DFLASH_OPS_TEST_ENGINE_PAIR=DIR`` to reuse a built
-pair while iterating.
+costs 30-70 s on 2 cores). Where the engine is, and when the module is skipped: tests/enginelab.py.
 """
 from __future__ import annotations
 
@@ -14,43 +11,25 @@ import os
 import signal
 import socket
 import time
-import warnings
-from pathlib import Path
 
 import pytest
 
+from enginelab import ENGINE, SKIP, engine_pair
+
 from remote.engine import EngineError
-from remote.vllm_engine import PYTHON_ENV, VLLMServer, engine_python, engine_versions
+from remote.vllm_engine import VLLMServer, engine_python, engine_versions
 
 MAX_NEW = 40          # tokens per prompt: several cycles, and a last cycle cut by the limit
 PROMPTS = 4
 EAGER = ("--enforce-eager",)   # no compile warm-up at start: the tiny model gains nothing from it
 
 
-def _engine() -> str | None:
-    path = os.environ.get(PYTHON_ENV)
-    if path:
-        return path        # named: it must work (a broken install fails the tests, never skips them)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    default = cache / "dflash-ops" / "vllm-venv" / "bin" / "python"
-    return str(default) if default.is_file() else None
-
-
-ENGINE = _engine()
-if ENGINE is None:
-    _why = (f"the vLLM engine is not installed: run .ci/vllm-env and set {PYTHON_ENV}=$(.ci/vllm-env) "
-            "to run the engine tests")
-    warnings.warn(_why)
-    pytestmark = pytest.mark.skip(reason=_why)
+pytestmark = [SKIP, pytest.mark.engine, pytest.mark.xdist_group("engine")]
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from remote.embedded import QWEN3_RECIPE, ensure
-
-    reuse = os.environ.get("DFLASH_OPS_TEST_ENGINE_PAIR")
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("engine") / "pair"
-    return ensure(out, QWEN3_RECIPE)
+    return engine_pair(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -86,3 +86,28 @@ def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path
     drift = (a - b).abs().max().item()
     print(f"fla vs torch-fallback bf16 feature drift: max |diff| = {drift:.3e}")
     assert drift < 1.0, drift    # a few bf16 ulps are expected; a large drift means a kernel problem
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_OPS_SGLANG_PYTHON"),
+                    reason="no SGLang environment: set DFLASH_OPS_SGLANG_PYTHON to its python (a GPU host)")
+def test_worker_engine_phase_with_a_real_sglang_server(tmp_path_factory, tmp_path):
+    """eval --engine on a real SGLang server (DFLASH speculative algorithm) started by the worker:
+    the engine's output equals ours, its counters are recorded and its τ is explained."""
+    from enginelab import engine_pair
+
+    pair = engine_pair(tmp_path_factory)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", pair["target"], "--drafter",
+                           pair["drafter"], "--prompts", "3", "--out", str(out), "--device", "cuda",
+                           "--max-new-tokens", "64", "--engine", "--engine-kind", "sglang",
+                           "--engine-python", os.environ["DFLASH_OPS_SGLANG_PYTHON"]],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for r in rows:
+        e = r["engine"]
+        assert e["kind"] == "sglang" and e["cycles"] and e["plain"]["output_ids"]
+        assert e["tau"] == pytest.approx(e["tokens"] / e["cycles"])
+        assert "unexplained" not in e["causes"], e["checks"]
+    assert json.loads((out / "summary.json").read_text())["engine"]["prompts"] == 3

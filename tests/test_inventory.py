@@ -217,3 +217,47 @@ def test_user_config_dir_and_xdg_cache(tmp_path, monkeypatch):
     assert "cwdhost" in load_inventory().names()            # the current directory comes first
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the spec: relative paths are ignored
     assert load_inventory().get("local").workdir == str(Path("~/.cache/dflash-ops/local").expanduser())
+
+
+def test_engine_field(tmp_path):
+    p = write(tmp_path, """\
+        hosts:
+          ev:
+            address: h
+            engine: {kind: vllm, python: ~/vllm-venv/bin/python, args: [--enforce-eager]}
+          sg:
+            address: g
+            engine: {kind: sglang, url: "http://127.0.0.1:30000/"}
+        """)
+    inv = load_inventory(p)
+    ev, sg = inv.get("ev"), inv.get("sg")
+    assert ev.engine.worker_args() == ["--engine-kind", "vllm", "--engine-python", "~/vllm-venv/bin/python",
+                                       "--engine-arg=--enforce-eager"]
+    assert ev.on_host(lambda path: path and path.replace("~", "/home/u")).engine.python == "/home/u/vllm-venv/bin/python"
+    assert sg.engine.worker_args() == ["--engine-kind", "sglang", "--engine-url", "http://127.0.0.1:30000"]
+    assert sg.to_dict()["engine"] == {"kind": "sglang", "url": "http://127.0.0.1:30000"}
+    assert inv.get("local").engine is None
+
+
+@pytest.mark.parametrize("engine, expect", [
+    ("{kind: tgi, python: /p}", "'kind' must be one of vllm, sglang, got 'tgi'"),
+    ("{kind: vllm}", "give exactly one of 'python'"),
+    ("{kind: vllm, python: /p, url: 'http://h:1'}", "give exactly one of 'python'"),
+    ("{kind: vllm, pyhton: /p}", "unknown key 'pyhton' (did you mean 'python'?)"),
+    ("{kind: vllm, url: 'ftp://h:1'}", "'url' must be http(s)://HOST:PORT"),
+    ("{kind: vllm, url: 'http://u:secret@h:1'}", "'url' holds credentials"),
+    ("{kind: vllm, url: 'http://h:1', args: [--x]}", "'args' are for servers dflash-ops starts"),
+    ("{kind: vllm, python: /p, args: --x}", "'args' must be a list of strings"),
+    ("vllm", "field 'engine' must be a mapping"),
+])
+def test_bad_engine_field(tmp_path, engine, expect):
+    p = write(tmp_path, f"hosts:\n  ev:\n    address: h\n    engine: {engine}\n")
+    msg = error_of(p)
+    assert str(p) in msg and "host 'ev'" in msg and expect in msg, msg
+    assert "secret" not in msg
+
+
+def test_engine_on_a_ray_cluster_is_refused(tmp_path):
+    p = write(tmp_path, "hosts:\n  rc:\n    kind: ray\n    address: ray://h:10001\n"
+                        "    engine: {kind: vllm, python: /p}\n")
+    assert "a Ray cluster's eval runs without a serving engine" in error_of(p)

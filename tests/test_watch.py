@@ -275,3 +275,30 @@ def test_killed_mid_sync_and_mid_eval_resumes_without_loss_or_duplicates(lab, tm
             pytest.fail("chromium is not installed (CI is set)")
         pytest.skip("chromium is not installed")
     assert_images_decode(exe, tmp_path, run.folder / "trajectory.html", 3)  # τ, acceptance map, training
+
+
+def test_trajectory_shows_the_engine_tau_of_each_point(tmp_path):
+    """watch --engine: each point's summary carries the engine's own τ and speedup; the trajectory
+    shows them beside ours (no engine columns for points without)."""
+    from orchestrator.watch.loop import headline
+    from orchestrator.watch.state import Point
+    from orchestrator.watch.trajectory import write_trajectory
+    from runfixtures import make_run
+
+    runs = tmp_path / "runs"
+    st = WatchState(run="v5", settings={"suite": "gsm8k", "prompts": 4, "mode": "online", "max_new_tokens": 64,
+                                        "thinking": "off", "ddtree_budgets": None})
+    for i, step in enumerate((1000, 2000)):
+        rid = f"20261203-10{i}0-v5-step{step}-ct129"
+        d = make_run(runs, rid, "v5", f"step_{step}", prompts=4, mode="online", ddtree=False, all_anchors=False)
+        summary = json.loads((d / "summary.json").read_text())
+        summary["engine"] = {"kind": "vllm", "tau_macro": 2.5 + i, "tau_pooled": 2.4 + i, "speedup": 1.25 + i,
+                             "causes": {}}
+        st.points[f"step_{step}"] = Point(name=f"step_{step}", step=step, status="done", eval_run=rid,
+                                          summary=headline(summary))
+    md = write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text()
+    assert "| engine τ macro | engine speedup |" in md
+    assert "| 2.500 | 1.25 |" in md and "| 3.500 | 2.25 |" in md, md
+    for p in st.points.values():
+        p.summary.pop("engine")
+    assert "engine τ" not in write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text()

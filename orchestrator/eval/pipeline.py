@@ -226,15 +226,53 @@ def wants_cpu(req: EvalRequest, host: Host) -> bool:
     return not (default_device(host, req) or "cuda").startswith("cuda")
 
 
+def engine_of(host: Host):
+    """The host's serving engine for `eval --engine`, or the one line that says how to give it one."""
+    if host.engine is None:
+        raise EvalError(f"host {host.name} has no engine for --engine: add `engine: {{kind: vllm, python: "
+                        f"/path/to/engine-venv/bin/python}}` (or `url:` of a running server) to its inventory entry")
+    return host.engine
+
+
+def check_engine(host: Host, runner) -> dict | None:
+    """An engine the worker starts (``python:``) is installed on the host: its version from package
+    metadata, or the one line that says it is not and how to install it. A running server
+    (``url:``) is checked by the worker, which talks to it."""
+    from remote.probe import ENGINE_DISTRIBUTIONS, ENGINE_SNIPPET
+    from remote.sglang_engine import INSTALL as SGLANG_INSTALL
+    from remote.vllm_engine import INSTALL as VLLM_INSTALL
+
+    engine = host.engine
+    if engine.python is None:
+        return None
+    install = VLLM_INSTALL if engine.kind == "vllm" else SGLANG_INSTALL
+    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine.kind]
+    res = runner.run([engine.python, "-c", ENGINE_SNIPPET], timeout=120)
+    try:
+        found = json.loads(res.stdout.strip().splitlines()[-1]) if res.ok else None
+    except (ValueError, IndexError):
+        found = None
+    if found is None:
+        raise EvalError(f"host {host.name}: {name} is not installed: {engine.python} (the inventory's engine.python) "
+                        f"does not run there; install it: {install}")
+    dist = next((d for d in ENGINE_DISTRIBUTIONS[engine.kind] if found.get(d)), None)
+    if dist is None:
+        raise EvalError(f"host {host.name}: {name} is not installed in {engine.python}'s environment; install it: "
+                        f"{install}")
+    return {engine.kind: found[dist], "distribution": dist}
+
+
 def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
                  on_phase: Callable[[str], None] | None = None) -> HostPrep:
     """Pre-flight on one host, before any GPU time: environment, ship the worker, locate and check
-    the drafter and target there."""
+    the drafter and target there (and, with --engine, that the host's engine is installed)."""
     req = record.request
     phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
     host.refuse_example()                   # a placeholder: its own line, not "not reachable"
+    if req.settings.engine:
+        engine_of(host)
     phase("connecting")
     runner = runner_for(host, inventory)
     try:
@@ -242,6 +280,8 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
     except TransportError as e:
         raise EvalError(f"host {host.name} is not reachable: {e}") from None
     report = check_host_ready(host, runner, req)
+    if req.settings.engine:
+        check_engine(host, runner)
     embedded = req.drafter_ref == EMBEDDED or req.target == EMBEDDED
     phase("pre-flight: shipping the worker, " + ("building the embedded demo pair (first use on a host: about a "
                                                  "minute on CPU), " if embedded else "")
@@ -286,6 +326,9 @@ def prepare_cluster(record: RunRecord, host: Host, inventory: Inventory,
     phase = on_phase or (lambda _: None)
     if not host.workdir:
         raise EvalError(f"host {host.name}: no `workdir` in the inventory")
+    if req.settings.engine:
+        raise EvalError(f"host {host.name} is a Ray cluster: --engine runs on an SSH eval host with `engine:` in "
+                        f"the inventory")
     if req.settings.target_devices == "auto":
         raise EvalError(f"host {host.name} is a Ray cluster: give --target-devices a count (GPUs per worker)")
     phase("connecting")
@@ -353,6 +396,8 @@ def worker_args(req: EvalRequest, shard: Shard, host: Host, resume: bool, suite:
     sglang, _ = reference_sglang(req, host)
     if sglang:
         args += ["--sglang", sglang]
+    if req.settings.engine:
+        args += engine_of(host).worker_args()
     if shard.count > 1:
         args += ["--shard", f"{shard.index}/{shard.count}"]
     if resume:

@@ -285,6 +285,33 @@ def _paired_arrays(rows: dict, ids: Sequence[str], key=None):
     return toks, cycs
 
 
+def _engine_arrays(rows: dict, ids: Sequence[str], measure: str):
+    """Per prompt (tokens, cycles) of the engine's own τ (``tau``), or (time without the drafter,
+    time with it) of its speedup (``speedup``): macro = mean per prompt, pooled = Σ / Σ."""
+    if measure == "tau":
+        return [rows[i]["engine"]["tokens"] for i in ids], [rows[i]["engine"]["cycles"] for i in ids]
+    return [rows[i]["engine"]["plain"]["wall_s"] for i in ids], [rows[i]["engine"]["wall_s"] for i in ids]
+
+
+def engine_pairs(rows_a: dict, rows_b: dict, ids: Sequence[str], resamples: int, seed: int,
+                 confidence: float) -> dict:
+    """The engine's τ and speedup (`eval --engine`) paired prompt by prompt like our τ, on the
+    prompts both runs served with an engine; ``{}`` when they have none in common."""
+    from .stats import paired_compare
+
+    out = {}
+    for measure, has in (("tau", lambda e: e.get("cycles")), ("speedup", lambda e: (e.get("plain") or {}).get("wall_s")
+                                                                           and e.get("wall_s"))):
+        ok = [i for i in ids if all(has(rm[i].get("engine") or {}) for rm in (rows_a, rows_b))]
+        if not ok:
+            continue
+        pr = paired_compare(*_engine_arrays(rows_a, ok, measure), *_engine_arrays(rows_b, ok, measure),
+                            resamples=resamples, seed=seed, confidence=confidence)
+        out[measure] = {"n": pr.n, "macro": asdict(pr.macro), "pooled": asdict(pr.pooled),
+                        "wins": pr.wins, "ties": pr.ties, "losses": pr.losses}
+    return out
+
+
 def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int = 10000, seed: int = 0,
                  confidence: float = 0.95, published: Optional[str] = None, use_published: bool = True,
                  published_file=None) -> dict:
@@ -370,6 +397,7 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
                                  resamples=resamples, seed=seed, confidence=confidence)
             c["ddtree"][bud] = {"n": dpr.n, "macro": asdict(dpr.macro), "pooled": asdict(dpr.pooled),
                                 "wins": dpr.wins, "ties": dpr.ties, "losses": dpr.losses}
+        c["engine"] = engine_pairs(row_maps[0], rm, common, resamples, seed, confidence)
         if has_cats:
             c["categories"] = {}
             for cat in sorted({str(v) for v in cats.values() if v is not None}):
@@ -456,6 +484,11 @@ def side_by_side(result: dict) -> tuple[list[str], list[list[str]]]:
                             f"{pub['speedup']:.2f}×"))
     if any(M[i].get("online") for i in ids):
         rows.append(row("online tokens/s", lambda m: fnum((m.get("online") or {}).get("tokens_per_s"), 1)))
+    if any(M[i].get("engine") for i in ids):
+        rows += [row("engine τ macro (the engine's own count)", lambda m: fnum((m.get("engine") or {}).get("tau_macro"))),
+                 row("engine τ pooled", lambda m: fnum((m.get("engine") or {}).get("tau_pooled"))),
+                 row("engine speedup (without / with the drafter)",
+                     lambda m: fnum((m.get("engine") or {}).get("speedup"), 2))]
     return head, rows
 
 
@@ -474,8 +507,10 @@ def difference_rows(result: dict) -> tuple[list[str], list[list[str]]]:
     for c in result["comparisons"]:
         rows.append([f"{nm[c['run']]} − {nm[c['vs']]}", str(c["n"]), _ci(c["macro"]), _p(c["macro"]["p_value"]),
                      _ci(c["pooled"]), _p(c["pooled"]["p_value"]), f"{c['wins']} / {c['ties']} / {c['losses']}"])
-        for b, d in sorted(c["ddtree"].items(), key=lambda kv: int(kv[0])):
-            rows.append([f"↳ DDTree-{b}", str(d["n"]), _ci(d["macro"]), _p(d["macro"]["p_value"]),
+        extra = [(f"↳ DDTree-{b}", d) for b, d in sorted(c["ddtree"].items(), key=lambda kv: int(kv[0]))]
+        extra += [(f"↳ engine {'τ' if k == 'tau' else 'speedup'}", d) for k, d in (c.get("engine") or {}).items()]
+        for name, d in extra:
+            rows.append([name, str(d["n"]), _ci(d["macro"]), _p(d["macro"]["p_value"]),
                          _ci(d["pooled"]), _p(d["pooled"]["p_value"]), f"{d['wins']} / {d['ties']} / {d['losses']}"])
     return head, rows
 

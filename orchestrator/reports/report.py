@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 from remote.states import State
 
+from . import engine as engine_report
 from .render import Document, fnum
 from ..runs.metrics import TAU_CONVENTIONS, multi_turn_note
 from ..runs.folders import EvalRun, load_run
@@ -80,7 +81,7 @@ def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
             rows.append(("lossless", "not checked per prompt at T > 0 (a sample has no single right output)"))
         elif "lossless" in on:
             rows.append(("lossless (output == target greedy)", fnum(on["lossless"])))
-    return rows
+    return rows + engine_report.summary_rows(run)
 
 
 def ddtree_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
@@ -152,9 +153,9 @@ PROMPT_COLUMNS: list[PromptColumn] = [
     PromptColumn("turns", lambda r: str(len(r["turns"])) if len(r.get("turns") or []) > 1 else None),
     PromptColumn("speedup", lambda r: _ratio(r.get("target_wall_s"), r.get("wall_s"))),
 ]
-# The serving engine's own τ for the same prompt (a run's optional per-prompt ``engine`` fields)
-# is a column here, beside ours: append a PromptColumn("engine τ", ...) reading the row.
-ENGINE_COLUMNS: list[PromptColumn] = []
+# The serving engine's own τ for the same prompt (a run's optional per-prompt ``engine`` fields),
+# beside ours (reports/engine.py).
+ENGINE_COLUMNS: list[PromptColumn] = [PromptColumn(heading, cell) for heading, cell in engine_report.PROMPT_CELLS]
 
 
 def prompt_table(rows: list[dict], columns: Optional[list[PromptColumn]] = None) -> tuple[list[str], list[list[str]]]:
@@ -224,7 +225,8 @@ def report_verdict(run: EvalRun) -> str:
     from .verdict import run_verdict
 
     published = published_for(run, None)[0] if run.results else None
-    return run_verdict(run, published)
+    engine = engine_report.verdict_clause(run)
+    return run_verdict(run, published, also=[engine] if engine else [])
 
 
 def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
@@ -248,6 +250,7 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
     for key, heading, png in report_plots(run):
         doc.plot(key, heading, png)
     doc.table(*prompt_table(run.results), heading="Per prompt")
+    engine_report.report_section(doc, run)
     doc.table(["field", "value"], run_rows(run, m), heading="The run")
     doc.table(["field", "value"], environment_rows(run), heading="Environment", level=3)
     for heading, head, rows in _detail_tables(m):

@@ -101,6 +101,9 @@ def headline(summary: dict) -> dict:
     keys = ("prompts", "tau_macro", "tau_pooled", "per_position_acceptance", "mode")
     out = {k: summary.get(k) for k in keys}
     out["ddtree"] = {str(b): (t or {}).get("tau_macro") for b, t in (summary.get("ddtree") or {}).items()}
+    engine = summary.get("engine")      # watch --engine: the serving engine's own τ and speedup
+    if engine:
+        out["engine"] = {k: engine.get(k) for k in ("kind", "tau_macro", "tau_pooled", "speedup")}
     return out
 
 

@@ -91,7 +91,7 @@ def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
         out.append({"name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
                     "ddtree": s.get("ddtree") or {}, "acceptance": s.get("per_position_acceptance") or [],
                     "ci": tau_cis(runs_root / p.eval_run) if p.eval_run else None, "eval_run": p.eval_run,
-                    "prompts": s.get("prompts")})
+                    "prompts": s.get("prompts"), "engine": s.get("engine")})
     return out
 
 
@@ -155,8 +155,9 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
         ci = tau_cis(runs_root / b["eval_run"]) if b.get("eval_run") else None
         base = {"label": b["label"], "tau": b["summary"]["tau_macro"], "ci": ci[0] if ci else None}
     tags = sorted(train)
+    engine = any(p["engine"] for p in points)       # watch --engine: the serving engine's own τ per point
     header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]", *[f"DDTree-{k}" for k in budgets],
-              *[f"training {t}" for t in tags], "eval run"]
+              *(["engine τ macro", "engine speedup"] if engine else []), *[f"training {t}" for t in tags], "eval run"]
     rows = []
     for p in points:
         ci = p["ci"]
@@ -164,6 +165,8 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
                      f"{fnum(p['tau_macro'], 3)}" + (f" [{ci[0][0]:.3f}, {ci[0][1]:.3f}]" if ci else ""),
                      f"{fnum(p['tau_pooled'], 3)}" + (f" [{ci[1][0]:.3f}, {ci[1][1]:.3f}]" if ci else ""),
                      *[fnum(p["ddtree"].get(k), 3) for k in budgets],
+                     *([fnum((p["engine"] or {}).get("tau_macro"), 3), fnum((p["engine"] or {}).get("speedup"), 2)]
+                       if engine else []),
                      *[fnum(value_at(train[t], p["step"]), 4) for t in tags], p["eval_run"] or "—"])
     doc.table(header, rows, heading="Points")
     if base:
