@@ -382,6 +382,8 @@ def export_refusals(ckpt: DrafterCheckpoint, verifier: str | None = None,
             out[fmt] = "; ".join(e.reasons)
         except CheckpointError as e:
             out[fmt] = str(e)
+        except Exception as e:  # a report: an unforeseen config must not fail the inspection it is part of
+            out[fmt] = f"cannot plan the export ({type(e).__name__}: {e})"
     return out
 
 
