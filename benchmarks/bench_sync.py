@@ -1,4 +1,5 @@
-"""sync-ckpt throughput vs a raw `ssh cat | ssh cat` pipe and vs rsync through a reverse tunnel.
+"""sync-ckpt throughput, relay and tunnel, vs a raw `ssh cat | ssh cat` pipe and vs rsync through a
+reverse tunnel.
 
     python benchmarks/bench_sync.py [--mib 1024] [--reps 3]     (root: the lab uses namespaces)
 
@@ -11,13 +12,17 @@ bytes to hash and encrypt) and a config.json, then runs, interleaved and in rota
 - rsync: the best relay peer measured on these machines: this machine holds `ssh -R` to the eval
   host (aes128-gcm) and the eval host pulls with `rsync -a --whole-file` over ssh (aes128-gcm)
   through that tunnel;
-- sync: a full `sync_checkpoint` (fresh: the destination and the source's manifest cache are
-  removed first, so sha256 is computed in flight on both ends; every step counted: listing,
-  manifest, lock, transfer, verify, fsync, rename).
+- relay: a full `sync_checkpoint` through this machine (fresh: the destination and the source's
+  manifest cache are removed first, so sha256 is computed in flight on both ends; every step
+  counted: listing, manifest, lock, transfer, verify, fsync, rename), then the same sync again with
+  nothing to move (its time is reported apart);
+- tunnel: the same full sync with ``tunnel="tunnel"`` (the eval host pulls through a socket this
+  machine forwards: the rsync peer's topology).
 
-Prints MiB/s of each (median) and the ratios sync/pipe (goal >= 1.5) and sync/rsync (goal >= 1.0);
-every output is checked byte-identical. ``--only pipe,pipe-gcm`` (etc.) runs a subset, where
-pipe-gcm is the raw pipe with aes128-gcm on both legs.
+Prints MiB/s of each (median), the ratios relay/pipe (goal >= 1.5) and tunnel/rsync (goal >= 1.0),
+the nothing-to-move time (goal <= 1.5 s), CPU seconds per GiB of every process of each method and
+the load average before and after; every output is checked byte-identical. ``--only pipe,relay``
+(etc.) runs a subset; pipe-gcm is the raw pipe with aes128-gcm on both legs (only with --only).
 """
 from __future__ import annotations
 
@@ -38,8 +43,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import sshlab  # noqa: E402
 
-from orchestrator.catalog import parse_catalog  # noqa: E402
-from orchestrator.inventory import load_inventory  # noqa: E402
+from orchestrator.config.catalog import parse_catalog  # noqa: E402
+from orchestrator.config.inventory import load_inventory  # noqa: E402
 from orchestrator.sync import sync_checkpoint  # noqa: E402
 from remote.checkpoint import sha256_file as sha256  # noqa: E402
 
@@ -142,18 +147,29 @@ def main() -> int:
                                                  ssh(lab.eval)[-1], shlex.join(remote)], check=True)
             return time.monotonic() - t
 
-        def ours() -> float:
+        noop: list[float] = []
+        noop_cpu: list[float] = [0.0]
+
+        def ours(how: str) -> float:
             shutil.rmtree(dest_root, ignore_errors=True)
             (ck / ".dflash-manifest.json").unlink(missing_ok=True)
             t = time.monotonic()
-            res = sync_checkpoint(inv, cat, "step_1000", jobs=args.jobs)
+            res = sync_checkpoint(inv, cat, "step_1000", jobs=args.jobs, tunnel=how)
             dt = time.monotonic() - t
             assert res.bytes_moved == size + (ck / "config.json").stat().st_size, res.bytes_moved
+            assert res.path == how, res.path
+            if how == "relay":  # and once more, with nothing to move (its CPU is not the relay's)
+                c, t = meter.read(), time.monotonic()
+                again = sync_checkpoint(inv, cat, "step_1000", jobs=args.jobs, tunnel=how)
+                noop.append(time.monotonic() - t)
+                noop_cpu.append(meter.read() - c if c is not None else 0.0)
+                assert again.bytes_moved == 0 and again.plan.up_to_date
             return dt
 
-        runs = {"pipe": raw, "rsync": rsync_tunnel, "sync": ours,
+        runs = {"pipe": raw, "rsync": rsync_tunnel, "relay": lambda: ours("relay"), "tunnel": lambda: ours("tunnel"),
                 "pipe-gcm": lambda: raw(("-c", "aes128-gcm@openssh.com"))}  # only with --only
-        runs = {k: v for k, v in runs.items() if k in (args.only or "pipe,rsync,sync").split(",")}
+        runs = {k: v for k, v in runs.items() if k in (args.only or "pipe,rsync,relay,tunnel").split(",")}
+        load_before = os.getloadavg()
         times: dict[str, list[float]] = {k: [] for k in runs}
         cpu: dict[str, list[float]] = {k: [] for k in runs}
         for i in range(args.reps):  # interleaved, rotating the order: a busy machine hits all alike
@@ -162,29 +178,39 @@ def main() -> int:
                 c = meter.read()
                 times[k].append(runs[k]())
                 if c is not None:
-                    cpu[k].append(meter.read() - c)
+                    cpu[k].append(meter.read() - c - (noop_cpu[-1] if k == "relay" else 0.0))
             print(f"rep {i + 1}: " + "   ".join(f"{k} {args.mib / times[k][-1]:7.1f} MiB/s" for k in runs) +
                   ("   (cpu s: " + " ".join(f"{cpu[k][-1]:.1f}" for k in runs) + ")" if all(cpu.values()) else ""), flush=True)
-        outputs = {"pipe": raw_dst, "pipe-gcm": raw_dst, "rsync": rsync_dst / big.name, "sync": dest_root / "step_1000" / big.name}
-        ok = all(sha256(outputs[k]) == want for k in runs)
+        load_after = os.getloadavg()
+        final = dest_root / "step_1000" / big.name
+        outputs = {"pipe": raw_dst, "pipe-gcm": raw_dst, "rsync": rsync_dst / big.name, "relay": final, "tunnel": final}
+        ok = all(sha256(outputs[k]) == want for k in runs if k not in ("relay", "tunnel")) and \
+            (not {"relay", "tunnel"} & set(runs) or sha256(final) == want)
         gib = args.mib / 1024
-        cpu_line = ("CPU seconds per GiB, all processes of each method, both hosts and here (kernel-counted; a busy VM inflates it too, compare within a run): " +
+        cpu_line = ("CPU seconds per GiB, all processes of each method, both hosts and here (kernel-counted; a busy VM "
+                    "inflates it too, compare within a run): " +
                     "   ".join(f"{k} {statistics.median(cpu[k]) / gib:.2f}" for k in runs)) if all(cpu.values()) else \
             "CPU seconds: not measured (no cpuacct cgroup)"
-        if list(runs) != ["pipe", "rsync", "sync"]:
-            for k in runs:
-                print(f"{k}: {args.mib / statistics.median(times[k]):7.1f} MiB/s  identical: {ok}")
-            print(cpu_line)
-            return 0 if ok else 1
-        p, r, s = (statistics.median(times[k]) for k in runs)
-        print(f"file {args.mib} MiB, {args.reps} reps (median), lab isolated={lab.isolated}, "
-              f"cpus={os.cpu_count()}")
-        print(f"raw ssh cat | ssh cat (default cipher)        : {args.mib / p:7.1f} MiB/s  ({p:.2f} s)")
-        print(f"rsync via reverse tunnel (aes128-gcm, 2 legs)  : {args.mib / r:7.1f} MiB/s  ({r:.2f} s)")
-        print(f"sync-ckpt (sha256 both ends, fsync, rename)    : {args.mib / s:7.1f} MiB/s  ({s:.2f} s)")
+        rate = {k: args.mib / statistics.median(times[k]) for k in runs}
+        print(f"file {args.mib} MiB, {args.reps} reps (median), lab isolated={lab.isolated}, cpus={os.cpu_count()}, "
+              f"load average before {load_before[0]:.2f} / after {load_after[0]:.2f} (1 min)")
+        labels = {"pipe": "raw ssh cat | ssh cat (default cipher)", "pipe-gcm": "raw pipe, aes128-gcm both legs",
+                  "rsync": "rsync via reverse tunnel (aes128-gcm)", "relay": "sync-ckpt relay (sha256, fsync, rename)",
+                  "tunnel": "sync-ckpt --tunnel (sha256, fsync, rename)"}
+        for k in runs:
+            print(f"{labels[k]:44s}: {rate[k]:7.1f} MiB/s  ({statistics.median(times[k]):.2f} s)")
+        if noop:
+            print(f"sync-ckpt with nothing to move                : {statistics.median(noop):.2f} s "
+                  f"(median of {len(noop)}; goal <= 1.5 s)")
         print(cpu_line)
-        print(f"ratio sync/pipe: {p / s:.2f}x (goal >= 1.5)   sync/rsync-tunnel: {r / s:.2f}x (goal >= 1.0)   "
-              f"rsync-tunnel/pipe: {p / r:.2f}x   byte-identical: {ok}")
+        if {"pipe", "relay"} <= set(runs):
+            print(f"ratio relay/pipe: {rate['relay'] / rate['pipe']:.2f}x (goal >= 1.5)")
+        if {"rsync", "tunnel"} <= set(runs):
+            print(f"ratio tunnel/rsync-tunnel: {rate['tunnel'] / rate['rsync']:.2f}x (goal >= 1.0)")
+        if {"rsync", "relay"} <= set(runs):
+            print(f"ratio relay/rsync-tunnel: {rate['relay'] / rate['rsync']:.2f}x   "
+                  f"rsync-tunnel/pipe: {rate['rsync'] / rate.get('pipe', float('nan')):.2f}x")
+        print(f"byte-identical: {ok}")
         return 0 if ok else 1
     finally:
         lab.close()

@@ -374,7 +374,7 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     return DrafterCheckpoint(path=folder, format=fmt, config=cfg, weight_files=files, raw=raw)
 
 
-MANIFEST = ".dflash-manifest.json"   # written by `dflash-ops sync-ckpt` (remote/ckpt_tool.py)
+MANIFEST = ".dflash-manifest.json"   # written by `dflash-ops sync-ckpt` (remote/sync_host.py)
 
 
 def sha256_file(path: str | Path) -> str:

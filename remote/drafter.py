@@ -350,10 +350,12 @@ _flex_compiled = None
 
 
 def flex_attend(q, k, v, block_mask):
+    """flex_attention, compiled once for any sequence length (a static compile per length hits
+    dynamo's recompile limit after 8 lengths and then runs the unfused kernel)."""
     global _flex_compiled
     from torch.nn.attention.flex_attention import flex_attention
     if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        _flex_compiled = torch.compile(flex_attention, dynamic=True)
     return _flex_compiled(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 

@@ -1,8 +1,9 @@
 """The embedded demo pair, built deterministically on first use: a tiny hybrid Qwen3.5-style target
 (Gated DeltaNet + full attention) with a tiny chat tokenizer, taught a small chat corpus, and a
-DFlash drafter trained for it with the reference training step. CPU, under two minutes.
+DFlash drafter trained for it with the reference training step. CPU, under two minutes. The
+``qwen3`` recipe builds the same with a pure-attention Qwen3 target and head_dim 32.
 
-``python -m remote.embedded --out DIR`` builds into DIR (or finds it there) and prints
+``python -m remote.embedded --out DIR [--recipe qwen3]`` builds into DIR (or finds it there) and prints
 ``{"target": DIR/target, "drafter": DIR/drafter}``. A build stamp records the recipe; a changed
 recipe rebuilds, an interrupted build never leaves a half-written pair behind (staging + rename).
 """
@@ -18,6 +19,10 @@ from pathlib import Path
 
 RECIPE = {"version": 2, "vocab": 256, "hidden": 64, "layers": 4, "target_steps": 300, "drafter_steps": 400,
           "block_size": 8, "seed": 0}
+# A pure-attention Qwen3 pair taught the same corpus, with head_dim 32 (vLLM's CPU attention refuses
+# 16): the pair a serving engine runs in tests.
+QWEN3_RECIPE = {**RECIPE, "kind": "qwen3", "head_dim": 32}
+RECIPES = {"demo": RECIPE, "qwen3": QWEN3_RECIPE}
 
 
 def log(msg: str) -> None:
@@ -85,7 +90,7 @@ def teach_target(model, pairs: list[tuple[list[int], list[int]]], steps: int, se
     return teach_lm(model, batches, steps)
 
 
-def build(out: Path) -> dict:
+def build(out: Path, recipe: dict = RECIPE) -> dict:
     import torch
 
     from remote.checkpoint import save_drafter
@@ -96,24 +101,25 @@ def build(out: Path) -> dict:
     from remote.train import Batch, teacher_forced_accuracy, train
 
     t0 = time.time()
-    torch.manual_seed(RECIPE["seed"])
+    kind, head_dim = recipe.get("kind", "qwen3_5"), recipe.get("head_dim", 16)
+    torch.manual_seed(recipe["seed"])
     staging = out.with_name(out.name + f".staging-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
-    tokenizer = build_tiny_tokenizer(staging / "target", vocab_size=RECIPE["vocab"] - 1)
-    target = tiny_target("qwen3_5", vocab_size=RECIPE["vocab"], hidden_size=RECIPE["hidden"],
-                         num_layers=RECIPE["layers"], seed=RECIPE["seed"], tie=False)
+    tokenizer = build_tiny_tokenizer(staging / "target", vocab_size=recipe["vocab"] - 1)
+    target = tiny_target(kind, vocab_size=recipe["vocab"], hidden_size=recipe["hidden"],
+                         num_layers=recipe["layers"], seed=recipe["seed"], tie=False, head_dim=head_dim)
     target.config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     target.generation_config.eos_token_id = target.config.eos_token_id
     target.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     convs = corpus(tokenizer)
     _bypass_linear_attention(target, True)
-    loss = teach_target(target, convs, RECIPE["target_steps"], RECIPE["seed"])
+    loss = teach_target(target, convs, recipe["target_steps"], recipe["seed"])
     _bypass_linear_attention(target, False)
     for p in target.parameters():
         p.requires_grad_(False)
     log(f"target taught (loss {loss:.3f}) in {time.time() - t0:.0f}s")
 
-    cfg = tiny_drafter_config(target, layers=2, block_size=RECIPE["block_size"])
+    cfg = tiny_drafter_config(target, layers=2, block_size=recipe["block_size"], head_dim=head_dim)
     stop = [target.config.eos_token_id]
     batches = []
     for prompt, _ in convs:
@@ -124,16 +130,16 @@ def build(out: Path) -> dict:
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[:, prompt_len:] = True
         batches.append(Batch(ids, feats, mask))
-    drafter = tiny_drafter(cfg, seed=RECIPE["seed"])
+    drafter = tiny_drafter(cfg, seed=recipe["seed"])
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    train(drafter, batches, embed, head, steps=RECIPE["drafter_steps"], lr=1e-2, seed=RECIPE["seed"])
+    train(drafter, batches, embed, head, steps=recipe["drafter_steps"], lr=1e-2, seed=recipe["seed"])
     acc = teacher_forced_accuracy(drafter, batches, embed, head)
     log(f"drafter trained: teacher-forced acc@1 {acc['per_position'][0]:.2f}, est. τ {acc['tau_estimate']:.2f} "
         f"({time.time() - t0:.0f}s total)")
 
     target.save_pretrained(staging / "target")
     save_drafter(drafter, staging / "drafter", fmt="zlab")
-    (staging / "stamp.json").write_text(json.dumps({"recipe": RECIPE, "tau_estimate": acc["tau_estimate"]}))
+    (staging / "stamp.json").write_text(json.dumps({"recipe": recipe, "tau_estimate": acc["tau_estimate"]}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(staging, out)
     return paths(out)
@@ -143,32 +149,34 @@ def paths(out: Path) -> dict:
     return {"target": str(out / "target"), "drafter": str(out / "drafter")}
 
 
-def ensure(out: Path) -> dict:
+def ensure(out: Path, recipe: dict = RECIPE) -> dict:
     stamp = out / "stamp.json"
     if stamp.exists():
         try:
-            if json.loads(stamp.read_text()).get("recipe") == RECIPE:
+            if json.loads(stamp.read_text()).get("recipe") == recipe:
                 return paths(out)
         except json.JSONDecodeError:
             pass
-    log(f"building the embedded demo target and drafter in {out} (first use, about a minute)")
+    log(f"building the embedded {recipe.get('kind', 'demo')} target and drafter in {out} (first use, about a minute)")
     out.parent.mkdir(parents=True, exist_ok=True)
     import fcntl
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)       # two concurrent first uses build once
-        if stamp.exists() and json.loads(stamp.read_text()).get("recipe") == RECIPE:
+        if stamp.exists() and json.loads(stamp.read_text()).get("recipe") == recipe:
             return paths(out)
-        return build(out)
+        return build(out, recipe)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote.embedded", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for the pair (e.g. <workdir>/embedded)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="demo",
+                   help="demo: the hybrid Qwen3.5-style target (default); qwen3: pure attention, head_dim 32")
     args = p.parse_args(argv)
     from remote.target import guard_cpu_kernels
     guard_cpu_kernels("cpu")
-    print(json.dumps(ensure(Path(args.out).expanduser())), flush=True)
+    print(json.dumps(ensure(Path(args.out).expanduser(), RECIPES[args.recipe])), flush=True)
     return 0
 
 

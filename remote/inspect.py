@@ -26,6 +26,7 @@ def inspect(drafter: str, target: str | None = None, block_size: int | None = No
     try:
         folder = Path(drafter).expanduser()
         if not folder.exists():
+            report["drafter_missing"] = True
             parent = folder.parent
             there = sorted(p.name for p in parent.iterdir()) if parent.is_dir() else []
             raise CheckpointError(f"drafter not found: {folder}" + (

@@ -210,7 +210,8 @@ def _read_from(path: Path, offset: int) -> bytes:
 
 def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     """SIGTERM, then SIGKILL after ``grace`` seconds, to the job's process group; only while the
-    process behind the pid file is provably the job (see the module docstring)."""
+    process behind the pid file is provably the job (see the module docstring). The answer is the
+    job's state, with ``"cancelled": true`` when this call stopped it."""
     st = state(run_dir)
     if st["state"] == "unverifiable":
         return {**st, "why": st["why"] + "; not signalled"}
@@ -233,7 +234,7 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     deadline = time.time() + 5                         # the supervisor records the exit code
     while state(run_dir)["state"] == "running" and time.time() < deadline:
         time.sleep(0.05)
-    return state(run_dir)
+    return {**state(run_dir), "cancelled": True}
 
 
 def _env_from_stdin() -> dict[str, str]:
@@ -270,10 +271,29 @@ def main(argv=None) -> int:
     elif args.action == "follow":
         return follow(run_dir, args.offset)
     elif args.action == "status":
-        print(json.dumps(state(run_dir)))
+        print(json.dumps({**state(run_dir), **progress(run_dir)}))
     else:
-        print(json.dumps(cancel(run_dir)))
+        print(json.dumps({**cancel(run_dir), **progress(run_dir)}))
     return 0
+
+
+def progress(run_dir: Path, tail: int = 1 << 16) -> dict:
+    """``{"done": K, "prompts": N}`` from the job's last progress event (events.jsonl's last 64 KiB),
+    or ``{}`` when it has reported none."""
+    try:
+        with open(run_dir / "events.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail))
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("event") in ("prompt", "start"):
+            return {"done": ev.get("done"), "prompts": ev.get("prompts")}
+    return {}
 
 
 if __name__ == "__main__":

@@ -155,29 +155,13 @@ def plan(target_dir, drafter_dir, context_tokens: int, dtype: str, devices: list
                 context_tokens=context_tokens, devices=devices)
 
 
-def parse_target_devices(value: str) -> int | str:
-    """``--target-devices``: a count of GPUs, or ``auto`` (every visible one)."""
-    if value == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--target-devices must be a count >= 1 or auto, not {value!r}")
-    return n
-
-
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    """The plan's flags (remote.memory and remote.preflight): the worker's own spellings."""
+    """The plan's flags (remote.memory and remote.preflight): the target, and the run's settings
+    as the worker reads them (the plan uses the suite, prompts, tokens, device, dtype and memory)."""
+    from remote.settings import add_arguments
+
     p.add_argument("--target", required=True)
-    p.add_argument("--suite", default="default")
-    p.add_argument("--prompts", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None)
-    p.add_argument("--target-devices", type=parse_target_devices, default=None)
-    p.add_argument("--max-memory", type=float, default=None, metavar="GIB")
+    add_arguments(p)
 
 
 def main(argv=None) -> int:

@@ -115,6 +115,9 @@ def online_summary(rows: list[dict]) -> dict:
     if any("lossless" in r for r in rows):   # a row that does not record it is not lossless;
         checked = [r.get("lossless") for r in rows if "lossless" not in r or r["lossless"] is not None]
         online["lossless"] = all(c is True for c in checked) if checked else None   # None: sampled
+        near_ties = sum(bool((r.get("divergence") or {}).get("near_tie")) for r in rows)
+        if near_ties:
+            online["near_tie_divergences"] = near_ties
     return online
 
 

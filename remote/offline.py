@@ -33,10 +33,9 @@ from typing import Callable
 import torch
 
 from remote.drafter import DFLASH2, DFlashDrafter, block_input_ids
+from remote.settings import DEFAULT_BUDGETS
 from remote.sampling import Sampling
 
-DEFAULT_BUDGETS = (8, 16, 32, 64)
-MAX_BUDGET = 1024
 
 
 @dataclass
@@ -93,7 +92,7 @@ class DraftTable:
 
     def _context_kv(self) -> list:
         """K/V of the fused context at every position: they do not depend on the anchor, so one
-        projection serves every chunk (the seed harness re-projected ``[:p]`` for every anchor)."""
+        projection serves every chunk (rather than re-projecting ``[:p]`` for every anchor)."""
         if self.ctx_kv is None:
             d, th = self.drafter, self.target_hidden
             positions = torch.arange(th.shape[1], device=th.device)[None]

@@ -44,6 +44,47 @@ from remote.target_cache import checkpoint, crop_attention, forward, has_linear_
 class DecodeResult:
     output_ids: list[int]      # completion only (the stop token included when one was produced)
     wall_s: float
+    margins: list[float] | None = None   # greedy: each chosen token's :func:`margin`
+
+
+# the largest relative top-2 gap (:func:`margin`) that a forward over several tokens may flip
+# against a forward over one in this dtype: a divergence there is a near-tie, not a decoding error
+NEAR_TIE = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def margin(logits: torch.Tensor) -> float:
+    """How decisively greedy picks its token: (top-1 - top-2 logit) / max(1, |top-1 logit|)."""
+    top = logits.float().topk(2, dim=-1).values.reshape(-1)
+    return float((top[0] - top[1]) / max(1.0, abs(float(top[0]))))
+
+
+@dataclass
+class Divergence:
+    """Where a greedy speculative output first differs from the target's own greedy output."""
+    position: int              # index into the completion
+    ours: int | None           # None: ours ended first
+    target: int | None         # None: the target's ended first
+    margin: float | None       # the target's relative top-2 gap there (:func:`margin`)
+    near_tie: bool             # within NEAR_TIE of a tie for the dtype: numerics, not a decoding error
+
+    def describe(self) -> str:
+        what = f"token {self.position}: ours {self.ours}, target {self.target}"
+        if self.margin is None:
+            return what
+        return what + f" (target's relative top-2 logit gap {self.margin:.3g}{', a near-tie' if self.near_tie else ''})"
+
+
+def first_divergence(ours: list[int], base: DecodeResult, dtype: str) -> Divergence | None:
+    """``None`` when ``ours`` equals the target's greedy output, else the first difference; a
+    divergence where the target's top-2 gap is within ``NEAR_TIE[dtype]`` of its top logit is a
+    near-tie (batched and one-token forwards round differently)."""
+    want = base.output_ids
+    i = next((k for k, (a, b) in enumerate(zip(ours, want)) if a != b), min(len(ours), len(want)))
+    if i == len(ours) == len(want):
+        return None
+    gap = base.margins[i] if base.margins is not None and i < len(base.margins) else None
+    near = gap is not None and i < len(ours) and i < len(want) and gap <= NEAR_TIE.get(dtype, 0.0)
+    return Divergence(i, ours[i] if i < len(ours) else None, want[i] if i < len(want) else None, gap, near)
 
 
 @dataclass
@@ -82,12 +123,15 @@ def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_to
     logits = forward(target, prompt_ids, cache, logits_to_keep=1).logits
     token = sampling.choose(logits[:, -1])[:, None]                      # [1, 1]
     output_ids = [int(token)]
+    margins = [margin(logits[0, -1])] if sampling.greedy else None
     while len(output_ids) < max_new_tokens and output_ids[-1] not in stop:
         logits = forward(target, token, cache, logits_to_keep=1).logits
         token = sampling.choose(logits[:, -1])[:, None]
         output_ids.append(int(token))
+        if margins is not None:
+            margins.append(margin(logits[0, -1]))
     _sync(device)
-    return DecodeResult(output_ids=output_ids, wall_s=time.perf_counter() - t0)
+    return DecodeResult(output_ids=output_ids, wall_s=time.perf_counter() - t0, margins=margins)
 
 
 @torch.inference_mode()

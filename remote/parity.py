@@ -1,6 +1,6 @@
 """Train/eval parity: the same checkpoint's teacher-forced per-position accuracy, computed the
 training way (all anchors at once through the anchor-block mask) and the eval way (one anchor at a
-time, context slice ``[:p]``), plus the seed harness's mistake (context ``[:p+1]``) for reference.
+time, context slice ``[:p]``), plus the classic mistake (context ``[:p+1]``) for reference.
 
 ``python -m remote.parity --target DIR --drafter DIR --results results.jsonl --out parity.json``
 
@@ -74,7 +74,7 @@ def parity(drafter, target, pairs: list[tuple[list[int], list[int]]], max_anchor
 
 def _draft_tokens(drafter, th, p, anchor_token, embed_weight, head, extra_context: bool = False) -> list[int]:
     """The per-anchor path's full-block drafts at ``p``: context ``[:p]``, or with
-    ``extra_context`` the seed harness's ``[:p+1]`` (one token too many, every key visible), block
+    ``extra_context`` the mistaken ``[:p+1]`` (one token too many, every key visible), block
     positions as usual."""
     import torch
 

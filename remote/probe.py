@@ -6,7 +6,7 @@ installing. Package versions come from ``importlib.metadata`` (no imports); CUDA
 CPU-only hosts); its distribution version is enough.
 
 SGLang credentials never go on the command line (``ps`` shows it): `hosts check` writes them into
-the ``SGLANG_AUTH = None`` line of the source it pipes in (see ``orchestrator/hostcheck.py``).
+the ``SGLANG_AUTH = None`` line of the source it pipes in (see ``orchestrator/eval/hostcheck.py``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The node side of a Ray eval host: one actor per shard, a small command runner on its node.
 
-The control side (orchestrator/backends/ray.py) wraps :class:`ShardNode` with ``ray.remote`` and
+The control side (orchestrator/eval/ray.py) wraps :class:`ShardNode` with ``ray.remote`` and
 creates it as a detached, named actor holding the shard's GPUs (``num_gpus``); this package is
 shipped to the cluster in the actor's runtime environment (``py_modules``). The actor runs the
 same ``python -m remote.launch`` commands an SSH host runs, as subprocesses on its node, so the

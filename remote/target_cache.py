@@ -161,21 +161,21 @@ def tiny_config_like(config):
 
 
 @torch.inference_mode()
-def self_test(config, prompt_len: int = 12, verify: int = 8, keep: int = 3, seed: int = 0) -> str | None:
-    """Roll back a partial accept on a tiny random model of ``config``'s class and compare the next
-    token's logits with a fresh forward over the kept prefix. ``None`` when they agree, else what
-    differs (with the installed transformers). Seconds on a CPU."""
+def self_test(config, device="cpu", prompt_len: int = 12, verify: int = 8, keep: int = 3,
+              seed: int = 0) -> str | None:
+    """Roll back a partial accept on a tiny random model of ``config``'s class (on ``device``, with
+    the kernels the run will use there) and compare the next token's logits with a fresh forward
+    over the kept prefix. ``None`` when they agree, else what differs. Seconds on a CPU."""
     from transformers import AutoModelForCausalLM
 
     small = tiny_config_like(config)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(small).float().eval()
+    model = AutoModelForCausalLM.from_config(small).float().eval().to(device)
     for p in model.parameters():          # weights large enough that a stale state changes the logits
         p.normal_(0.0, 0.2)
     gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, small.vocab_size, (1, prompt_len), generator=gen)
-    block = torch.randint(0, small.vocab_size, (1, verify), generator=gen)
-    nxt = torch.randint(0, small.vocab_size, (1, 1), generator=gen)
+    prompt, block, nxt = (torch.randint(0, small.vocab_size, (1, n), generator=gen).to(device)
+                          for n in (prompt_len, verify, 1))
 
     fresh = new_cache(model)
     forward(model, torch.cat([prompt, block[:, :keep]], 1), fresh)

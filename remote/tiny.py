@@ -10,14 +10,15 @@ from remote.train import Batch
 
 
 def tiny_target(kind: str = "qwen3", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4, seed: int = 0,
-                tie: bool = True, init_std: float = 0.02):
-    """A random tiny ``qwen3`` or hybrid ``qwen3_5`` (Gated DeltaNet + full attention) CausalLM."""
+                tie: bool = True, init_std: float = 0.02, head_dim: int = 16):
+    """A random tiny ``qwen3`` or hybrid ``qwen3_5`` (Gated DeltaNet + full attention) CausalLM.
+    ``head_dim`` is the attention layers' (vLLM's CPU attention needs 32 or more)."""
     guard_cpu_kernels("cpu")
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                   max_position_embeddings=4096, tie_word_embeddings=tie,
                   initializer_range=init_std)
     if kind == "qwen3":
@@ -34,13 +35,13 @@ def tiny_target(kind: str = "qwen3", vocab_size: int = 256, hidden_size: int = 6
 
 
 def tiny_drafter_config(target, layers: int = 2, block_size: int = 8, target_layer_ids=None,
-                        sliding: bool = False, sliding_window: int = 12) -> DrafterConfig:
+                        sliding: bool = False, sliding_window: int = 12, head_dim: int = 16) -> DrafterConfig:
     tc = target.config
     L = tc.num_hidden_layers
     ids = target_layer_ids if target_layer_ids is not None else sorted({0, L // 2 - 1, L - 2})
     return DrafterConfig(
         hidden_size=tc.hidden_size, intermediate_size=2 * tc.hidden_size, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, target_layer_ids=list(ids),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, target_layer_ids=list(ids),
         mask_token_id=tc.vocab_size - 1, vocab_size=tc.vocab_size, block_size=block_size, num_target_layers=L,
         layer_types=([SLIDING] + [FULL] * (layers - 1)) if sliding else [FULL] * layers,
         sliding_window=sliding_window if sliding else None)

@@ -12,8 +12,11 @@ Defaults follow z-lab's benchmark: thinking off (``--thinking on`` to enable), s
 Sampled runs seed torch's generator per prompt from ``--seed`` and the prompt id, so a resumed or
 sharded run draws the same numbers for the same prompt.
 
-Exit status: 0 done, 1 a check failed (drafter/target mismatch, bad prompts, SGLang down),
-2 bad usage (missing folders, ...), 3 an unexpected error during the run (finished prompts kept).
+Exit status (:mod:`remote.exits`): 0 done, 1 a check failed (drafter/target mismatch, bad prompts,
+a transformers the host must not decode with, SGLang down), 2 bad usage (missing folders, ...), 3 an
+unexpected error during the run (finished prompts kept), 4 invalid results: a greedy online output
+differs from the target's own greedy output other than at a near-tie (the row is kept with its
+``divergence``, the run stops there and ``summary.json`` says ``invalid`` and carries no τ).
 """
 from __future__ import annotations
 
@@ -27,12 +30,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from remote.memory import parse_target_devices
-from remote.offline import DEFAULT_BUDGETS, MAX_BUDGET
+from remote import exits
+from remote.settings import EvalSettings, add_arguments
 
 
 class WorkerError(Exception):
-    def __init__(self, message: str, code: int = 1):
+    def __init__(self, message: str, code: int = exits.CHECK_FAILED):
         super().__init__(message)
         self.code = code
 
@@ -54,43 +57,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model folder (HF format; a Qwen3.5/3.6 VLM loads as text-only)")
     p.add_argument("--drafter", required=True, help="drafter checkpoint folder (z-lab, speculators or state-dict format)")
-    p.add_argument("--suite", default="default", help="built-in suite name (default, humaneval, hf:gsm8k, ...) or a JSONL file")
-    p.add_argument("--prompts", type=int, default=None, help="evaluate the first N prompts (default: all)")
-    p.add_argument("--mode", choices=("offline", "online"), default="offline",
-                   help="offline: walk the reference completion (batched); online: real speculative decoding")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-blocks", type=int, default=None, help="offline: at most N draft blocks per prompt turn")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="default: bfloat16 on CUDA, float32 on CPU")
+    add_arguments(p)
     p.add_argument("--sglang", default=None, help="SGLang URL for reference completions (as seen from this host)")
     p.add_argument("--resume", action="store_true", help="keep finished prompts in --out and do the rest")
-    p.add_argument("--ddtree-budgets", default=None,
-                   help=f"offline DDTree node budgets, comma-separated, each 1..{MAX_BUDGET} ('' to skip; default "
-                        f"{','.join(map(str, DEFAULT_BUDGETS))} when greedy, none at T > 0)")
-    p.add_argument("--all-anchors", action="store_true", help="offline: also every completion position as an anchor")
-    p.add_argument("--thinking", choices=("off", "on", "default"), default="off",
-                   help="chat template enable_thinking: off (default, as z-lab's published runs), on, or the "
-                        "template's own default")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--block-size", type=int, default=None, help="refuse to run unless the drafter uses this block size")
     p.add_argument("--shard", default=None, metavar="K/N",
                    help="evaluate only prompts K, K+N, K+2N, ... of the selected ones (0-based; sharding over hosts)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (per prompt: derived from it and the prompt id)")
     p.add_argument("--host-label", default=None, help="host name recorded in env.json")
-    p.add_argument("--target-devices", type=parse_target_devices, default=None, metavar="N|auto",
-                   help="load the target across N GPUs (device_map; auto: every visible one); the drafter runs "
-                        "on the device of the captured features")
-    p.add_argument("--max-memory", type=float, default=None, metavar="GIB",
-                   help="use at most this many GiB per device (pre-flight plan and device_map)")
+    p.add_argument("--checked", action="store_true",
+                   help="the drafter/target check and the library self-test already passed on this host for this "
+                        "run (`python -m remote.preflight`, as dflash-ops runs it just before): not repeated")
     args = p.parse_args(argv)
-    if args.prompts is not None and args.prompts < 1:
-        p.error("--prompts must be >= 1")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
+    args.settings = EvalSettings.from_args(args)
+    for problem in args.settings.problems():
+        p.error(problem)
     args.shard_index, args.shard_count = 0, 1
     if args.shard:
         try:
@@ -100,23 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
         args.shard_index, args.shard_count = k, n
     from remote.sampling import Sampling
-    try:
-        args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    except ValueError as e:
-        p.error(str(e))
-    if args.ddtree_budgets is None:
-        args.budgets = [] if not args.sampling.greedy else list(DEFAULT_BUDGETS)
-    else:
-        try:
-            args.budgets = [int(b) for b in args.ddtree_budgets.split(",") if b.strip()]
-        except ValueError:
-            p.error(f"--ddtree-budgets: not a comma-separated list of integers: {args.ddtree_budgets!r}")
-        if any(not 1 <= b <= MAX_BUDGET for b in args.budgets):
-            p.error(f"--ddtree-budgets: each budget must be 1..{MAX_BUDGET}, got {args.ddtree_budgets!r}")
-        if args.budgets and not args.sampling.greedy and args.mode == "offline":
-            p.error("--ddtree-budgets at T > 0: a sampled DDTree is verified by the target's own sampling at every "
-                    "node, which needs online decoding; offline at T > 0 reports the expected acceptance only "
-                    "(pass --ddtree-budgets '')")
+    args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
+    args.budgets = args.settings.budgets()
     return args
 
 
@@ -188,19 +154,24 @@ def stop_ids(tokenizer, target) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
-def preflight(args) -> None:
+def preflight(args, device: str) -> None:
+    """The drafter/target check and the library self-test (:mod:`remote.preflight`), unless
+    ``--checked`` says they just passed for this run."""
     from remote.inspect import inspect
+    from remote.preflight import runtime_problems
 
-    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
-        if not Path(value).expanduser().is_dir():
-            raise WorkerError(f"{flag} {value}: no such folder", code=2)
+    if args.checked:
+        return
     report = inspect(args.drafter, args.target, args.block_size)
-    if not report["ok"]:
-        raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(report["problems"]))
+    problems = report["problems"] or runtime_problems(args.target, device)
+    if problems:
+        raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(problems))
 
 
 def run(args) -> dict:
-    preflight(args)
+    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
+        if not Path(value).expanduser().is_dir():
+            raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
     from remote.prompts import load_suite, reference_turns
     from remote.prompts import PromptError
     try:
@@ -222,7 +193,7 @@ def run(args) -> dict:
     out = Path(args.out)
     results_path = out / "results.jsonl"
     if results_path.exists() and results_path.stat().st_size and not args.resume:
-        raise WorkerError(f"{results_path} already has results: pass --resume to continue it, or use another --out", 2)
+        raise WorkerError(f"{results_path} already has results: pass --resume to continue it, or use another --out", exits.USAGE)
     out.mkdir(parents=True, exist_ok=True)
     finished = read_finished(results_path) if args.resume else []
     done_ids = {r["id"] for r in finished}
@@ -232,8 +203,9 @@ def run(args) -> dict:
     from remote.checkpoint import load_drafter
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", 2)
+        raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    preflight(args, device)
     from remote.memory import check as memory_check
     plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
                         args.target_devices, args.max_memory)
@@ -245,7 +217,7 @@ def run(args) -> dict:
         import importlib.util
         if importlib.util.find_spec("accelerate") is None:
             raise WorkerError(f"--target-devices {args.target_devices}: splitting the target needs accelerate in "
-                              f"{sys.executable} (pip install --no-deps accelerate psutil)", 2)
+                              f"{sys.executable} (pip install --no-deps accelerate psutil)", exits.USAGE)
     log(f"loading target {args.target} on {', '.join(devices) if devices else device} ({dtype})")
     emit("phase", phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
     target = load_target(args.target, device, dtype, devices=devices,
@@ -289,8 +261,11 @@ def run(args) -> dict:
 
     emit("start", prompts=len(rows_to_do), done=len(done_ids), mode=args.mode)
     rows = list(finished)
+    invalid = next((reason for reason in map(invalid_reason, finished) if reason), None)
     with open(results_path, "a") as results:
         for index, row in enumerate(rows_to_do):
+            if invalid:
+                break
             if row.id in done_ids:
                 continue
             t0 = time.perf_counter()
@@ -307,16 +282,40 @@ def run(args) -> dict:
             shown = result["tau"] if "expected" not in result else result["expected"]["expected_tau"]
             log(f"{row.id}: {result['cycles']} cycles, {'expected ' if extra else ''}tau "
                 f"{'n/a' if shown is None else f'{shown:.2f}'} ({time.perf_counter() - t0:.1f}s)")
+            invalid = invalid_reason(result)
 
     from remote.metrics import summarize
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     summary = summarize(rows, drafter.block_size, args.mode, max_length=drafter.config.verify_block)
+    if invalid:
+        summary = invalidated(summary, invalid)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     env["finished_at"] = now()
     (out / "env.json").write_text(json.dumps(env, indent=2))
+    if invalid:
+        raise WorkerError(invalid["message"], exits.INVALID)
     emit("end", summary=summary)
     return summary
+
+
+def invalid_reason(row: dict) -> dict | None:
+    """``summary.json``'s ``invalid`` when ``row`` diverged from the target's greedy output other than
+    at a near-tie: no τ measured on such a run is a result."""
+    d = row.get("divergence")
+    if not d or d["near_tie"]:
+        return None
+    turn = f" (turn {d['turn'] + 1})" if "turn" in d else ""
+    return {"prompt": row["id"], **d,
+            "message": f"greedy online output differs from the target's own greedy output on prompt {row['id']}"
+                       f"{turn} at {d['describe']}: speculative decoding is not exact on this host, so no τ of this "
+                       f"run is a result (rows kept in results.jsonl; summary.json is marked invalid)"}
+
+
+def invalidated(summary: dict, invalid: dict) -> dict:
+    """The summary of an invalid run: every τ and rate removed, the reason and the rows' count kept."""
+    keep = ("mode", "block_size", "prompts", "responses")
+    return {**{k: summary[k] for k in keep if k in summary}, "invalid": invalid}
 
 
 THINKING = {"default": None, "on": True, "off": False}
@@ -327,9 +326,10 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
     import torch
     from remote.metrics import row_stats
     from remote.offline import evaluate_offline
-    from remote.online import speculative_generate, target_decode
+    from remote.online import first_divergence, speculative_generate, target_decode
 
     device = next(target.parameters()).device
+    dtype = next(target.parameters()).dtype
     sampling = args.sampling
     turn_stats: list[dict] = []
     if not sampling.greedy:
@@ -340,9 +340,11 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
         if args.mode == "online":   # the baseline first, as z-lab's benchmark runs them
             base = target_decode(target, ids, args.max_new_tokens, stops, sampling)
             spec = speculative_generate(target, drafter, ids, args.max_new_tokens, stops, sampling)
+            divergence = first_divergence(spec.output_ids, base, str(dtype).replace("torch.", "")) \
+                if sampling.greedy else None
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
-                               "target_wall_s": base.wall_s,
-                               "lossless": spec.output_ids == base.output_ids if sampling.greedy else None})
+                               "target_wall_s": base.wall_s, "divergence": divergence,
+                               "lossless": divergence is None if sampling.greedy else None})
             return spec.output_ids
         if client is not None:
             return client.generate(prompt_ids, args.max_new_tokens, stops, sampling)
@@ -376,6 +378,12 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
         result["wall_s"] = sum(s["wall_s"] for s in turn_stats)
         result["target_wall_s"] = sum(s["target_wall_s"] for s in turn_stats)
         result["lossless"] = all(s["lossless"] for s in turn_stats) if sampling.greedy else None
+        first = next(((t, s["divergence"]) for t, s in enumerate(turn_stats) if s.get("divergence")), None)
+        if first:
+            t, d = first
+            result["divergence"] = {**({"turn": t} if len(turn_stats) > 1 else {}), "position": d.position,
+                                    "ours": d.ours, "target": d.target, "margin": d.margin,
+                                    "near_tie": d.near_tie, "describe": d.describe()}
     return result
 
 

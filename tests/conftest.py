@@ -1,4 +1,6 @@
-"""Shared fixtures: one session-scoped lab of real sshd hosts (see tests/sshlab.py)."""
+"""Shared fixtures: one session-scoped lab of real sshd hosts per test process (tests/sshlab.py),
+the embedded demo pair from the shared build cache (tests/buildcache.py), and marks added by what a
+test uses (``lab``: it needs the SSH lab)."""
 from __future__ import annotations
 
 import os
@@ -7,10 +9,23 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # so tests can `import sshlab`
+sys.path.insert(0, str(Path(__file__).parent))  # the one import path of test helpers: `import sshlab`
+
+
+# The files of the longest tests first (whole evals, clusters, the tour), so that the two worker
+# processes end together rather than one starting the tour last; pyproject's addopts keep this order
+# (--no-loadscope-reorder).
+LONGEST_FIRST = ("test_tour.py", "test_ray.py", "test_watch.py", "test_variants_e2e.py", "test_faults_eval.py",
+                 "test_eval.py", "test_gpus.py", "test_online.py", "test_exactness.py", "test_faults_remote.py",
+                 "test_secrets.py", "test_conformance.py", "test_worker.py", "test_sync.py")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ssh_lab" in item.fixturenames:
+            item.add_marker(pytest.mark.lab)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -57,12 +72,49 @@ def lab_inventory(ssh_lab, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def embedded_pair(tmp_path_factory):
-    """The embedded demo target (tiny hybrid Qwen3.5 + tokenizer) and its trained drafter, built
-    once per test session with the product's own builder: ``{"target": dir, "drafter": dir}``.
-    Set DFLASH_OPS_TEST_EMBEDDED=DIR to reuse a pair built earlier (same recipe) while iterating."""
-    from remote.embedded import ensure
+def embedded_pair():
+    """The embedded demo target (tiny hybrid Qwen3.5 + tokenizer) and its trained drafter, built with
+    the product's own builder once for all test processes and sessions (tests/buildcache.py):
+    ``{"target": dir, "drafter": dir}``; read only. DFLASH_OPS_TEST_EMBEDDED=DIR uses (or builds)
+    the pair in DIR instead."""
+    import buildcache
+    from remote.embedded import RECIPE, ensure
 
     reuse = os.environ.get("DFLASH_OPS_TEST_EMBEDDED")
-    out = Path(reuse) if reuse else tmp_path_factory.mktemp("embedded") / "pair"
-    return ensure(out)
+    if reuse:
+        return ensure(Path(reuse))
+    return ensure(buildcache.built("embedded", RECIPE, lambda out: ensure(out / "pair")) / "pair")
+
+
+@pytest.fixture(scope="module")
+def eval_lab(ssh_lab, embedded_pair, tmp_path_factory):
+    """Both lab hosts get the embedded pair in their workdir, a synced-looking run `v9` with
+    checkpoint step_100 (a copy of the drafter) and a catalog that names them (helpers.lab_cli runs
+    the CLI with them)."""
+    import shutil
+
+    import yaml
+
+    base = tmp_path_factory.mktemp("eval")
+    pair = Path(embedded_pair["target"]).parent
+    for h in ssh_lab.hosts.values():
+        shutil.copytree(pair, h.root / "workdir" / "embedded", dirs_exist_ok=True)
+        ckpt = h.root / "checkpoints" / "v9" / "step_100"
+        shutil.copytree(pair / "drafter", ckpt, dirs_exist_ok=True)
+    catalog = base / "drafters.yaml"
+    catalog.write_text(yaml.safe_dump({
+        "runs": {"v9": {"dir": "v9", "pattern": "step_{step}"}},
+        "drafters": {"v9": {"run": "v9", "format": "zlab", "target": "tiny"},
+                     "demo": {"path": str(ssh_lab.eval.root / "workdir" / "embedded" / "drafter"),
+                              "format": "zlab", "target": "tiny"}},
+        "targets": {"tiny": {"path": str(ssh_lab.eval.root / "workdir" / "embedded" / "target")}}}))
+    inventory = ssh_lab.write_inventory(base / "inventory.yaml", train={"roles": ["train", "eval"]})
+    nopython = ssh_lab.write_inventory(base / "no-torch.yaml", eval={"python": "/usr/bin/python3"})
+    return {"base": base, "catalog": catalog, "inventory": inventory, "no_torch": nopython, "lab": ssh_lab,
+            "pair": pair}
+
+
+def pytest_terminal_summary(terminalreporter):
+    from faulttable import print_tables
+
+    print_tables(terminalreporter)

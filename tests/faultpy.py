@@ -1,13 +1,13 @@
 """A host's `python` for fault-injection tests: ``faultpy.py SPEC -c CODE ARGS...`` runs
-``python -c CODE ARGS...`` (how the orchestrator starts ckpt_tool on a host) with pause points
+``python -c CODE ARGS...`` (how the orchestrator starts sync_host on a host) with pause points
 planted in it, so a test can put a real fault (SIGKILL, a cut link, a full disk) at an exact point
 of a real sync. The inventory names a two-line shell script that execs this; nothing in the product
 knows about it.
 
 SPEC (JSON): ``{"dir": D, "pause": {"at": "send", "file": NAME, "bytes": N}}`` pauses the sender of
 NAME once N bytes are out (the sender sends 256 KiB per call, so N is exact), or
-``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder just before it renames
-the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
+``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder (the eval host's
+``serve`` session) just before it renames the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
 ``D/release`` (60 s at most), then goes on.
 
 ``{"impostor": {"file": NAME, "with": PATH}}`` makes the sender of NAME send PATH instead (same size
@@ -52,7 +52,7 @@ def plant(spec: dict, args: list) -> None:
             sent[0] += n
             return n
         os.sendfile = sendfile
-    elif p.get("at") == "rename" and tool_args[:1] == ["hold"]:
+    elif p.get("at") == "rename" and tool_args[:1] == ["serve"]:
         real_rename = os.rename
 
         def rename(src, dst, *a, **kw):
@@ -71,7 +71,7 @@ def main() -> None:
     if argv[0] != "-c":
         raise SystemExit("faultpy: expected SPEC [-S] -c CODE ARGS")
     code, args = argv[1], argv[2:]
-    plant(spec, args)                # args[0] is the tool itself (ckpt_tool's bootstrap pops it)
+    plant(spec, args)                # args[0] is the tool itself (sync_host's bootstrap pops it)
     sys.argv = ["-c", *args]
     exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
 

@@ -189,10 +189,12 @@ class RollbackTarget:
     """A hybrid (Gated DeltaNet) target for z-lab's ``dflash_generate`` that rolls back correctly.
 
     transformers' ``crop`` rewinds only the conv state of a linear-attention layer, not its
-    recurrent state, so ``dflash_generate`` is not lossless on hybrid targets. This shim keeps the
-    reference's loop as it is and makes its crop exact: every forward first clones the linear
-    layers' states; a crop that removes tokens restores them, crops the attention K/V to before that
-    forward and re-forwards the kept tokens."""
+    recurrent state, so ``dflash_generate`` is not lossless on hybrid targets (and from 5.25 its
+    ``activate_past_recording()`` without a count of recurrent states to keep fails in Qwen3.5's
+    forward). This shim keeps the reference's loop as it is and makes its crop exact: every forward
+    first takes a :func:`remote.target_cache.checkpoint`; a crop that removes tokens rewinds to it
+    and re-forwards the kept tokens. (The rollback itself is proven against a fresh forward in
+    tests/test_online.py.)"""
 
     def __init__(self, target):
         self.target, self.last = target, None
@@ -201,26 +203,25 @@ class RollbackTarget:
         return getattr(self.target, name)
 
     def __call__(self, input_ids, position_ids=None, past_key_values=None, **kw):
+        from remote.target_cache import checkpoint
+
         cache = past_key_values
-        linear = [layer for layer in cache.layers if hasattr(layer, "recurrent_states")]
-        saved = [({i: s.clone() for i, s in layer.conv_states.items() if s is not None},
-                  {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None}) for layer in linear]
-        self.last = (cache, linear, saved, input_ids, position_ids)
+        for layer in cache.layers:
+            if getattr(layer, "record_past", False) and getattr(layer, "recurrent_states_to_keep", 0) is None:
+                layer.recurrent_states_to_keep = 0      # the conv history is what crop(0) trims
+        self.last = (cache, checkpoint(cache), input_ids, position_ids)
         return self.target(input_ids, position_ids=position_ids, past_key_values=cache, **kw)
 
     def crop_to(self, cache, length: int) -> None:
         """z-lab's ``_crop_to``, with the rollback described above when tokens are removed."""
+        from remote.target_cache import has_linear_layers, rewind
+
         remove = cache.get_seq_length() - length
-        if remove <= 0 or self.last is None or self.last[0] is not cache or not self.last[1]:
+        if remove <= 0 or self.last is None or self.last[0] is not cache or not has_linear_layers(cache):
             cache.crop(-remove)
             return
-        _, linear, saved, ids, pos = self.last
-        for layer, (conv, rec) in zip(linear, saved):
-            layer.conv_states.update({i: s.clone() for i, s in conv.items()})
-            layer.recurrent_states.update({i: s.clone() for i, s in rec.items()})
-        for layer in cache.layers:
-            if layer not in linear:
-                layer.crop(-ids.shape[1])
+        _, mark, ids, pos = self.last
+        rewind(cache, mark, ids.shape[1])
         keep = ids.shape[1] - remove
         self.target(ids[:, :keep], position_ids=pos[:, :keep], past_key_values=cache, use_cache=True)
         self.last = None

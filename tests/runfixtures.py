@@ -178,8 +178,18 @@ def make_run(runs_dir: Union[str, Path], run_id: str, drafter: str = "zlab", che
             s = deep_merge(s, summary)
         (run_dir / "summary.json").write_text(json.dumps(s, indent=2), encoding="utf-8")
 
-    run_meta = {"id": run_id, "drafter": drafter, "checkpoint": checkpoint, "target": target, "suite": suite,
-                "host": host, "mode": mode, "prompts": len(ids), "created_at": created, "status": status}
+    from orchestrator.runs.record import EvalRequest, RunRecord, Shard
+    from remote.settings import EvalSettings
+    from remote.states import State
+
+    hosts = host.split(",")
+    request = EvalRequest(hosts=hosts, settings=EvalSettings(suite=suite, mode=mode, prompts=len(ids)),
+                          drafter_ref=f"{drafter}:{checkpoint}" if checkpoint else drafter, target=target)
+    shards = [Shard(host=h, index=i, count=len(hosts), state=State(status) if status in State._value2member_map_
+                    else State.UNKNOWN, fetched=status == "done") for i, h in enumerate(hosts)]
+    record = RunRecord(id=run_id, drafter=drafter, checkpoint=checkpoint, target=target, created_at=created,
+                       status=State(status), request=request, shards=shards)
+    run_meta = record.to_dict()
     run_meta.update(meta or {})
     (run_dir / "run.json").write_text(json.dumps(run_meta, indent=2), encoding="utf-8")
     return run_dir

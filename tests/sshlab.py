@@ -11,6 +11,7 @@ crashed runs (owner pid dead) by those records. Teardown is by pidfile, then ``i
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import secrets
@@ -20,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -55,6 +56,7 @@ class LabHost:
     config: Path
     pidfile: Path
     log: Path
+    authorized_keys: Path | None = None  # this host's own file, read after the lab's shared one
 
     @property
     def known_hosts_name(self) -> str:
@@ -97,6 +99,8 @@ class SSHLab:
                 "roles": [h.name], "python": sys.executable,
                 "workdir": str(h.root / "workdir"), "checkpoints": str(h.root / "checkpoints"),
             }
+            if h.authorized_keys:
+                entry["authorized_keys"] = str(h.authorized_keys)
             for k, v in (overrides.get(h.name) or {}).items():
                 if v is None:
                     entry.pop(k, None)
@@ -117,6 +121,16 @@ class SSHLab:
         h = self.hosts[host] if isinstance(host, str) else host
         full = ["ip", "netns", "exec", h.netns, *argv] if h.netns else list(argv)
         return _run(full, check=check, timeout=timeout)
+
+    def stop_sshd(self, host: LabHost | str) -> None:
+        """Stop the host's sshd; its open sessions keep running (as with a restarted sshd)."""
+        h = self.hosts[host] if isinstance(host, str) else host
+        _stop_pidfile(h.pidfile)
+
+    def start_sshd(self, host: LabHost | str) -> None:
+        h = self.hosts[host] if isinstance(host, str) else host
+        self.exec_in(h, [SSHD, "-f", str(h.config), "-E", str(h.log)], check=True)
+        _wait_listening(h)
 
     def link_down(self, host: LabHost | str) -> None:
         self._link(host, "down")
@@ -151,6 +165,42 @@ class SSHLab:
     def _save_record(self) -> None:
         REGISTRY.mkdir(parents=True, exist_ok=True)
         (REGISTRY / f"{self.lab_id}.json").write_text(json.dumps(self._record()))
+
+
+class ExtraSshd:
+    """One more sshd on a lab host (in its network namespace), on ``port``, with host key ``key``
+    (a private key file), the lab's authorized keys and ``config`` (more sshd_config lines);
+    stopping it leaves its open sessions running. On the host's own port (its sshd stopped first)
+    it is an impostor of that host."""
+
+    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path, config: str = ""):
+        self.lab, self.host = lab, lab.hosts[host] if isinstance(host, str) else host
+        self.port, self.key, self.base, self.config = port, key, base, config
+        self.pidfile: Path | None = None
+
+    def start(self) -> "ExtraSshd":
+        h, d = self.host, self.base / f"sshd-{self.host.name}-{self.key.name}"
+        d.mkdir(exist_ok=True)
+        self.pidfile = d / "pid"
+        cfg = d / "sshd_config"
+        cfg.write_text(SSHD_CONFIG.format(port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
+                                          authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}")
+                       + self.config)
+        self.lab.exec_in(h, [SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
+        _wait_listening(replace(h, port=self.port, log=d / "log"))
+        return self
+
+    def stop(self) -> None:
+        if self.pidfile is not None and self.pidfile.exists():
+            _stop_pidfile(self.pidfile)
+
+
+def _stop_pidfile(pidfile: Path) -> None:
+    pid = int(pidfile.read_text().split()[0])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 # --- teardown ------------------------------------------------------------------------------
@@ -301,43 +351,47 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
                  client_key=client_key, known_hosts=base / "known_hosts")
     atexit.register(lab.close)
 
-    k = 0
-    if isolated:  # pick a free pair of /24s: 10.77.1+2k and 10.77.2+2k (parallel labs)
-        used = _used_ipv4()
-        while f"10.77.{2 * k + 1}.1" in used or f"10.77.{2 * k + 2}.1" in used:
-            k += 1
-    for i, name in enumerate(HOST_NAMES):
-        hdir = base / name
-        (hdir / "root").mkdir(parents=True, exist_ok=True)
-        key = hdir / "ssh_host_ed25519_key"
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"lab-{name}", "-f", str(key)])
-        if isolated:
-            netns, veth, peer = f"dflab-{lab_id}-{name}", f"dv{lab_id}{name[0]}", f"dn{lab_id}{name[0]}"
-            subnet = f"10.77.{2 * k + 1 + i}"
-            address, port = f"{subnet}.2", (22, 2222)[i]
-        else:
-            netns = veth = peer = None
-            address = f"127.0.0.{2 + i}"
-            port = _free_port(address)
-        host = LabHost(name=name, address=address, port=port, user="root", host_key=key,
-                       host_key_pub=" ".join(Path(f"{key}.pub").read_text().split()[:2]),
-                       root=hdir / "root", netns=netns, veth=veth, config=hdir / "sshd_config",
-                       pidfile=hdir / "sshd.pid", log=hdir / "sshd.log")
-        lab.hosts[name] = host
-        lab._save_record()  # before creating anything, so a crash is still cleaned up
-        if isolated:
-            _run(["ip", "netns", "add", netns])
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer, "netns", netns])
-            _run(["ip", "addr", "add", f"{subnet}.1/24", "dev", veth])
-            _run(["ip", "link", "set", veth, "up"])
-            _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
-            _run(["ip", "-n", netns, "link", "set", peer, "up"])
-            _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-        host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key,
-                                                  pidfile=host.pidfile, authorized_keys=authorized))
-        _run([SSHD, "-t", "-f", str(host.config)])
-        prefix = ["ip", "netns", "exec", netns] if netns else []
-        _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])
+    REGISTRY.mkdir(parents=True, exist_ok=True)
+    with open(REGISTRY / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # labs starting at once (pytest-xdist workers) pick distinct subnets
+        k = 0
+        if isolated:  # pick a free pair of /24s: 10.77.1+2k and 10.77.2+2k (parallel labs)
+            used = _used_ipv4()
+            while f"10.77.{2 * k + 1}.1" in used or f"10.77.{2 * k + 2}.1" in used:
+                k += 1
+        for i, name in enumerate(HOST_NAMES):
+            hdir = base / name
+            (hdir / "root").mkdir(parents=True, exist_ok=True)
+            key = hdir / "ssh_host_ed25519_key"
+            _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"lab-{name}", "-f", str(key)])
+            if isolated:
+                netns, veth, peer = f"dflab-{lab_id}-{name}", f"dv{lab_id}{name[0]}", f"dn{lab_id}{name[0]}"
+                subnet = f"10.77.{2 * k + 1 + i}"
+                address, port = f"{subnet}.2", (22, 2222)[i]
+            else:
+                netns = veth = peer = None
+                address = f"127.0.0.{2 + i}"
+                port = _free_port(address)
+            host = LabHost(name=name, address=address, port=port, user="root", host_key=key,
+                           host_key_pub=" ".join(Path(f"{key}.pub").read_text().split()[:2]),
+                           root=hdir / "root", netns=netns, veth=veth, config=hdir / "sshd_config",
+                           pidfile=hdir / "sshd.pid", log=hdir / "sshd.log",
+                           authorized_keys=hdir / "authorized_keys")
+            lab.hosts[name] = host
+            lab._save_record()  # before creating anything, so a crash is still cleaned up
+            if isolated:
+                _run(["ip", "netns", "add", netns])
+                _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer, "netns", netns])
+                _run(["ip", "addr", "add", f"{subnet}.1/24", "dev", veth])
+                _run(["ip", "link", "set", veth, "up"])
+                _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
+                _run(["ip", "-n", netns, "link", "set", peer, "up"])
+                _run(["ip", "-n", netns, "link", "set", "lo", "up"])
+            host.config.write_text(SSHD_CONFIG.format(port=port, address=address, host_key=key, pidfile=host.pidfile,
+                                                      authorized_keys=f"{authorized} {host.authorized_keys}"))
+            _run([SSHD, "-t", "-f", str(host.config)])
+            prefix = ["ip", "netns", "exec", netns] if netns else []
+            _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])
     for host in lab.hosts.values():
         _wait_listening(host)
     lab.known_hosts.write_text(

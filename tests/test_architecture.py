@@ -16,13 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = [
     ["orchestrator.cli"],
     ["orchestrator.watch"],
-    ["orchestrator.evaluate", "orchestrator.tracking", "orchestrator.parity", "orchestrator.sync", "orchestrator.compare",
-     "orchestrator.report", "orchestrator.hostcheck", "orchestrator.resolve"],
-    ["orchestrator.backends", "orchestrator.jobs", "orchestrator.ship", "orchestrator.runs", "orchestrator.runrecord", "orchestrator.placement",
-     "orchestrator.run_metrics", "orchestrator.stats", "orchestrator.render", "orchestrator.plots"],
-    ["orchestrator.transport"],
-    ["orchestrator.inventory", "orchestrator.catalog", "orchestrator.sshconfig"],
-    ["orchestrator.paths", "orchestrator.errors"],
+    ["orchestrator.names"],
+    ["orchestrator.eval", "orchestrator.sync"],
+    ["orchestrator.reports"],
+    ["orchestrator.runs", "orchestrator.transport"],
+    ["orchestrator.config"],
+    ["orchestrator.errors"],
 ]
 
 
@@ -215,7 +214,7 @@ def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("dflash_ops-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for f in ("orchestrator/configs/drafters.yaml", "orchestrator/configs/published.yaml", "remote/ckpt_tool.py",
+    for f in ("orchestrator/config/drafters.yaml", "orchestrator/config/published.yaml", "remote/sync_host.py",
               "remote/probe.py", "remote/launch.py", "remote/suites/default.jsonl", "orchestrator/cli/__main__.py",
               "orchestrator/sync/relay.py", "orchestrator/transport/endpoint.py"):
         assert f in names, f
@@ -230,3 +229,21 @@ def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
                 if imported in sys.stdlib_module_names or imported in ("orchestrator", "remote", ""):
                     continue
                 assert import_names.get(imported, imported).lower() in declared, f"{name} imports undeclared {imported}"
+
+
+def test_test_helpers_have_one_import_path():
+    """Test files import helper modules by their plain names (tests/conftest.py puts tests/ first on
+    sys.path): never as ``tests.x`` (a second copy of the module, with its own caches) and never
+    from another test file (shared helpers live in helper modules: tests/helpers.py and the others)."""
+    bad = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            bad += [f"{path.relative_to(REPO)}: {n}" for n in names
+                    if n == "tests" or n.startswith("tests.") or n.split(".")[0].startswith("test_")]
+    assert not bad, bad

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.catalog import (CatalogError, TrainingRun, check_name, load_catalog, parse_catalog, parse_step,
+from orchestrator.config.catalog import (CatalogError, TrainingRun, check_name, load_catalog, parse_catalog, parse_step,
                                   resolve_checkpoint, split_label)
 from orchestrator.sync import newest_run
 
@@ -52,7 +52,7 @@ def test_escaping_names_are_refused(bad):
 
 
 def test_shipped_catalog_loads():
-    from orchestrator.paths import shipped
+    from orchestrator.config.paths import shipped
 
     cat = load_catalog(shipped("drafters.yaml"))      # the example `dflash-ops init` copies
     assert cat.run("v5").pattern == "step_{step}"
@@ -112,7 +112,7 @@ def test_run_source_dir_and_newest_run():
 
 
 def test_catalog_discovery_order(tmp_path, monkeypatch):
-    from orchestrator.paths import shipped
+    from orchestrator.config.paths import shipped
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DFLASH_OPS_CATALOG", raising=False)

@@ -14,7 +14,7 @@ from remote.drafter import block_input_ids
 from remote.drafter_config import SLIDING
 from remote.inspect import inspect
 from remote.tiny import tiny_drafter, tiny_drafter_config
-from tests.models import random_target
+from models import random_target
 
 REPO = Path(__file__).resolve().parents[1]
 

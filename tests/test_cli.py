@@ -9,14 +9,9 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from runfixtures import make_run, read_rows, recompute
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def test_version_and_completion():
@@ -50,10 +45,12 @@ def test_hosts_json_and_hosts_check_json(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     (report,) = json.loads(res.stdout)
     assert report["name"] == "local" and report["ok"] and report["torch"]
+    import transformers
+    assert report["transformers"] == f"{transformers.__version__} (tested)"   # CI installs a tested version
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["eval", "--mode", "sideways"], 2, "--mode must be offline or online"),
+    (["eval", "--mode", "sideways"], 2, "--mode must be one of offline, online"),
     (["attach", "no-such-run"], 2, "no run matches 'no-such-run'"),
     (["show", "nope"], 2, "no run matches 'nope'"),
     (["hosts", "check", "nohost"], 2, "unknown host 'nohost'"),

@@ -11,15 +11,10 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from runfixtures import check_self_contained_html, make_run, read_rows, recompute
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(240)
 A, B = "20261202-2041-zlab-ct129", "20261203-1100-v5-step20k-ct129"
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def compare_json(runs: Path, *args: str) -> tuple[int, dict]:
@@ -84,6 +79,32 @@ def test_compare_terminal_table(runs, tmp_path):
     assert (tmp_path / "cmp" / "compare.html").exists() and (tmp_path / "cmp" / "compare.md").exists()
 
 
+def test_compare_says_the_verdict_first(runs, tmp_path):
+    """compare's first line, on the terminal and in compare.md/.html: the paired τ difference
+    with its CI and the prompts each way, as a person reads it aloud."""
+    code, r = compare_json(runs, "zlab", "v5:step20k")
+    c = r["comparisons"][0]
+    ta = [sum(x["acceptance_lengths"]) / len(x["acceptance_lengths"]) for x in read_rows(runs / A)]
+    tb = [sum(x["acceptance_lengths"]) / len(x["acceptance_lengths"]) for x in read_rows(runs / B)]
+    worse = sum(b < a for a, b in zip(ta, tb))
+    assert c["macro"]["ci_high"] < 0 and worse > 15          # mean 3.2 against 4.0: clearly worse
+
+    def minus(x):
+        return f"{x:+.2f}".replace("-", "−")
+    first = (f"v5:step20k vs zlab: τ {minus(c['macro']['diff'])} [{minus(c['macro']['ci_low'])}, "
+             f"{minus(c['macro']['ci_high'])}], v5:step20k worse on {worse} of 30 prompts")
+    assert r["verdict"][0].startswith(first) and "no clear difference" not in r["verdict"][0]
+    assert r["verdict"][1].startswith("beside the published τ 6.57 (GSM8K, target Qwen3-8B, T=0; not measured "
+                                      "here): zlab ")
+    res = invoke("compare", "zlab", "v5:step20k", "--runs-dir", str(runs), "--resamples", "1000",
+                 "--out", str(tmp_path / "cmp"))
+    assert " ".join(res.stdout.split()).startswith(r["verdict"][0])
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert md.split("\n")[2].startswith("**" + first)
+    page = (tmp_path / "cmp" / "compare.html").read_text()
+    assert page.index('<div class="verdict">') < page.index("<table") and first in page
+
+
 def test_run_compared_with_itself_is_exactly_zero(runs):
     shutil.copytree(runs / A, runs / "20261205-0000-zlab-copy")
     meta = json.loads((runs / "20261205-0000-zlab-copy" / "run.json").read_text())
@@ -96,6 +117,7 @@ def test_run_compared_with_itself_is_exactly_zero(runs):
         assert (c[k]["diff"], c[k]["ci_low"], c[k]["ci_high"]) == (0.0, 0.0, 0.0)
         assert c[k]["p_value"] == 1.0
     assert (c["wins"], c["ties"], c["losses"]) == (0, 30, 0)
+    assert r["verdict"][0] == f"20261205-0000-zlab-copy vs {A}: τ +0.00 [+0.00, +0.00], the same τ on all 30 prompts"
     for b in c["ddtree"].values():
         assert (b["macro"]["diff"], b["macro"]["ci_low"], b["macro"]["ci_high"]) == (0.0, 0.0, 0.0)
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from orchestrator.cli import app
+from helpers import invoke
 from runfixtures import make_run
 
 ZLAB = "20261202-0900-zlab-ct129"
@@ -27,9 +26,7 @@ def runs(tmp_path):
 
 
 def cli(runs, *args):
-    res = CliRunner().invoke(app, [*args, "--runs-dir", str(runs)], env={"COLUMNS": "200"})
-    assert "Traceback" not in res.output, res.output
-    return res
+    return invoke(*args, "--runs-dir", runs, env={"COLUMNS": "200"})
 
 
 def flat(text: str) -> str:

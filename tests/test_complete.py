@@ -1,5 +1,5 @@
 """The completeness rule (orchestrator/sync/complete.py): a checkpoint still being written is
-never synced. Unit cases of the rule, then `sync-ckpt` on the SSH lab (issue 13 item 5)."""
+never synced. Unit cases of the rule, then `sync-ckpt` on the SSH lab."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from orchestrator.catalog import CatalogError, TrainingRun, parse_catalog
+from orchestrator.config.catalog import CatalogError, TrainingRun, parse_catalog
 from orchestrator.sync import sync_checkpoint
 from orchestrator.sync.complete import IncompleteCheckpoint, judge, missing_files
-from test_sync import FAST, Env, identical
+from synclab import FAST, Env, identical
 
 RUN = TrainingRun(name="v5", dir="v5", settle=30)
 

@@ -22,8 +22,8 @@ from remote.online import speculative_generate, target_decode
 from remote.sampling import Sampling
 from remote.target import target_features
 from remote.tiny import tiny_target
-from tests.models import PROMPT_LEN, freeze, trained_drafter, walk_target
-from tests.references import (RollbackTarget, randomize, speculators_drafter, speculators_logits, zlab_drafter,
+from models import PROMPT_LEN, freeze, trained_drafter, walk_target
+from references import (RollbackTarget, randomize, speculators_drafter, speculators_logits, zlab_drafter,
                               zlab_generate, zlab_logits)
 
 TOL = 1e-4
@@ -271,7 +271,7 @@ def test_greedy_decoding_equals_dflash_generate(variant, tmp_path, walk):
 
 
 def reference_with_rollback(ref, target, prompt, n, stop=None):
-    """``dflash_generate`` with :class:`tests.references.RollbackTarget`'s exact crop."""
+    """``dflash_generate`` with :class:`references.RollbackTarget`'s exact crop."""
     import dflash.model as zlab
 
     shim = RollbackTarget(target)
@@ -282,6 +282,7 @@ def reference_with_rollback(ref, target, prompt, n, stop=None):
         zlab._crop_to = crop
 
 
+@pytest.mark.exactness
 def test_hybrid_target_decoding_equals_dflash_generate(embedded_pair):
     """The embedded demo pair (hybrid Qwen3.5 target, trained drafter saved by our z-lab writer and
     loaded by z-lab's own ``from_pretrained``): tokens and acceptance lengths equal
@@ -306,10 +307,12 @@ def test_hybrid_target_decoding_equals_dflash_generate(embedded_pair):
         assert any(1 < a < ours.block_size for a in want_lengths)        # partial accepts: rollbacks happened
 
 
+@pytest.mark.exactness
 def test_dflash_generate_is_not_lossless_on_hybrid_targets(tmp_path):
     """The documented difference (README): transformers' ``crop`` leaves a Gated DeltaNet layer's
     recurrent state advanced over the rejected drafts, so unpatched ``dflash_generate`` loses the
-    target's greedy output on a hybrid target whose linear layers matter; ours keeps it, and equals
+    target's greedy output on a hybrid target whose linear layers matter (from transformers 5.25 it
+    fails there outright); ours keeps it, and equals
     the reference with a rollback-correct crop cycle for cycle."""
     target = freeze(tiny_target("qwen3_5", init_std=0.2, seed=1))
     ref = zlab_drafter(tmp_path, target)
@@ -319,8 +322,13 @@ def test_dflash_generate_is_not_lossless_on_hybrid_targets(tmp_path):
     spec = speculative_generate(target, ours, prompt, 24)
     assert (spec.output_ids, spec.acceptance_lengths) == reference_with_rollback(ref, target, prompt, 24)
     assert spec.output_ids == greedy
-    assert zlab_generate(ref, target, prompt, 24)[0] != greedy, \
-        "dflash_generate is lossless on hybrid targets with this transformers: update the README's differences"
+    try:
+        theirs = zlab_generate(ref, target, prompt, 24)[0]
+    except TypeError as e:   # transformers >= 5.25: recording without a count of recurrent states to keep
+        assert "NoneType" in str(e), e
+    else:
+        assert theirs != greedy, \
+            "dflash_generate is lossless on hybrid targets with this transformers: update the README's differences"
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -1,31 +1,26 @@
-"""Decoding settings on the orchestrator side (issue 10): eval's sampling flags and their checks,
+"""Decoding settings on the orchestrator side: eval's sampling flags and their checks,
 the settings as pairing keys of `compare`, published rows by temperature, and what reports and
 comparisons show of tau_sglang, tau_macro_turns, the expected τ at T > 0 and sample_from_anchor
 runs. Synthetic run folders (tests/runfixtures.py); the real runs are tests/test_variants_e2e.py."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from orchestrator.cli import app
-from orchestrator.compare import PUBLISHED_FILE, find_benchmark, load_published
-from orchestrator.evaluate import MAX_DDTREE_BUDGET, worker_args
-from orchestrator.inventory import builtin_local
-from orchestrator.runrecord import EvalRequest, Shard
+from orchestrator.reports.compare import PUBLISHED_FILE, find_benchmark, load_published
+from orchestrator.eval.pipeline import worker_args
+from orchestrator.config.inventory import builtin_local
+from orchestrator.runs.record import EvalRequest, Shard
 from remote.metrics import summarize
+from remote.settings import FIELDS, EvalSettings
 from runfixtures import make_run, md_table_values, read_rows
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(240)
 A, B = "20261202-2041-zlab-ct129", "20261203-1100-v5-step20k-ct129"
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, [str(a) for a in args])
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def compare_json(runs: Path, *args: str) -> tuple[int, dict]:
@@ -39,25 +34,34 @@ def sampled(t: float = 1.0, **more) -> dict:
 
 # --------------------------------------------------------------------------- eval's flags
 
-def test_eval_passes_the_sampling_flags_and_the_worker_defaults():
+def worker_settings(argv: list[str]) -> EvalSettings:
+    """The settings the worker reads from ``argv`` (its own parser)."""
+    from remote.worker import parse_args
+
+    return parse_args(argv).settings
+
+
+def test_the_worker_reads_back_the_settings_eval_sends():
+    """One settings value across the process boundary: what the orchestrator puts in the worker's
+    argv is parsed by the worker into the same value (defaults left out of the argv)."""
     host = builtin_local()
     shard = Shard(host="local", index=0, count=1, run_dir="/w/runs/x", target_path="/t", drafter_path="/d")
     args = worker_args(EvalRequest(hosts=["local"]), shard, host, resume=False)
-    flag = lambda name: args[args.index(name) + 1]  # noqa: E731
-    assert (flag("--thinking"), flag("--temperature"), flag("--top-p"), flag("--top-k"), flag("--seed")) == \
-        ("off", "0.0", "1.0", "0", "0")
-    assert "--ddtree-budgets" not in args            # the worker's default: 8..64 greedy, none at T > 0
-    req = EvalRequest(hosts=["local"], temperature=0.7, top_p=0.9, top_k=20, seed=5, thinking="on",
-                      ddtree_budgets="16,1024")
-    args = worker_args(req, shard, host, resume=False)
-    assert (flag("--thinking"), flag("--temperature"), flag("--top-p"), flag("--top-k"), flag("--seed"),
-            flag("--ddtree-budgets")) == ("on", "0.7", "0.9", "20", "5", "16,1024")
+    assert worker_settings(args) == EvalSettings(device="cpu")          # local: CPU, the rest the defaults
+    assert "--temperature" not in args and "--ddtree" not in args and "--checked" in args
+    settings = EvalSettings(suite="humaneval", prompts=7, mode="online", max_new_tokens=64, max_blocks=3,
+                            dtype="bfloat16", thinking="on", ddtree="16,1024", temperature=0.7, top_p=0.9,
+                            top_k=20, seed=5, all_anchors=True, target_devices="2", max_memory=12.5)
+    args = worker_args(EvalRequest(hosts=["local"], settings=settings), shard, host, resume=False)
+    assert worker_settings(args) == replace(settings, device="cpu")
 
 
-def test_the_budget_limit_is_the_workers():
-    from remote.offline import MAX_BUDGET
-
-    assert MAX_DDTREE_BUDGET == MAX_BUDGET == 1024
+def test_every_setting_is_a_flag_of_eval_watch_and_the_worker():
+    """eval and watch offer every setting (made from one list), and the worker parses each."""
+    for command in ("eval", "watch"):
+        text = invoke(command, "--help").output
+        for f in FIELDS:
+            assert f.flag in text, (command, f.flag)
 
 
 @pytest.mark.parametrize("args, message", [

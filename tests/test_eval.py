@@ -1,5 +1,6 @@
 """`dflash-ops eval` end to end: real sshd eval hosts, the real CLI as a subprocess, a real
 detached worker; dropped connections, killed workers, sharding and pre-flight errors."""
+import hashlib
 import json
 import os
 import shutil
@@ -10,85 +11,24 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from helpers import lab_cli, only_run, prompt_events, remote_run_dir, results, wait_for
 from sidebyside import finished
 
 REPO = Path(__file__).resolve().parents[1]
 N_PROMPTS = 5
 
 
-@pytest.fixture(scope="module")
-def setup(ssh_lab, embedded_pair, tmp_path_factory):
-    """Both lab hosts get the embedded pair in their workdir, a synced-looking run `v9` with
-    checkpoint step_100 (a copy of the drafter) and a catalog that names them."""
-    base = tmp_path_factory.mktemp("eval")
-    pair = Path(embedded_pair["target"]).parent
-    for h in ssh_lab.hosts.values():
-        shutil.copytree(pair, h.root / "workdir" / "embedded", dirs_exist_ok=True)
-        ckpt = h.root / "checkpoints" / "v9" / "step_100"
-        shutil.copytree(pair / "drafter", ckpt, dirs_exist_ok=True)
-    catalog = base / "drafters.yaml"
-    catalog.write_text(yaml.safe_dump({
-        "runs": {"v9": {"dir": "v9", "pattern": "step_{step}"}},
-        "drafters": {"v9": {"run": "v9", "format": "zlab", "target": "tiny"},
-                     "demo": {"path": str(ssh_lab.eval.root / "workdir" / "embedded" / "drafter"),
-                              "format": "zlab", "target": "tiny"}},
-        "targets": {"tiny": {"path": str(ssh_lab.eval.root / "workdir" / "embedded" / "target")}}}))
-    inventory = ssh_lab.write_inventory(base / "inventory.yaml", train={"roles": ["train", "eval"]})
-    nopython = ssh_lab.write_inventory(base / "no-torch.yaml", eval={"python": "/usr/bin/python3"})
-    return {"base": base, "catalog": catalog, "inventory": inventory, "no_torch": nopython, "lab": ssh_lab,
-            "pair": pair}
-
-
-def cli(setup, *args, inventory=None, runs=None, popen=False, timeout=600):
-    env = {**os.environ, "DFLASH_OPS_CATALOG": str(setup["catalog"]), "OMP_NUM_THREADS": "2",
-           "DFLASH_OPS_RUNS": str(runs or setup["base"] / "runs"), "COLUMNS": "160"}
-    argv = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory or setup["inventory"]), *map(str, args)]
-    if popen:
-        return subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def results(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
-
-
-def only_run(runs: Path) -> Path:
-    dirs = [d for d in runs.iterdir() if (d / "run.json").exists()]
-    assert len(dirs) == 1, dirs
-    return dirs[0]
-
-
-def remote_run_dir(setup, host: str, run_id: str) -> Path:
-    return setup["lab"].hosts[host].root / "workdir" / "runs" / run_id
-
-
-def wait_for(predicate, timeout=240, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def prompt_events(path: Path) -> int:
-    if not path.exists():
-        return 0
-    return sum('"event": "prompt"' in line for line in path.read_text().splitlines())
-
-
-def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
+def test_eval_over_ssh_equals_the_worker_run_by_hand(eval_lab, tmp_path):
     runs = tmp_path / "runs"
     # the same worker by hand, here, on the same files, with the settings eval passes (checked below),
     # run side by side with the eval
     by_hand = tmp_path / "by_hand"
-    drafter = setup["lab"].eval.root / "checkpoints" / "v9" / "step_100"
-    hand = subprocess.Popen([sys.executable, "-m", "remote.worker", "--target", str(setup["pair"] / "target"),
+    drafter = eval_lab["lab"].eval.root / "checkpoints" / "v9" / "step_100"
+    hand = subprocess.Popen([sys.executable, "-m", "remote.worker", "--target", str(eval_lab["pair"] / "target"),
                              "--drafter", str(drafter), "--prompts", "3", "--max-new-tokens", "64",
                              "--device", "cpu", "--out", str(by_hand), "--thinking", "off"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc = cli(setup, "eval", "--host", "eval", "--drafter", "v9:100", "--prompts", 3, "--max-new-tokens", 64,
+    proc = lab_cli(eval_lab, "eval", "--host", "eval", "--drafter", "v9:100", "--prompts", 3, "--max-new-tokens", 64,
                "--device", "cpu", runs=runs)
     hand = finished(hand, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -109,48 +49,48 @@ def test_eval_over_ssh_equals_the_worker_run_by_hand(setup, tmp_path):
     keys = ("id", "prompt_ids", "output_ids", "acceptance_lengths", "ddtree")
     assert [{k: r[k] for k in keys} for r in results(run_dir)] == [{k: r[k] for k in keys} for r in results(by_hand)]
     # the worker code is content-addressed: a second eval ships nothing new
-    code = list((setup["lab"].eval.root / "workdir" / "code").iterdir())
+    code = list((eval_lab["lab"].eval.root / "workdir" / "code").iterdir())
     assert len([c for c in code if (c / ".complete").exists()]) == 1
 
 
-def start_long_eval(setup, runs: Path):
+def start_long_eval(eval_lab, runs: Path):
     """`dflash-ops eval` of N_PROMPTS long prompts as a background process; returns (proc, run id)."""
-    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 160,
+    proc = lab_cli(eval_lab, "eval", "--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 160,
                "--device", "cpu", runs=runs, popen=True)
-    wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record")
+    wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), what="run record", interval=0.3)
     return proc, only_run(runs).name
 
 
-def test_dropped_connection_keeps_the_worker_and_attach_completes(setup, tmp_path):
+def test_dropped_connection_keeps_the_worker_and_attach_completes(eval_lab, tmp_path):
     runs = tmp_path / "runs"
-    proc, run_id = start_long_eval(setup, runs)
-    events = remote_run_dir(setup, "eval", run_id) / "events.jsonl"
-    wait_for(lambda: prompt_events(events) >= 1, what="first prompt")
+    proc, run_id = start_long_eval(eval_lab, runs)
+    events = remote_run_dir(eval_lab, "eval", run_id) / "events.jsonl"
+    wait_for(lambda: prompt_events(events) >= 1, what="first prompt", interval=0.3)
     proc.kill()                                    # the client dies: its SSH connections drop
     proc.wait()
-    pid = int((remote_run_dir(setup, "eval", run_id) / "pid").read_text().split()[0])
+    pid = int((remote_run_dir(eval_lab, "eval", run_id) / "pid").read_text().split()[0])
     time.sleep(1.0)
-    assert (remote_run_dir(setup, "eval", run_id) / "exit_code").exists() or os.path.exists(f"/proc/{pid}"), \
+    assert (remote_run_dir(eval_lab, "eval", run_id) / "exit_code").exists() or os.path.exists(f"/proc/{pid}"), \
         "the worker died with the SSH connection"
-    attach = cli(setup, "attach", run_id, runs=runs)
+    attach = lab_cli(eval_lab, "attach", run_id, runs=runs)
     assert attach.returncode == 0, attach.stdout + attach.stderr
     rows = results(runs / run_id)
     assert len(rows) == N_PROMPTS and len({r["id"] for r in rows}) == N_PROMPTS
     assert json.loads((runs / run_id / "run.json").read_text())["status"] == "done"
 
 
-def test_killed_worker_is_resumed_without_duplicates(setup, tmp_path):
+def test_killed_worker_is_resumed_without_duplicates(eval_lab, tmp_path):
     runs = tmp_path / "runs"
-    proc, run_id = start_long_eval(setup, runs)
-    rdir = remote_run_dir(setup, "eval", run_id)
-    wait_for(lambda: prompt_events(rdir / "events.jsonl") >= 2, what="two prompts")
+    proc, run_id = start_long_eval(eval_lab, runs)
+    rdir = remote_run_dir(eval_lab, "eval", run_id)
+    wait_for(lambda: prompt_events(rdir / "events.jsonl") >= 2, what="two prompts", interval=0.3)
     os.kill(int((rdir / "pid").read_text().split()[0]), signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
     assert "failed" in out and "exit code -9" in out and f"--resume {run_id}" in out
     finished = len((rdir / "out" / "results.jsonl").read_text().splitlines())
     assert 2 <= finished < N_PROMPTS
-    resumed = cli(setup, "eval", "--resume", run_id, runs=runs)
+    resumed = lab_cli(eval_lab, "eval", "--resume", run_id, runs=runs)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     rows = results(runs / run_id)
     suite_ids = json.loads((runs / run_id / "env.json").read_text())["suite"]["ids"]
@@ -160,10 +100,10 @@ def test_killed_worker_is_resumed_without_duplicates(setup, tmp_path):
     assert starts[-1]["done"] == finished          # the resumed worker skipped the finished prompts
 
 
-def test_two_eval_hosts_shard_one_run(setup, tmp_path):
+def test_two_eval_hosts_shard_one_run(eval_lab, tmp_path):
     runs = tmp_path / "runs"
-    target = setup["lab"].eval.root / "workdir" / "embedded" / "target"
-    proc = cli(setup, "eval", "--host", "eval", "--host", "train", "--drafter", "embedded", "--prompts", N_PROMPTS,
+    target = eval_lab["lab"].eval.root / "workdir" / "embedded" / "target"
+    proc = lab_cli(eval_lab, "eval", "--host", "eval", "--host", "train", "--drafter", "embedded", "--prompts", N_PROMPTS,
                "--max-new-tokens", 48, "--device", "cpu", "--ddtree", "", runs=runs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = only_run(runs)
@@ -178,7 +118,7 @@ def test_two_eval_hosts_shard_one_run(setup, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["unknown-label", "missing-checkpoint", "incomplete", "corrupt", "no-torch", "no-gpu"])
-def test_preflight_errors_are_clear(setup, tmp_path, case):
+def test_preflight_errors_are_clear(eval_lab, tmp_path, case):
     args = ["eval", "--host", "eval", "--prompts", 1, "--device", "cpu"]
     inventory = None
     if case == "unknown-label":
@@ -188,14 +128,14 @@ def test_preflight_errors_are_clear(setup, tmp_path, case):
         args += ["--drafter", "v9:step999"]
         want = "no checkpoint 'step999' in run v9; nearest: step_100"
     elif case == "incomplete":
-        broken = setup["lab"].eval.root / "checkpoints" / "v9" / "step_200"
-        shutil.copytree(setup["pair"] / "drafter", broken, dirs_exist_ok=True)
+        broken = eval_lab["lab"].eval.root / "checkpoints" / "v9" / "step_200"
+        shutil.copytree(eval_lab["pair"] / "drafter", broken, dirs_exist_ok=True)
         (broken / "model.safetensors").rename(broken / "model.safetensors.part")
         args += ["--drafter", "v9:200"]
         want = "incomplete"
     elif case == "corrupt":
-        broken = setup["lab"].eval.root / "checkpoints" / "v9" / "step_300"
-        shutil.copytree(setup["pair"] / "drafter", broken, dirs_exist_ok=True)
+        broken = eval_lab["lab"].eval.root / "checkpoints" / "v9" / "step_300"
+        shutil.copytree(eval_lab["pair"] / "drafter", broken, dirs_exist_ok=True)
         weights = broken / "model.safetensors"
         import hashlib
         good = hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -208,18 +148,18 @@ def test_preflight_errors_are_clear(setup, tmp_path, case):
         want = "does not match its sha256 in the sync manifest"
     elif case == "no-torch":
         args += ["--drafter", "demo"]
-        inventory = setup["no_torch"]
+        inventory = eval_lab["no_torch"]
         want = "lacks torch"
     else:
         args = ["eval", "--host", "eval", "--prompts", 1, "--drafter", "demo"]   # GPU asked, none there
         want = "no CUDA GPU"
-    proc = cli(setup, *args, inventory=inventory, runs=tmp_path / "runs", timeout=300)
+    proc = lab_cli(eval_lab, *args, inventory=inventory, runs=tmp_path / "runs", timeout=300)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert want in out, out
     assert "Traceback" not in out
     if case in ("incomplete", "corrupt"):
-        shutil.rmtree(setup["lab"].eval.root / "checkpoints" / "v9" / ("step_200" if case == "incomplete" else "step_300"))
+        shutil.rmtree(eval_lab["lab"].eval.root / "checkpoints" / "v9" / ("step_200" if case == "incomplete" else "step_300"))
 
 
 def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
@@ -245,16 +185,34 @@ def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
     assert "agree draft for draft" in par.stdout
 
 
-def test_detach_json_then_attach(setup, tmp_path):
+def test_detach_json_then_attach(eval_lab, tmp_path):
     runs = tmp_path / "runs"
-    proc = cli(setup, "eval", "--host", "eval", "--drafter", "demo", "--prompts", 1, "--max-new-tokens", 24,
+    proc = lab_cli(eval_lab, "eval", "--host", "eval", "--drafter", "demo", "--prompts", 1, "--max-new-tokens", 24,
                "--device", "cpu", "--ddtree", "", "--detach", "--json", runs=runs)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     started = json.loads(proc.stdout)
     assert started["status"] == "running" and started["hosts"] == ["eval"]
     assert started["attach"] == f"dflash-ops attach {started['id']}"
     assert json.loads((runs / started["id"] / "run.json").read_text())["status"] == "running"
-    attach = cli(setup, "attach", started["id"], runs=runs)
+    attach = lab_cli(eval_lab, "attach", started["id"], runs=runs)
     assert attach.returncode == 0, attach.stdout + attach.stderr
     assert json.loads((runs / started["id"] / "run.json").read_text())["status"] == "done"
     assert len(results(runs / started["id"])) == 1
+
+
+def test_a_suite_file_on_this_machine_is_sent_to_the_host(eval_lab, tmp_path):
+    """`--suite configs/suites/mine.jsonl` names this machine's file (the project's own suites): it is
+    copied to the host once per content and the worker reads it there."""
+    suite = tmp_path / "mine.jsonl"
+    suite.write_text('{"id": "mine-a", "prompt": "Say hi."}\n{"id": "mine-b", "prompt": "Count to three."}\n')
+    runs = tmp_path / "runs"
+    proc = lab_cli(eval_lab, "eval", "--host", "eval", "--drafter", "demo", "--suite", suite, "--prompts", 2,
+                   "--max-new-tokens", 16, "--device", "cpu", "--ddtree", "", runs=runs)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"suite {suite}: this machine's file, sent to eval" in proc.stdout
+    run_dir = only_run(runs)
+    assert [r["id"] for r in results(run_dir)] == ["mine-a", "mine-b"]
+    sha = hashlib.sha256(suite.read_bytes()).hexdigest()[:16]
+    sent = eval_lab["lab"].eval.root / "workdir" / "suites" / sha / "mine.jsonl"
+    assert sent.read_bytes() == suite.read_bytes()
+    assert json.loads((run_dir / "env.json").read_text())["suite"]["name"] == str(sent)

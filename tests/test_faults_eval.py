@@ -1,4 +1,4 @@
-"""Fault injection for `dflash-ops eval` on the SSH lab (issue 13): a real fault at an exact point
+"""Fault injection for `dflash-ops eval` on the SSH lab: a real fault at an exact point
 of a real eval, then `eval --resume RUN`; after it every prompt of the suite is in the run's
 results exactly once, in suite order, and the resumed worker redid no finished prompt.
 
@@ -7,7 +7,7 @@ kill the remote worker (SIGKILL of its process group), drop the link (`ip link s
 eval host's veth for LINK_DOWN_S). Points: `loading` (the worker started, no prompt finished) and
 `mid` (the first prompt's row written). The worker is frozen with SIGSTOP the moment the point is
 seen (the row count at the fault is exact), the fault is applied, then it is let go with SIGCONT.
-The table of outcomes is printed at the end of the module and kept in docs/reliability.md.
+The table of outcomes is printed at the end of the run and kept in docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from faulttable import collect_table, wait_for
-from test_eval import cli, remote_run_dir, results, setup  # noqa: F401 (setup: the module's fixture)
+from faulttable import Table
+from helpers import lab_cli, remote_run_dir, results, wait_for
 
 FAULTS = ("kill-local", "kill-remote", "link-down")
 POINTS = ("loading", "mid")
@@ -39,10 +39,10 @@ def worker_pid(rdir: Path) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def table(request):
-    yield from collect_table(request, "eval fault injection",
-                             ("fault", "point", "rows at fault", "faulty run", "rerun", "prompts once"))
+    return Table(request, "eval fault injection",
+                 ("fault", "point", "rows at fault", "faulty run", "rerun", "prompts once"))
 
 
 def last_line(text: str) -> str:
@@ -53,19 +53,19 @@ def last_line(text: str) -> str:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("fault", FAULTS)
-def test_eval_fault_then_resume_has_every_prompt_once(setup, tmp_path, table, fault, point):  # noqa: F811
-    lab = setup["lab"]
+def test_eval_fault_then_resume_has_every_prompt_once(eval_lab, tmp_path, table, fault, point):
+    lab = eval_lab["lab"]
     if fault == "link-down" and not lab.isolated:
         pytest.skip(f"needs network namespaces: {lab.fallback_reason}")
     runs = tmp_path / "runs"
     args = ("--host", "eval", "--drafter", "demo", "--prompts", N_PROMPTS, "--max-new-tokens", 32,
             "--device", "cpu", "--ddtree", "")
-    proc = cli(setup, "eval", *args, runs=runs, popen=True)
+    proc = lab_cli(eval_lab, "eval", *args, runs=runs, popen=True)
     pid = None
     try:
         wait_for(lambda: runs.exists() and any((d / "run.json").exists() for d in runs.iterdir()), 120, "the run")
         run_id = next(d.name for d in runs.iterdir() if (d / "run.json").exists())
-        rdir = remote_run_dir(setup, "eval", run_id)
+        rdir = remote_run_dir(eval_lab, "eval", run_id)
         wait_for(lambda: worker_pid(rdir) is not None, 180, "the worker to start")
         pid = worker_pid(rdir)
         if point == "mid":
@@ -100,7 +100,7 @@ def test_eval_fault_then_resume_has_every_prompt_once(setup, tmp_path, table, fa
     done = json.loads((runs / run_id / "run.json").read_text())["status"] == "done"
     rerun = "-"
     if not done:
-        resumed = cli(setup, "eval", "--resume", run_id, runs=runs)
+        resumed = lab_cli(eval_lab, "eval", "--resume", run_id, runs=runs)
         rerun = f"exit {resumed.returncode}"
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     rows = results(runs / run_id)

@@ -2,13 +2,13 @@
 then a plain rerun; after it every byte is identical and the rerun sent exactly what had not yet
 arrived (nothing verified is sent again, a partial file resumes from its end).
 
-Faults: kill the local process (SIGKILL), kill the remote side (SIGKILL every ckpt_tool process of
+Faults: kill the local process (SIGKILL), kill the remote side (SIGKILL every sync_host process of
 the sync on both hosts), drop the link (`ip link set down` on the eval host's veth), fill the
 destination disk (a tmpfs). Points: before the first byte (lock held, staging made), mid-transfer
 (the first file verified, the second 1 MiB in), between verification and the final rename (the lock
 holder about to rename the staging folder). The points are pauses planted by tests/faultpy.py, the
 hosts' `python` in the faulty run's inventory. The table of outcomes is printed at the end of the
-module and kept in docs/reliability.md.
+run and kept in docs/reliability.md.
 """
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from faulttable import collect_table, wait_for
-from test_sync import MiB, Env, sha
+from faulttable import Table
+from helpers import wait_for
+from synclab import MiB, Env, sha
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("kill-local", "kill-remote", "link-down", "disk-full")
@@ -33,8 +34,8 @@ LINK_DOWN_S = 8.0
 
 DRIVER = """
 import json, sys
-from orchestrator.catalog import parse_catalog
-from orchestrator.inventory import load_inventory
+from orchestrator.config.catalog import parse_catalog
+from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, sync_checkpoint
 inv, cat, run, name, opts = sys.argv[1:6]
 try:
@@ -119,10 +120,10 @@ def small_disk(ssh_lab, tmp_path_factory):
     in_eval_ns(ssh_lab, ["umount", "-l", str(mnt)], check=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def table(request):
-    yield from collect_table(request, "sync fault injection",
-                             ("fault", "point", "faulty run", "rerun sent", "of not yet verified", "identical"))
+    return Table(request, "sync fault injection",
+                 ("fault", "point", "faulty run", "rerun sent", "of not yet verified", "identical"))
 
 
 class Case:

@@ -1,4 +1,4 @@
-"""Fuzzing the loaders of what users write by hand (issue 13): the inventory, the drafter catalog,
+"""Fuzzing the loaders of what users write by hand: the inventory, the drafter catalog,
 a prompt suite (JSONL) and a drafter checkpoint's config.json. Each input is a valid document with
 one thing broken (a field's value replaced by any JSON/YAML value, an unknown field added, a key
 renamed), or any bytes at all. No input may end in anything but success or the loader's own error
@@ -86,7 +86,7 @@ INVENTORY_FIELDS = [("hosts",), ("hosts", "gpu1"), *(("hosts", "gpu1", k) for k 
 
 
 def load_inventory_file(path: Path):
-    from orchestrator.inventory import load_inventory
+    from orchestrator.config.inventory import load_inventory
 
     return load_inventory(path, ssh_config_path=path.parent / "no-ssh-config")
 
@@ -126,7 +126,7 @@ CATALOG_FIELDS = [("runs",), ("targets",), ("drafters",), ("runs", "v5"), ("targ
 @FUZZ
 @given(data=st.data())
 def test_catalog_fuzz(tmp_path_factory, data):
-    from orchestrator.catalog import load_catalog
+    from orchestrator.config.catalog import load_catalog
 
     fuzz_yaml(tmp_path_factory, data, CATALOG, CATALOG_FIELDS, "drafters.yaml", load_catalog)
 
@@ -192,7 +192,7 @@ def test_drafter_config_fuzz(tmp_path_factory, data):
 @settings(FUZZ, max_examples=max(20, FUZZ.max_examples // 3))
 @given(raw=st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode)))
 def test_any_bytes_is_loaded_or_refused_with_the_file_named(tmp_path_factory, raw):
-    from orchestrator.catalog import load_catalog
+    from orchestrator.config.catalog import load_catalog
     from orchestrator.errors import InputError
     from remote.checkpoint import CheckpointError
     from remote.prompts import PromptError, load_suite

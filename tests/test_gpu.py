@@ -37,8 +37,37 @@ def test_worker_bf16_on_cuda(embedded_pair, tmp_path):
         assert env_json["kernel_path"] in ("fla", "torch")
         summary = json.loads((out / "summary.json").read_text())
         assert summary["tau_pooled"] > 1.0
-        if mode == "online":
-            assert summary["online"]["lossless"], "bf16 speculative decoding diverged from greedy"
+        if mode == "online":      # exact, or diverged only at near-ties (the worker exits 4 otherwise)
+            rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+            near = [r["divergence"] for r in rows if r.get("divergence")]
+            print(f"bf16 online: {len(rows) - len(near)} of {len(rows)} prompts exact; near-ties: {near}")
+            assert all(d["near_tie"] for d in near)
+
+
+def test_rollback_self_test_on_cuda():
+    """The pre-flight self-test with the CUDA kernels a host would use (fla where installed)."""
+    import torch
+    import transformers
+
+    from remote.target_cache import self_test
+    from remote.tiny import tiny_target
+
+    for config in (tiny_target("qwen3_5").config, transformers.Qwen3_5Config()):
+        assert self_test(config, "cuda") is None
+    assert torch.cuda.is_available()
+
+
+def test_online_fp32_on_cuda_is_exact(embedded_pair, tmp_path):
+    """In float32 a greedy online run on CUDA equals the target's own greedy output token for token."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "fp32"
+    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"],
+                           "--drafter", embedded_pair["drafter"], "--prompts", "3", "--out", str(out),
+                           "--device", "cuda", "--dtype", "float32", "--mode", "online", "--max-new-tokens", "96"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["online"]["lossless"] is True, summary
 
 
 def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path):

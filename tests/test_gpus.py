@@ -13,7 +13,7 @@ import pytest
 from sidebyside import finished, started
 
 from orchestrator.errors import InputError
-from orchestrator.placement import host_gpu_ids, parse_gpus
+from orchestrator.eval.placement import host_gpu_ids, parse_gpus
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = ("id", "prompt_ids", "output_ids", "acceptance_lengths")
@@ -108,7 +108,7 @@ def test_bad_gpus_is_one_red_line(local_home, tmp_path):
 def test_dead_gpu_worker_is_named_and_resume_reruns_only_its_prompts(ssh_lab, embedded_pair, tmp_path):
     """On a real SSH host: two CPU workers; one is killed mid-run; the failure names its shard;
     --resume restarts that shard only, and the merged run has every prompt exactly once."""
-    from test_eval import prompt_events, wait_for
+    from helpers import prompt_events, wait_for
 
     host = ssh_lab.eval.root
     shutil.copytree(Path(embedded_pair["target"]).parent, host / "workdir" / "embedded", dirs_exist_ok=True)

@@ -1,6 +1,6 @@
-"""`~` in inventory and catalog paths means the login user's home on that host (issue 13, item 7):
-sync, ckpts, hosts check and eval find and create their files there, and nothing named `~` appears.
-Before, every command quoted `~` literally and `ckpt_tool hold` created a folder called `~`."""
+"""`~` in inventory and catalog paths means the login user's home on that host:
+sync, ckpts, hosts check and eval find and create their files there, and nothing named `~` appears
+(a `~` quoted literally would make a folder called `~`)."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hostpython import host_python
 
-from orchestrator.inventory import InventoryError, parse_inventory
+from orchestrator.config.inventory import InventoryError, parse_inventory
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
@@ -34,8 +35,7 @@ def test_tilde_paths_live_in_the_login_home_on_the_host(ssh_lab, embedded_pair, 
     strays = [home / "~", Path.cwd() / "~", REPO / "~"]
     before = {p: p.exists() for p in strays}
     try:
-        (home / f"dfl-py-{tag}").mkdir()
-        (home / f"dfl-py-{tag}" / "python").symlink_to(sys.executable)
+        host_python(home / f"dfl-py-{tag}" / "python")
         shutil.copytree(Path(embedded_pair["target"]).parent, home / f"dfl-work-{tag}" / "embedded")
         run = f"r{tag}"
         src = home / f"dfl-train-{tag}" / run / "step_5"
@@ -62,7 +62,7 @@ def test_tilde_paths_live_in_the_login_home_on_the_host(ssh_lab, embedded_pair, 
         assert (final / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
         assert "yes" in cli("ckpts", run)
         out = cli("hosts", "check", "eval")
-        assert "ok" in out and "(missing)" not in out, out
+        assert "passed" in out and "(missing)" not in out, out
         cli("eval", "--host", "eval", "--drafter", "embedded", "--device", "cpu", "--prompts", "1",
             "--max-new-tokens", "8", "--ddtree", "")
         (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if (d / "run.json").exists()]

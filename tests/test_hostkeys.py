@@ -1,4 +1,4 @@
-"""Host keys on both paths (issue 13, items 3 and 10), against real sshd hosts of the lab:
+"""Host keys on both paths, against real sshd hosts of the lab:
 
 - a known_hosts file with ``@cert-authority`` and ``@revoked`` lines keeps working (the plain
   entries are used, the CA lines skipped with a warning) and a revoked key is refused on both paths;
@@ -14,7 +14,6 @@ import os
 import random
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -23,11 +22,11 @@ import pytest
 from typer.testing import CliRunner
 
 import sshlab
-from orchestrator.catalog import parse_catalog
-from orchestrator.inventory import load_inventory
+from orchestrator.config.catalog import parse_catalog
+from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, sync_checkpoint
 from orchestrator.transport import HostKeyError, endpoint_for, runner_for
-from test_sync import MiB, identical, write_file
+from synclab import MiB, identical, write_file
 
 pytestmark = pytest.mark.timeout(180)
 REPO = Path(__file__).resolve().parents[1]
@@ -80,32 +79,6 @@ def test_known_hosts_with_cert_authority_and_revoked_lines(ssh_lab, lab_inv, tmp
     assert res.returncode == 255 and "REVOKED" in res.stderr, res.stderr
 
 
-class Sshd:
-    """One more sshd on the eval host (its network namespace), on its own port, with a host key of
-    its own; stopping it leaves its open sessions running (as a restarted sshd does)."""
-
-    def __init__(self, lab, port: int, key: Path, base: Path):
-        self.lab, self.port, self.key, self.base = lab, port, key, base
-
-    def start(self) -> "Sshd":
-        ev, d = self.lab.eval, self.base / f"sshd-{self.key.name}"
-        d.mkdir(exist_ok=True)
-        self.pidfile = d / "pid"
-        cfg = d / "sshd_config"
-        cfg.write_text(sshlab.SSHD_CONFIG.format(port=self.port, address=ev.address, host_key=self.key,
-                                                 pidfile=self.pidfile, authorized_keys=self.lab.base / "authorized_keys"))
-        self.lab.exec_in(ev, [sshlab.SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
-        sshlab._wait_listening(replace(ev, port=self.port, log=d / "log"))
-        return self
-
-    def stop(self) -> None:
-        pid = int(self.pidfile.read_text().split()[0])
-        os.kill(pid, 15)
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-
 def _port(lab) -> int:
     return sshlab._free_port(lab.eval.address) if not lab.isolated else random.randrange(20000, 30000)
 
@@ -123,27 +96,36 @@ def _run_with_checkpoint(lab, tmp_path, files: dict) -> tuple[str, object, Path]
     return run, cat, src
 
 
-def test_data_path_is_pinned_to_the_key_the_control_connection_accepted(ssh_lab, tmp_path):
+def test_data_path_is_pinned_to_the_key_the_control_connection_accepted(ssh_lab, tmp_path, monkeypatch):
     """trust_host_key and an empty known_hosts: the control connection accepts sshd A's key; then
-    A is replaced by B (another key, same address and port) before any byte moves. The data path
-    must refuse B (before: StrictHostKeyChecking=accept-new with /dev/null took any key)."""
+    A is replaced by B (another key, same address and port) before the data path's master
+    connection to that host is opened. The data path must refuse B (before: StrictHostKeyChecking=
+    accept-new with /dev/null took any key)."""
+    import orchestrator.sync.transfer as transfer
     port = _port(ssh_lab)
     a, b = tmp_path / "key_a", tmp_path / "key_b"
     keygen(a), keygen(b)
-    sshd = Sshd(ssh_lab, port, a, tmp_path).start()
+    sshd = sshlab.ExtraSshd(ssh_lab, "eval", port, a, tmp_path).start()
     empty = tmp_path / "empty_known_hosts"
     empty.write_text("")
     inv = load_inventory(ssh_lab.write_inventory(tmp_path / "inventory.yaml", eval={
         "port": port, "trust_host_key": True, "known_hosts": str(empty)}))
     run, cat, src = _run_with_checkpoint(ssh_lab, tmp_path, {"model.safetensors": 2, "config.json": b"{}\n"})
-    impostor = Sshd(ssh_lab, port, b, tmp_path)
+    impostor = sshlab.ExtraSshd(ssh_lab, "eval", port, b, tmp_path)
+    real_start, swapped = transfer.Masters.start, []
 
-    def swap(plan):
-        sshd.stop()
-        impostor.start()
+    def swap_then_start(self, runner):
+        if runner.endpoint.name == "eval" and not swapped:
+            swapped.append(1)
+            sshd.stop()
+            impostor.start()
+        real_start(self, runner)
+    monkeypatch.setattr(transfer.Masters, "start", swap_then_start)
     try:
         with pytest.raises(SyncError, match="host key verification failed"):
-            sync_checkpoint(inv, cat, "step_1", run=run, on_plan=swap, **FAST)
+            sync_checkpoint(inv, cat, "step_1", run=run, **FAST)
+        assert swapped
+        monkeypatch.setattr(transfer.Masters, "start", real_start)
         final = ssh_lab.eval.root / "checkpoints" / run / "step_1"
         assert not final.exists()
         impostor.stop()
@@ -153,11 +135,10 @@ def test_data_path_is_pinned_to_the_key_the_control_connection_accepted(ssh_lab,
         assert empty.read_text() == ""
     finally:
         for s in (sshd, impostor):
-            if getattr(s, "pidfile", None) and s.pidfile.exists():
-                try:
-                    s.stop()
-                except (OSError, ValueError):
-                    pass
+            try:
+                s.stop()
+            except (OSError, ValueError):
+                pass
 
 
 def test_first_sync_does_not_trust_the_senders_own_trailer(ssh_lab, tmp_path):

@@ -11,9 +11,7 @@ import time
 from importlib import metadata
 
 import pytest
-from typer.testing import CliRunner
-
-from orchestrator.cli import app
+from helpers import invoke
 
 pytestmark = pytest.mark.timeout(180)
 TORCH = metadata.version("torch")
@@ -32,12 +30,6 @@ s = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
 print("ready", flush=True)
 s.serve_forever()
 """
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 def test_hosts_lists(lab_inventory, ssh_lab):
@@ -80,7 +72,7 @@ def test_hosts_check_all_lab_hosts(ssh_lab, tmp_path, fake_sglang):
     rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 5}
     assert set(rows) >= {"local", "train", "eval"}
     for name in ("local", "train", "eval"):
-        assert "ok" in rows[name] and platform.python_version() in rows[name] and TORCH in rows[name]
+        assert "passed" in rows[name] and platform.python_version() in rows[name] and TORCH in rows[name]
     assert "healthy" in rows["eval"] and "Qwen/Qwen3-8B" in rows["eval"]
     assert time.monotonic() - t < 60
 

@@ -10,11 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.inventory import InventoryError, load_inventory
+from orchestrator.config.inventory import InventoryError, load_inventory
 from orchestrator.transport import runner_for
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "orchestrator" / "configs" / "inventory.yaml"   # the example `dflash-ops init` copies
+EXAMPLE = REPO / "orchestrator" / "config" / "inventory.yaml"   # the example `dflash-ops init` copies
 
 
 def write(tmp_path: Path, text: str, name: str = "inventory.yaml") -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import sshlab
-from orchestrator.inventory import load_inventory
+from orchestrator.config.inventory import load_inventory
 from orchestrator.transport import runner_for
 
 CONNECT = ("import socket, sys\n"

@@ -1,5 +1,4 @@
-"""Bad input gives one clean line that names the file and the field, never a traceback (issue 13,
-item 9): a non-UTF-8 inventory or catalog, a jump with a bad port, ssh_config `Port abc`, a corrupt
+"""Bad input gives one clean line that names the file and the field, never a traceback: a non-UTF-8 inventory or catalog, a jump with a bad port, ssh_config `Port abc`, a corrupt
 run.json, a drafter config.json with fields of the wrong type; and the `{step:08d}` pattern the
 shipped catalog documents works."""
 from __future__ import annotations
@@ -58,7 +57,7 @@ def test_ssh_config_bad_port_names_the_line(tmp_path):
     cfg.write_text("Host box\n    HostName 192.0.2.1\n    Port abc\n")
     inv = tmp_path / "inventory.yaml"
     inv.write_text("hosts:\n  box:\n    ssh_config: box\n")
-    from orchestrator.inventory import InventoryError, load_inventory
+    from orchestrator.config.inventory import InventoryError, load_inventory
 
     with pytest.raises(InventoryError) as e:
         load_inventory(inv, ssh_config_path=cfg)
@@ -78,9 +77,9 @@ def test_corrupt_run_json_is_one_line(tmp_path, content, command):
 
 
 def test_step_pattern_with_zero_padding_works_as_documented():
-    from orchestrator.catalog import load_catalog, parse_catalog, resolve_checkpoint
-    from orchestrator.paths import shipped
-    from remote.ckpt_tool import pattern_regex
+    from orchestrator.config.catalog import load_catalog, parse_catalog, resolve_checkpoint
+    from orchestrator.config.paths import shipped
+    from remote.sync_host import pattern_regex
 
     cat = parse_catalog({"runs": {"v6": {"dir": "v6", "pattern": "ckpt-{step:08d}"}}}, Path("drafters.yaml"))
     run = cat.run("v6")

@@ -4,7 +4,9 @@ line, the same message, exit 2, before any host is contacted); config discovery 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,10 +15,11 @@ import yaml
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.paths import shipped
+from orchestrator.config.paths import TEMPLATES, shipped
 from runfixtures import make_run
 
 pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parents[1]
 
 # TEST-NET-1 addresses: nothing answers there, so a command that tried to connect would hang
 # until its timeout and fail with exit 1 instead of the name error.
@@ -127,7 +130,7 @@ def test_unknown_names_say_which_files_were_read(tmp_path, monkeypatch):
     assert code == 2 and "unknown drafter 'zlab'; known drafters: embedded; no catalog file" in line
 
 
-def test_init_writes_the_commented_examples_and_config_states_the_discovery(tmp_path, monkeypatch):
+def test_init_writes_the_commented_examples_into_the_project_and_config_states_the_discovery(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for var in ("DFLASH_OPS_INVENTORY", "DFLASH_OPS_CATALOG"):
         monkeypatch.delenv(var, raising=False)
@@ -135,21 +138,24 @@ def test_init_writes_the_commented_examples_and_config_states_the_discovery(tmp_
     monkeypatch.setenv("XDG_CONFIG_HOME", str(user))
     res = run("init")
     assert res.exit_code == 0, res.output
-    for name in ("inventory.yaml", "drafters.yaml"):
-        written = user / "dflash-ops" / name
-        assert written.read_text() == shipped(name).read_text() and written.read_text().startswith("#")
-    assert error_line("init") == (2, f"error: {user / 'dflash-ops' / 'inventory.yaml'}, "
-                                     f"{user / 'dflash-ops' / 'drafters.yaml'} already exists: edit it, or pass "
-                                     "--force to replace it with the commented example")
+    for here, name in TEMPLATES.items():                    # into the project folder, not the user's config
+        assert (tmp_path / here).read_bytes() == shipped(name).read_bytes()
+    assert not user.exists()
+    assert (tmp_path / "inventory.yaml").read_text().startswith("#")
+    assert error_line("init") == (2, "error: inventory.yaml, configs/drafters.yaml, configs/suites/my-prompts.jsonl "
+                                     "already exist: edit them, or pass --force to replace them with the commented "
+                                     "examples")
     found = json.loads(run("config", "--json").stdout)
-    assert found["inventory"] == {"path": str(user / "dflash-ops" / "inventory.yaml"), "source": "user config folder",
-                                  "looked_for": found["inventory"]["looked_for"]}
-    assert found["catalog"]["source"] == "user config folder"
+    assert (found["inventory"]["path"], found["inventory"]["source"]) == ("inventory.yaml", "current directory")
+    assert (found["catalog"]["path"], found["catalog"]["source"]) == ("configs/drafters.yaml", "current directory")
     assert run("init", "--dir", "proj").exit_code == 0
     monkeypatch.chdir(tmp_path / "proj")           # the project layout is found from its folder
     found = json.loads(run("config", "--json").stdout)
     assert (found["inventory"]["path"], found["inventory"]["source"]) == ("inventory.yaml", "current directory")
-    assert (found["catalog"]["path"], found["catalog"]["source"]) == ("configs/drafters.yaml", "current directory")
+    (user / "dflash-ops").mkdir(parents=True)      # the user config folder is still read, after ./
+    (user / "dflash-ops" / "drafters.yaml").write_text("runs: {u: {}}\n")
+    monkeypatch.chdir(tmp_path / "xdg")
+    assert json.loads(run("config", "--json").stdout)["catalog"]["source"] == "user config folder"
     monkeypatch.setenv("DFLASH_OPS_CATALOG", str(tmp_path / "nowhere.yaml"))
     Path("x.yaml").write_text("runs: {x: {}}\n")
     assert json.loads(run("config", "--json", "--catalog", "x.yaml").stdout)["catalog"]["source"] == "--catalog"
@@ -157,23 +163,172 @@ def test_init_writes_the_commented_examples_and_config_states_the_discovery(tmp_
     assert code == 2 and "nowhere.yaml: cannot read the catalog" in line
 
 
+def _git(*args: str) -> str | None:
+    try:
+        res = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def test_the_repository_top_level_is_what_init_writes(tmp_path, monkeypatch):
+    """The project folder a clone starts with (inventory.yaml, configs/) is `dflash-ops init`'s
+    output: the examples live once, in the package (what a wheel's `init` copies). Once a user
+    has made the top-level files their own (edited after the last change to the examples), the
+    files as that change committed them are compared instead."""
+    monkeypatch.chdir(tmp_path)
+    assert run("init").exit_code == 0
+    sources = [f"orchestrator/config/{name}" for name in TEMPLATES.values()]
+    edited = _git("status", "--porcelain", "--", *sources)
+    if edited is None:
+        pytest.skip("not a git checkout")
+    commit = _git("log", "-1", "--format=%H", "--", *sources).strip() if not edited.strip() else None
+    for here in TEMPLATES:
+        top = _git("show", f"{commit}:{here}") if commit else (REPO / here).read_text()
+        assert top is not None, f"{here} is missing from the repository's top level (dflash-ops init --dir . writes it)"
+        assert top == (tmp_path / here).read_text(), (
+            f"{here} at the repository's top level is not what `dflash-ops init` writes: "
+            f"regenerate it with `dflash-ops init --dir {REPO} --force`")
+
+
+def test_a_fresh_clone_lists_the_story_hosts_and_never_connects_to_an_example(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for var in ("DFLASH_OPS_INVENTORY", "DFLASH_OPS_CATALOG"):
+        monkeypatch.delenv(var, raising=False)
+    for here in TEMPLATES:                          # the clone's own files
+        (tmp_path / here).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / here).write_bytes((REPO / here).read_bytes())
+    hosts = json.loads(run("hosts", "--json").stdout)["hosts"]
+    assert [(h["name"], h["example"]) for h in hosts] == [("local", False), ("ct200", True), ("ct129", True)]
+    shown = run("hosts", columns=80).stdout
+    assert "ct200 (example)" in shown and "ct129 (example)" in shown
+    assert "never connected to" in " ".join(shown.split())
+    want = "is an example host in ./inventory.yaml: set its address and remove `example: true`"
+    for args, host in ((["eval", "--host", "ct129", "--drafter", "zlab"], "ct129"),
+                       (["sync-ckpt", "step20k"], "ct200"), (["ckpts"], "ct200")):
+        assert error_line(*args) == (2, f"error: {host} {want}")
+    res = run("hosts", "check", "ct200")
+    assert res.exit_code == 1 and f"ct200: ct200 {want}" in " ".join(res.stdout.split())
+    from orchestrator.config.inventory import ExampleHost, load_inventory
+    from orchestrator.transport import endpoint_for
+    with pytest.raises(ExampleHost, match="ct200 is an example host"):   # the data path's endpoint too
+        endpoint_for(load_inventory().get("ct200"))
+    # a host made real (address set, the marker deleted) is connected to as any other
+    text = (tmp_path / "inventory.yaml").read_text()
+    (tmp_path / "inventory.yaml").write_text(text.replace("\n    example: true", "\n    example: false", 1))
+    assert load_inventory().get("ct200").example is False and endpoint_for(load_inventory().get("ct200"))
+
+
 IDS = [ZLAB, V5, V5_ONLINE, V5_OLD]
 
 
-@pytest.mark.parametrize("args", [["runs"], ["show", V5], ["compare", "zlab", "v5", "--resamples", "200"],
-                                  ["hosts"], ["config"]])
-def test_output_fits_80_columns_with_ids_whole(project, args):
+def fallback_wall(text: str) -> bool:
+    """Whether ``text`` holds a key/value table that fell back to a list: five or more records
+    (a line, then its indented ``column value`` lines) of one pair each."""
+    singles, record = 0, None
+    for line in text.splitlines() + [""]:
+        if line.startswith("  "):
+            record = (record or "") + " " + line.strip()
+            continue
+        if record and " · " not in record:
+            singles += 1
+        record = "" if line.strip() else None
+    return singles >= 5
+
+
+def test_fallback_wall_is_what_a_flipped_key_value_table_prints():
+    flipped = "run x\n" + "".join(f"{k}\n  value {v}\n" for k, v in zip("abcdef", range(6)))
+    assert fallback_wall(flipped)
+    assert not fallback_wall("runs\nid1\n  drafter v5 · target t\nid2\n  drafter v5 · target t\n")
+
+
+@pytest.fixture
+def checkpoints(project, monkeypatch):
+    """The built-in local host as a training host: v5's step_1000 complete, step_2000 only a
+    config.json so far (a checkpoint being written)."""
+    home = project / "home"
+    monkeypatch.setenv("DFLASH_OPS_HOME", str(home))
+    done, writing = home / "checkpoints" / "v5" / "step_1000", home / "checkpoints" / "v5" / "step_2000"
+    for d in (done, writing):
+        d.mkdir(parents=True)
+    (done / "config.json").write_text("{}\n")
+    (done / "model.safetensors").write_bytes(b"\0" * 4096)
+    old = time.time() - 3600
+    for f in done.iterdir():
+        os.utime(f, (old, old))
+    (writing / "config.json").write_text(" " * 822)
+    return home
+
+
+COMMANDS = [["runs"], ["show", V5], ["compare", "zlab", "v5", "--resamples", "200"], ["hosts"], ["config"],
+            ["hosts", "check", "local"], ["ckpts", "v5", "--from", "local", "--to", "local"], ["init", "--dir", "new"]]
+
+
+@pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
+def test_output_fits_80_columns_with_ids_whole_and_no_fallback_wall(project, checkpoints, args):
     res = run(*args, columns=80)
     assert res.exit_code == 0, res.output
     too_long = [ln for ln in res.stdout.splitlines() if len(ln.rstrip()) > 80]
     assert not too_long, "\n".join(too_long)
+    assert not fallback_wall(res.stdout), res.stdout
     for rid in IDS:
         if args[0] == "runs" or rid in args or (args[0] == "compare" and rid in (ZLAB, V5)):
             assert re.search(rf"(^|[\s(]){re.escape(rid)}([\s)]|$)", res.stdout), (rid, res.stdout)
+    if args[0] == "show":        # the key/value table stays a table; its long values wrap inside it
+        assert "│ versions" in res.stdout and "│ tau_macro" in res.stdout
+    if args[:2] == ["hosts", "check"]:
+        assert "check passed" in " ".join(res.stdout.split())      # each word says what it is
+
+
+def test_a_checkpoint_being_written_is_marked_with_the_reason(project, checkpoints):
+    res = run("ckpts", "v5", "--from", "local", "--to", "local", columns=80)
+    assert res.exit_code == 0, res.output
+    rows = {ln.split("│")[1].strip(): ln for ln in res.stdout.splitlines() if ln.count("│") > 3}
+    assert "complete" in rows["step_1000"] and "being written" not in rows["step_1000"]
+    assert "being written" in rows["step_2000"] and "822 B" in rows["step_2000"]
+    said = " ".join(res.stdout.split())
+    assert "! v5:step_2000 is being written: expected files missing: weights (*.safetensors, *.pt, *.pth or *.bin)" \
+        in said
+    listed = json.loads(run("ckpts", "v5", "--from", "local", "--to", "local", "--json").stdout)["checkpoints"]
+    assert [(c["name"], c["incomplete"]) for c in listed] == [
+        ("step_1000", ""), ("step_2000", "expected files missing: weights (*.safetensors, *.pt, *.pth or *.bin)")]
+    (checkpoints / "checkpoints" / "v5" / "step_2000" / "model.safetensors").write_bytes(b"\0" * 64)
+    listed = json.loads(run("ckpts", "v5", "--from", "local", "--to", "local", "--json").stdout)["checkpoints"]
+    assert listed[1]["incomplete"].startswith("a file changed 0s ago (settle time 60s)")
+
+
+def _commands(command, path=()):
+    yield list(path)
+    for name, sub in sorted(getattr(command, "commands", {}).items()):
+        yield from _commands(sub, (*path, name))
+
+
+def test_help_of_every_command_at_80_columns():
+    import typer.main
+
+    paths = list(_commands(typer.main.get_command(app)))
+    assert len(paths) >= 15
+    for path in paths:
+        res = run(*path, "--help", columns=80)
+        assert res.exit_code == 0, (path, res.output)
+        lines = res.stdout.splitlines()
+        bad = [ln for ln in lines if len(ln) > 80 or "…" in ln or "<bool>" in ln]
+        assert not bad, (path, bad)                         # nothing cut, no type placeholder on a flag
+        assert not re.search(r"--[a-z-]+\s+<(str|int|float)>", res.stdout), (path, res.stdout)
+        # in a list of commands, a description breaks where the next word does not fit, never mid-sentence
+        panel = None
+        for a, b in zip(lines, lines[1:]):
+            panel = a[3:].split("─")[0].strip() if a.startswith("╭─") else panel
+            if panel != "Commands" or not (a.startswith("│") and b.startswith("│")):
+                continue
+            j = len(b) - len(b[1:].lstrip()) if b[1:].strip() else 0
+            if j > 2 and a[j - 1] == " " and a[j] != " ":
+                room = len(a) - j - 2
+                assert len(a[j:-1].rstrip()) + 1 + len(b[j:].split()[0]) > room, (path, a, b)
 
 
 def test_eval_default_drafter_from_the_catalog(project):
-    from orchestrator.resolve import Resolver
+    from orchestrator.names import Resolver
 
     names = Resolver()
     ct129 = names.host("ct129", role="eval")

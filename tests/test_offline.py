@@ -5,18 +5,12 @@ import torch
 from remote.metrics import per_position_acceptance, summarize, tau_summary
 from remote.offline import DraftTable, ddtree_depth, evaluate_offline, greedy_walk, slot_children
 from remote.target import target_features
-from remote.tiny import tiny_drafter
-from remote.train import train
-from tests.models import walk_batches, walk_sequences, walk_target
+from models import held_out_drafter, walk_sequences, walk_target
 
 
 @pytest.fixture(scope="module")
 def trained():
-    target = walk_target("qwen3")
-    cfg, batches = walk_batches("qwen3")
-    drafter = tiny_drafter(cfg, seed=0)
-    train(drafter, batches[8:], target.get_input_embeddings(), target.get_output_embeddings(), steps=400, lr=1e-2)
-    return target, drafter
+    return walk_target("qwen3"), held_out_drafter("qwen3", steps=400)[0]
 
 
 def test_walk_rule_on_hand_made_drafts():

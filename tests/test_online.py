@@ -10,8 +10,9 @@ from remote import target_cache
 from remote.online import speculative_generate, target_decode
 from remote.target_cache import checkpoint, crop_attention, forward, new_cache, rewind
 from remote.tiny import tiny_target, walk_batch
-from tests.models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
+from models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
 
+pytestmark = pytest.mark.exactness
 KINDS = ["qwen3", "qwen3_5"]
 NEW = 48
 

@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from orchestrator.cli.evals import _Progress
-from orchestrator.runrecord import EvalRequest, RunRecord
+from orchestrator.runs.record import EvalRequest, RunRecord
 
 
 def progress(tmp_path, hosts=("ct129",)):

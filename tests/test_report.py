@@ -5,25 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from orchestrator.report import write_report
-from orchestrator.runs import RunError, list_runs, resolve
+from orchestrator.reports.report import write_report
+from orchestrator.runs.folders import RunError, load_runs, resolve
 from runfixtures import check_self_contained_html, make_run, md_table_values, read_rows, recompute
+from helpers import assert_images_decode, chromium, invoke, run_chromium
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def invoke(*args: str):
-    res = CliRunner().invoke(app, list(args))
-    assert "Traceback" not in res.output, res.output
-    return res
 
 
 @pytest.fixture
@@ -49,6 +41,8 @@ def test_report_files_numbers_and_self_contained_html(runs):
                                         "τ per prompt category", "DDTree τ vs budget"}
     md = md_path.read_text()
     values = md_table_values(md)
+    for b, macro, pooled in re.findall(r"^\| (\d+) \| \d+ \| ([0-9.]+) \| ([0-9.]+) \|$", md, re.M):
+        values[f"DDTree-{b} tau_macro"], values[f"DDTree-{b} tau_pooled"] = macro, pooled   # the DDTree table
     expected = recompute(read_rows(run_dir))
     assert len(expected) == 5 + 8
     for key, want in expected.items():
@@ -97,6 +91,68 @@ def test_report_of_online_and_running_runs(tmp_path):
     check_self_contained_html(html_path)   # histogram + per-position only
 
 
+def test_report_answers_first_then_every_prompt(runs):
+    """The first thing report.md/.html say is the verdict a person can read aloud: τ with its CI
+    over prompts, against the published number the suite names; then τ, plots, each prompt."""
+    from orchestrator.reports.report import ENGINE_COLUMNS, PromptColumn, prompt_table
+    from orchestrator.reports.stats import bootstrap_tau
+
+    run_dir = runs / "20261202-2041-v5-step20k-ct129"          # suite gsm8k: published τ 6.57 at T=0
+    md_path, html_path = write_report(run_dir)
+    rows = read_rows(run_dir)
+    taus = [sum(r["acceptance_lengths"]) / len(r["acceptance_lengths"]) for r in rows]
+    (lo, hi), _ = bootstrap_tau([sum(r["acceptance_lengths"]) for r in rows],
+                                [len(r["acceptance_lengths"]) for r in rows], resamples=2000, seed=0)
+    want = (f"v5:step20k: τ {sum(taus) / len(taus):.2f} [{lo:.2f}, {hi:.2f}] over 15 prompts of gsm8k, below the "
+            f"published 6.57 (GSM8K, target Qwen3-8B, T=0; not measured here)")
+    md = md_path.read_text()
+    assert md.split("\n")[2] == f"**{want}**"                     # right under the title
+    page = html_path.read_text()
+    assert page.index('<div class="verdict">') < page.index("<table") and want in page
+    # the per-prompt table: one row per prompt, in suite order, its numbers from the rows
+    section = md.split("## Per prompt", 1)[1].split("\n## ", 1)[0]
+    table = re.findall(r"^\| (gsm8k-\d+) \| (\w+) \| ([0-9.]+) \| (\d+) \| (\d+) \|$", section, re.M)
+    assert "| prompt | category | τ | cycles | tokens |" in section
+    assert [t[0] for t in table] == [r["id"] for r in rows]
+    for (pid, cat, tau, cycles, tokens), r in zip(table, rows):
+        assert (cat, int(cycles), int(tokens)) == (r["category"], len(r["acceptance_lengths"]),
+                                                   sum(r["acceptance_lengths"]))
+        assert float(tau) == pytest.approx(int(tokens) / int(cycles), abs=5e-4)
+    assert md.index("**" + want) < md.index("## τ") < md.index("## Per-position acceptance") < md.index("## Per prompt")
+    # a column the rows carry is added from the rows (as the engine's own τ will be); one none has is left out
+    engine = PromptColumn("engine τ", lambda r: (r.get("engine") or {}).get("tau"))
+    head, cells = prompt_table(rows, [*ENGINE_COLUMNS, engine])
+    assert head == [] and cells == [[] for _ in rows]
+    rows[0]["engine"] = {"tau": "3.5"}
+    head, cells = prompt_table(rows, [engine])
+    assert head == ["engine τ"] and cells[0] == ["3.5"] and cells[1] == ["—"]
+
+
+def test_plots_of_one_bar_are_left_out(tmp_path):
+    d = make_run(tmp_path, "one-category", prompts=6, categories=["math"] * 6)
+    md_path, html_path = write_report(d)
+    alts = {i["alt"] for i in check_self_contained_html(html_path)}
+    assert alts == {"Per-position acceptance", "Acceptance-length histogram", "DDTree τ vs budget"}
+    assert "τ per prompt category" not in md_path.read_text() and not (d / "plots" / "categories.png").exists()
+    d = make_run(tmp_path, "all-length-one", acceptance=[[1, 1, 1], [1, 1]], ddtree=False, all_anchors=False,
+                 categories=False)
+    alts = {i["alt"] for i in check_self_contained_html(write_report(d)[1])}
+    assert alts == {"Per-position acceptance"}               # every cycle one token long: no histogram of one bar
+
+
+def test_the_verdict_of_a_run_still_running_and_of_an_invalid_run(tmp_path):
+    d = make_run(tmp_path, "partial", prompts=3, status="running", summary=False, suite="mine")
+    record = json.loads((d / "run.json").read_text())
+    record["request"]["settings"]["prompts"] = 12                    # asked for 12, 3 written so far
+    (d / "run.json").write_text(json.dumps(record))
+    line = write_report(d)[0].read_text().split("\n")[2]
+    assert line.startswith("**zlab (running, 3 of 12 prompts so far): τ ") and "over 3 prompts of mine**" in line
+    d = make_run(tmp_path, "bad", prompts=2, mode="online", suite="mine",
+                 row_overrides={"mine-1": {"divergence": {"near_tie": False, "describe": "token 7"}}})
+    assert write_report(d)[0].read_text().split("\n")[2] == (
+        "**zlab: invalid, its τ is not a result: prompt mine-1 diverged from the target's greedy output at token 7**")
+
+
 def test_resolve_labels(runs):
     assert resolve("20261201-1000-zlab-ct129", runs).id == "20261201-1000-zlab-ct129"
     assert resolve("zlab", runs).id == "20261202-1000-zlab-ct129"   # newest *finished* zlab run
@@ -111,7 +167,7 @@ def test_resolve_labels(runs):
         resolve("zlb", runs)
     with pytest.raises(RunError, match=r"did you mean 'v5:step20k'"):
         resolve("v5:step2k", runs)
-    assert [r.id for r in list_runs(runs)][0] == "20261201-1000-zlab-ct129"
+    assert [r.id for r in load_runs(runs)][0] == "20261201-1000-zlab-ct129"
 
 
 def test_runs_command_lists_and_filters(runs):
@@ -153,39 +209,8 @@ def test_show_command(runs):
 
 # --------------------------------------------------------------------------- headless Chromium
 
-def _chromium() -> str | None:
-    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
-        p = shutil.which(name)
-        if p:
-            return p
-    return None
-
-
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--hide-scrollbars"]
-
-IMG_PROBE = """<script>
-window.addEventListener('load', function () {
-  var out = [];
-  document.querySelectorAll('img').forEach(function (i) {
-    out.push(i.complete + ':' + i.naturalWidth + 'x' + i.naturalHeight);
-  });
-  var p = document.createElement('pre'); p.id = 'imgprobe';
-  p.textContent = 'IMG' + 'PROBE[' + out.join(',') + ']'; document.body.appendChild(p);
-});
-</script>"""
-
-
-def _run_chromium(exe: str, tmp: Path, args: list[str]) -> subprocess.CompletedProcess:
-    profile = tmp / f"profile-{len(list(tmp.glob('profile-*')))}"
-    profile.mkdir()
-    return subprocess.run([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args],
-                          capture_output=True, text=True, timeout=120)
-
-
 def test_html_report_renders_in_headless_chromium(runs, tmp_path):
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed (CI is set): add `chromium` to .ci/run's apt packages")
@@ -194,7 +219,7 @@ def test_html_report_renders_in_headless_chromium(runs, tmp_path):
 
     _, html_path = write_report(runs / "20261202-1000-zlab-ct129")
     shot = tmp_path / "shot.png"
-    res = _run_chromium(exe, tmp_path, [f"--screenshot={shot}", "--window-size=1200,2000",
+    res = run_chromium(exe, tmp_path, [f"--screenshot={shot}", "--window-size=1200,2000",
                                         html_path.resolve().as_uri()])
     assert shot.exists() and shot.stat().st_size > 20_000, res.stderr[-2000:]
     im = Image.open(shot).convert("RGB")
@@ -210,19 +235,3 @@ def test_html_report_renders_in_headless_chromium(runs, tmp_path):
     assert blueish > 800, f"no plot colours in the screenshot ({blueish} blue pixels)"
 
     assert_images_decode(exe, tmp_path, html_path, 4)
-
-
-def assert_images_decode(exe: str, tmp_path: Path, html_path: Path, count: int) -> None:
-    """The page's ``count`` embedded images decode in Chromium: naturalWidth probed from a copy
-    of the page with a tiny script."""
-    probe = tmp_path / "probe.html"
-    probe.write_text(html_path.read_text().replace("</body>", IMG_PROBE + "</body>"))
-    res = _run_chromium(exe, tmp_path, ["--dump-dom", "--virtual-time-budget=5000", probe.as_uri()])
-    m = re.search(r"IMGPROBE\[([^\]]*)\]", res.stdout)
-    assert m, res.stdout[-500:] + res.stderr[-2000:]
-    entries = m.group(1).split(",")
-    assert len(entries) == count
-    for e in entries:
-        complete, size = e.split(":")
-        w, h = map(int, size.split("x"))
-        assert complete == "true" and w >= 300 and h >= 200, entries

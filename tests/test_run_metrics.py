@@ -1,10 +1,10 @@
-"""orchestrator/run_metrics.py: an eval run's metrics recomputed from its rows (through
+"""orchestrator/runs/metrics.py: an eval run's metrics recomputed from its rows (through
 remote.metrics, the worker's own implementation) and the summary.json consistency check."""
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.run_metrics import compute_metrics, summary_disagreements
+from orchestrator.runs.metrics import compute_metrics, summary_disagreements
 
 
 def test_metrics_by_hand():

@@ -1,5 +1,5 @@
 """Credentials in an SGLang URL (`http://user:pass@host`) stay where the user put them, the
-inventory (issue 13, item 6): they reach the probe and the worker by stdin and environment, and are
+inventory: they reach the probe and the worker by stdin and environment, and are
 in no file the run writes (run.json, cmd.json, env.json, events, logs), no process's argv (`ps`) and
 no output of `hosts` / `hosts check` / `eval`."""
 from __future__ import annotations

@@ -10,9 +10,10 @@ import torch
 from remote.prompts import PromptRow, reference_turns
 from remote.sglang import SGLangClient, SGLangError, redact
 from remote.tokenizer import build_tiny_tokenizer
-from tests.models import random_target
-from tests.sglang_server import serve_sglang
+from models import random_target
+from sglang_server import serve_sglang
 
+pytestmark = pytest.mark.xdist_group("sglang")     # the module's servers start once, in one worker
 PROMPT = [11, 42, 7, 99, 3, 250, 18, 64]
 
 
@@ -24,7 +25,7 @@ def target():
 @pytest.fixture(scope="module")
 def lively():
     """A random tiny target whose greedy output does not collapse into one repeated token."""
-    from tests.models import freeze
+    from models import freeze
     from remote.tiny import tiny_target
 
     return freeze(tiny_target(seed=1, init_std=0.5))

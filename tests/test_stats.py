@@ -1,10 +1,10 @@
-"""orchestrator/stats.py: paired bootstrap and permutation test, cross-checked against scipy."""
+"""orchestrator/reports/stats.py: paired bootstrap and permutation test, cross-checked against scipy."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from orchestrator.stats import paired_bootstrap, paired_compare, paired_permutation_test, win_tie_loss
+from orchestrator.reports.stats import paired_bootstrap, paired_compare, paired_permutation_test, win_tie_loss
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -165,7 +165,7 @@ def test_one_run_bootstrap_matches_scipy_and_is_seeded():
     """bootstrap_tau (the trajectory's error bars) vs scipy.stats.bootstrap's percentile CI."""
     from scipy import stats
 
-    from orchestrator.stats import bootstrap_tau
+    from orchestrator.reports.stats import bootstrap_tau
 
     rng = np.random.default_rng(3)
     cyc = rng.integers(20, 60, size=40)

@@ -1,7 +1,9 @@
 """The sync data path's performance choices keep their guarantees: senders that hash a file cache
-its sha256 on the source themselves (in parallel, none losing another's entry), the tool runs
-without site-packages, and the cipher order follows this machine's CPU. Real `ckpt_tool.py`
-processes; the throughput itself is measured by benchmarks/bench_sync.py."""
+its sha256 on the source themselves (in parallel, none losing another's entry), so a first sync
+reads and hashes the checkpoint once on the training host (relay and tunnel alike), the tool runs
+without site-packages, and the cipher order follows this machine's CPU. Real `sync_host.py`
+processes (and the SSH lab for whole syncs); the throughput itself is measured by
+benchmarks/bench_sync.py."""
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.inventory import Host
-from orchestrator.sync import relay
-from orchestrator.sync.tool import tool_argv
+import pytest
+from synclab import Env, identical
 
-TOOL = Path(__file__).resolve().parents[1] / "remote" / "ckpt_tool.py"
+from orchestrator.config.inventory import Host
+from orchestrator.sync import relay
+from orchestrator.sync.tool import Session, tool_argv
+
+TOOL = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
 
 
 def send(path: Path, cache: Path) -> subprocess.Popen:
@@ -91,3 +96,24 @@ def test_cipher_order_follows_this_machines_cpu(tmp_path):
     relay.ciphers.cache_clear()
     opts = relay.data_options()
     assert any(o.startswith("Ciphers=") for o in opts) and any(o.startswith("MACs=umac-128-etm") for o in opts)
+
+
+@pytest.mark.parametrize("how", ["relay", "tunnel"])
+def test_a_first_sync_hashes_the_checkpoint_once_on_the_training_host(ssh_lab, tmp_path, monkeypatch, how):
+    """The check after the transfer (the training host's own sha256 of every file) takes the
+    senders' cache entries: it hashes nothing again."""
+    env = Env(ssh_lab, tmp_path)
+    src = env.ckpt(1, {"model.safetensors": 6, "config.json": b"{}\n", "sub/opt.pt": 2})
+    answers, real = [], Session.call_json
+
+    def record(self, verb, payload=None, timeout=120):
+        answer = real(self, verb, payload, timeout)
+        if verb == "MANIFEST":
+            answers.append((bool((payload or {}).get("hash")), answer["hashed"], [e["sha256"] for e in answer["files"]]))
+        return answer
+    monkeypatch.setattr(Session, "call_json", record)
+    res = env.sync("1", tunnel=how)
+    assert res.path == how and res.verified == 3
+    identical(src, env.dst_run / "step_1")
+    assert [(h, n) for h, n, _ in answers] == [(False, 0), (True, 0)], answers  # listed unhashed, checked from the cache
+    assert None in answers[0][2] and None not in answers[1][2]

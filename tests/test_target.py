@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from remote.target import capture, decoder_layers, features, gdn_kernel_path
-from tests.models import random_target
+from models import random_target
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from remote.target import decoder_layers, features_device, load_target, target_features
-from tests.models import random_target
+from models import random_target
 
 LAYERS = [0, 2, 3]
 
@@ -73,7 +73,7 @@ def decoded(target, drafter, prompt) -> tuple:
 
 @torch.no_grad()
 def test_device_map_split_decodes_as_one_device(target_dir, tmp_path):
-    from tests.models import random_drafter
+    from models import random_drafter
 
     whole = load_target(target_dir, "cpu")
     n = len(decoder_layers(whole))
@@ -90,7 +90,7 @@ def test_two_gpu_split_decodes_as_one_device(target_dir):
     device (cuda:1): offline drafts/acceptance and online greedy outputs equal the one-GPU run."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    from tests.models import random_drafter
+    from models import random_drafter
 
     whole = load_target(target_dir, "cuda:0", "float32")
     n = len(decoder_layers(whole))

@@ -26,7 +26,7 @@ import pytest
 import yaml
 from sidebyside import finished, started
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.xdist_group("tour")]
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_the_three_everyday_commands_work_as_typed(project, ssh_lab):
     assert (v5["drafter"], v5["checkpoint"], v5["step"], v5["mode"]) == ("v5", "step_20000", 20000, "offline")
     assert v5["shards"][0]["drafter_path"].endswith("/checkpoints/v5/step_20000")
     # no --device: `gpus: 0` in the inventory ran the worker on CPU (pre-flight asked for no GPU)
-    assert v5["request"]["device"] is None
+    assert v5["request"]["settings"]["device"] is None
     cmd = json.loads((ssh_lab.eval.root / "workdir" / "runs" / v5["id"] / "cmd.json").read_text())["argv"]
     assert cmd[cmd.index("--device") + 1] == "cpu"
 

@@ -1,4 +1,4 @@
-"""`--log-to mlflow|tensorboard` (orchestrator/tracking.py): a finished run's metrics, params and
+"""`--log-to mlflow|tensorboard` (orchestrator/reports/tracking.py): a finished run's metrics, params and
 report go into a real MLflow store / TensorBoard event files, read back with the libraries' own
 readers (MlflowClient, EventAccumulator); and `watch` reads a training run's TensorBoard log."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from orchestrator import tracking
-from orchestrator.report import write_report
+from orchestrator.reports import tracking
+from orchestrator.reports.report import write_report
 from runfixtures import make_run
 
 

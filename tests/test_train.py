@@ -2,8 +2,8 @@
 import torch
 
 from remote.tiny import tiny_drafter
-from remote.train import Batch, block_labels, position_weights, sample_anchors, teacher_forced_accuracy, train
-from tests.models import walk_batches, walk_target
+from models import HELD_OUT, held_out_drafter, walk_batches, walk_target
+from remote.train import Batch, block_labels, position_weights, sample_anchors, teacher_forced_accuracy
 
 
 def test_loss_weights_and_supervision():
@@ -18,10 +18,9 @@ def test_training_lifts_teacher_forced_accuracy_far_above_chance():
     target = walk_target("qwen3")
     cfg, batches = walk_batches("qwen3")
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    drafter = tiny_drafter(cfg, seed=0)
-    held_out, train_set = batches[:8], batches[8:]
-    before = teacher_forced_accuracy(drafter, held_out, embed, lm_head)
-    losses = train(drafter, train_set, embed, lm_head, steps=400, lr=1e-2)
+    held_out = batches[:HELD_OUT]
+    before = teacher_forced_accuracy(tiny_drafter(cfg, seed=0), held_out, embed, lm_head)
+    drafter, losses = held_out_drafter("qwen3", steps=400)     # remote.train.train from the same start
     after = teacher_forced_accuracy(drafter, held_out, embed, lm_head)
     chance = 1 / cfg.vocab_size
     assert max(before["per_position"]) < 0.05

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.inventory import load_inventory
+from orchestrator.config.inventory import load_inventory
 from orchestrator.transport import (
     CommandFailed, CommandTimeout, HostKeyError, LocalRunner, SSHRunner, TransportError,
     command_line, runner_for,
@@ -294,7 +294,7 @@ def test_jump_chain_serves_both_paths(ssh_lab, lab_hosts):
 
 def test_ssh_config_is_resolved_by_openssh(tmp_path):
     """Include and Match (which a hand-written parser would get wrong) come from `ssh -G`."""
-    from orchestrator.inventory import parse_inventory
+    from orchestrator.config.inventory import parse_inventory
     from orchestrator.transport import endpoint_for
 
     inc = tmp_path / "included.conf"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,31 +21,44 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 32
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900),
+              pytest.mark.xdist_group("variants")]   # the last test compares with the first one's run
 
 
 @pytest.fixture(scope="module")
 def lab(ssh_lab, tmp_path_factory):
     """The tiny target (eos: its mask id, which the walk language never emits), a 2-prompt suite of
-    walks, the two trained drafters, and an inventory of the lab plus `local`."""
+    walks, the two trained drafters (built once, tests/buildcache.py), and an inventory of the lab
+    plus `local`."""
+    import copy
+
     import torch
 
+    import buildcache
     from models import PROMPT_LEN, walk_sequences, walk_target
     from references import speculators_drafter, train_speculators
     from remote.tiny import walk_batch
 
     base = tmp_path_factory.mktemp("variants")
-    target = walk_target("qwen3")
+    target = copy.deepcopy(walk_target("qwen3"))
     target.generation_config.eos_token_id = target.config.vocab_size - 1
     target.save_pretrained(base / "target")
     prompts = walk_batch(2, PROMPT_LEN, target.config.vocab_size - 1, torch.Generator().manual_seed(7))
     (base / "walks.jsonl").write_text("".join(json.dumps({"id": f"walk-{i}", "input_ids": p.tolist()}) + "\n"
                                               for i, p in enumerate(prompts)))
-    sequences = walk_sequences(target, 24, new_tokens=40)
-    for name, kwargs in (("reduced", {"draft_vocab": 200, "sample_from_anchor": True}), ("dflash2", {"dflash2": True})):
-        model = speculators_drafter(base / name, target, **kwargs)
-        train_speculators(model, target, sequences, PROMPT_LEN, steps=300)
-        model.save_pretrained(base / name)
+    variants = {"reduced": {"draft_vocab": 200, "sample_from_anchor": True}, "dflash2": {"dflash2": True}}
+
+    def build(out):
+        sequences = walk_sequences(target, 24, new_tokens=40)
+        for name, kwargs in variants.items():
+            model = speculators_drafter(out / name, target, **kwargs)
+            train_speculators(model, target, sequences, PROMPT_LEN, steps=300)
+            model.save_pretrained(out / name)
+
+    drafters = buildcache.built("speculators-walk-drafters", {"variants": variants, "sequences": [24, 40],
+                                                              "steps": 300}, build)
+    for name in variants:
+        shutil.copytree(drafters / name, base / name)
     return {"base": base, "inventory": ssh_lab.write_inventory(base / "inventory.yaml"), "runs": base / "runs"}
 
 

@@ -1,4 +1,4 @@
-"""`dflash-ops watch` (issue 11): selection, state and lock, and on the SSH lab a fake training
+"""`dflash-ops watch`: selection, state and lock, and on the SSH lab a fake training
 process writing checkpoints of the embedded drafter while `watch` syncs and evaluates each one
 exactly once, never a half-written one, surviving kills; the trajectory renders in Chromium."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import assert_images_decode, chromium, wait_for
 
 from orchestrator.sync.complete import Verdict
 from orchestrator.watch import RunLock, WatchState, select
@@ -64,6 +65,38 @@ def test_training_jsonl_log_is_read_with_a_torn_last_line():
     s = read_jsonl(data, ("eval/acc_len", "loss"))
     assert s == {"eval/acc_len": [(100, 3.5), (200, 3.6)], "loss": [(100, 2.0)]}
     assert value_at(s["eval/acc_len"], 250) == 3.6 and value_at(s["eval/acc_len"], 50) is None
+
+
+def test_trajectory_answers_first_and_names_the_ddtree_budgets_that_ran(tmp_path):
+    """trajectory.md opens with the newest checkpoint's τ and CI (and the best so far), then that
+    checkpoint against the baseline paired prompt by prompt; the settings note names the DDTree
+    budgets the points ran, even when the watch left the budgets to eval's default."""
+    from orchestrator.watch.loop import headline
+    from orchestrator.watch.state import Point
+    from orchestrator.watch.trajectory import tau_cis, write_trajectory
+    from runfixtures import make_run
+
+    runs = tmp_path / "runs"
+    base = make_run(runs, "20261202-0900-zlab-ct129", "zlab", prompts=20, mean=5.0)
+    st = WatchState(run="v5", settings={"suite": "gsm8k", "prompts": 20, "mode": "offline", "max_new_tokens": 256,
+                                        "thinking": "off", "ddtree_budgets": None})
+    for i, (step, mean) in enumerate([(1000, 3.0), (2000, 4.6), (3000, 4.0)]):
+        rid = f"20261203-10{i}0-v5-step{step}-ct129"
+        d = make_run(runs, rid, "v5", f"step_{step}", prompts=20, mean=mean)
+        st.points[f"step_{step}"] = Point(name=f"step_{step}", step=step, status="done", eval_run=rid,
+                                          summary=headline(json.loads((d / "summary.json").read_text())))
+    st.baseline = {"label": "zlab", "status": "done", "eval_run": base.name,
+                   "summary": headline(json.loads((base / "summary.json").read_text()))}
+    md = write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text().split("\n")
+    tau = {s: p.summary["tau_macro"] for s, p in st.points.items()}
+    (lo, hi), _ = tau_cis(runs / st.points["step_3000"].eval_run)
+    assert md[2] == (f"**v5 at step 3000 (the newest of 3 checkpoints evaluated): τ {tau['step_3000']:.2f} "
+                     f"[{lo:.2f}, {hi:.2f}]; the best so far is step 2000, τ {tau['step_2000']:.2f}**  ")
+    assert md[3].startswith("**v5 step 3000 vs zlab: τ −") and "v5 step 3000 worse on " in md[3]
+    assert "DDTree budgets 8, 16, 32, 64." in "\n".join(md) and "`none`" not in "\n".join(md)
+    for p in st.points.values():
+        p.summary["ddtree"] = {}
+    assert "no DDTree." in write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text()
 
 
 def test_live_view_shows_each_hosts_work_and_the_newest_points(tmp_path):
@@ -140,18 +173,6 @@ class Run:
         return sorted(p.name for p in self.runs.glob(f"*-{self.name}-step*") if (p / "run.json").exists())
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"watch ended (exit {proc.returncode}) before {what}: {proc.stdout.read()[-3000:]}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _rows(run: Run) -> list[tuple[str, str]]:
     """(step, checkpoint) of the trajectory's points, in the order trajectory.md lists them."""
     try:
@@ -202,8 +223,6 @@ def test_watch_follows_training_each_checkpoint_once_never_half_written(lab, tmp
 
 @pytest.mark.timeout(900)
 def test_killed_mid_sync_and_mid_eval_resumes_without_loss_or_duplicates(lab, tmp_path):
-    from test_report import _chromium, assert_images_decode
-
     run = Run(lab, tmp_path)
     assert run.train("100,200", "--gap", "0", "--metric", "100").wait(60) == 0
     quiet = time.time() - 10            # written a while ago: quiet for the settle time, no need to wait it out
@@ -250,7 +269,7 @@ def test_killed_mid_sync_and_mid_eval_resumes_without_loss_or_duplicates(lab, tm
     out = w.communicate(timeout=120)[0]
     assert w.returncode == 2 and "other settings" in out and "Traceback" not in out, out
 
-    exe = _chromium()
+    exe = chromium()
     if exe is None:
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed (CI is set)")

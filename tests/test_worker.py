@@ -38,6 +38,10 @@ def offline_run(embedded_pair, tmp_path_factory):
     return out, proc
 
 
+ONE_RUN = pytest.mark.xdist_group("worker-offline-run")     # the tests of offline_run share one worker
+
+
+@ONE_RUN
 def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pair):
     out, proc = offline_run
     ev = events(proc)
@@ -63,6 +67,8 @@ def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pai
     assert "--all-anchors" in env["command"]
 
 
+@pytest.mark.exactness
+@ONE_RUN
 def test_online_equals_offline_per_cycle_and_is_lossless(offline_run, embedded_pair, tmp_path):
     out, _ = offline_run
     proc = worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 3,
@@ -79,7 +85,7 @@ def test_online_equals_offline_per_cycle_and_is_lossless(offline_run, embedded_p
 
 def test_resume_skips_finished_prompts_and_drops_a_torn_line(embedded_pair, tmp_path):
     common = ["--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--out", tmp_path,
-              "--device", "cpu", "--max-new-tokens", 48, "--ddtree-budgets", ""]
+              "--device", "cpu", "--max-new-tokens", 48, "--ddtree", ""]
     worker(*common, "--prompts", 2)
     first = rows(tmp_path)
     with open(tmp_path / "results.jsonl", "a") as f:
@@ -98,7 +104,7 @@ def test_shards_partition_the_prompts(embedded_pair, tmp_path):
     ids = []
     for k in range(2):
         worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--out", tmp_path / str(k),
-               "--device", "cpu", "--max-new-tokens", 16, "--prompts", 5, "--shard", f"{k}/2", "--ddtree-budgets", "")
+               "--device", "cpu", "--max-new-tokens", 16, "--prompts", 5, "--shard", f"{k}/2", "--ddtree", "")
         ids.append([r["id"] for r in rows(tmp_path / str(k))])
     assert len(ids[0]) == 3 and len(ids[1]) == 2 and not set(ids[0]) & set(ids[1])
 
@@ -110,7 +116,7 @@ def test_multi_turn_rows_are_answered_turn_by_turn(embedded_pair, tmp_path):
     # (thinking: the template's default; with thinking off a Qwen3-style template drops the earlier
     # turns' empty think blocks from the history, so a turn's prompt is not a prefix of the next)
     worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--suite", suite,
-           "--out", tmp_path / "o", "--device", "cpu", "--max-new-tokens", 24, "--ddtree-budgets", "8",
+           "--out", tmp_path / "o", "--device", "cpu", "--max-new-tokens", 24, "--ddtree", "8",
            "--thinking", "default")
     multi, raw = rows(tmp_path / "o")
     assert multi["id"] == "7" and multi["category"] == "writing" and len(multi["turns"]) == 2
@@ -135,9 +141,9 @@ def test_sglang_reference_path(embedded_pair, tmp_path):
     with serve_sglang(target, AutoTokenizer.from_pretrained(embedded_pair["target"])) as url:
         worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
                "--out", tmp_path / "s", "--device", "cpu", "--max-new-tokens", 48, "--sglang", url,
-               "--ddtree-budgets", "")
+               "--ddtree", "")
     worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
-           "--out", tmp_path / "l", "--device", "cpu", "--max-new-tokens", 48, "--ddtree-budgets", "")
+           "--out", tmp_path / "l", "--device", "cpu", "--max-new-tokens", 48, "--ddtree", "")
     via_sglang, local = rows(tmp_path / "s"), rows(tmp_path / "l")
     assert [r["reference"] for r in via_sglang] == ["sglang", "sglang"]
     assert [r["output_ids"] for r in via_sglang] == [r["output_ids"] for r in local]
@@ -230,10 +236,10 @@ def test_sampled_offline_run_reports_the_expected_acceptance(embedded_pair, tmp_
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--ddtree-budgets", "8,2048"], "each budget must be 1..1024"),
-    (["--temperature", "1", "--ddtree-budgets", "8"], "--ddtree-budgets at T > 0"),
-    (["--top-p", "0"], "0 < top_p <= 1"),
-    (["--temperature", "-1"], "temperature >= 0"),
+    (["--ddtree", "8,2048"], "each budget must be 1..1024"),
+    (["--temperature", "1", "--ddtree", "8"], "--ddtree at --temperature > 0 offline"),
+    (["--top-p", "0"], "0 < --top-p <= 1"),
+    (["--temperature", "-1"], "--temperature >= 0"),
 ])
 def test_sampling_and_budget_usage_errors(args, message, tmp_path, capsys):
     from remote.worker import parse_args

@@ -36,8 +36,8 @@ def main_options(
     ctx: typer.Context,
     inventory: Optional[str] = typer.Option(
         None, "--inventory", "-i", metavar="PATH",
-        help="Inventory file (default: $DFLASH_OPS_INVENTORY, ./inventory.yaml, "
-             "$XDG_CONFIG_HOME/dflash-ops/inventory.yaml, else only `local`; `dflash-ops config` shows which)."),
+        help="Inventory file (default: $DFLASH_OPS_INVENTORY, ./inventory.yaml, then inventory.yaml in the "
+             "user config folder; else only `local`; `dflash-ops config` shows which)."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
 ):

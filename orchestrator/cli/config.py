@@ -13,18 +13,19 @@ from .context import names as context_names
 
 
 def init_cmd(
-    directory: Optional[str] = typer.Option(None, "--dir", metavar="DIR",
-                                            help="Write DIR/inventory.yaml and DIR/configs/drafters.yaml (found when "
-                                                 "dflash-ops runs in DIR) instead of the user config folder."),
+    directory: str = typer.Option(".", "--dir", metavar="DIR",
+                                  help="The project folder: DIR/inventory.yaml, DIR/configs/drafters.yaml and "
+                                       "DIR/configs/suites/ (found when dflash-ops runs in DIR)."),
     force: bool = typer.Option(False, "--force", help="Replace files that exist."),
 ):
-    """Write a commented inventory and catalog to edit (default: $XDG_CONFIG_HOME/dflash-ops/)."""
-    from ..paths import write_templates
+    """Write a commented inventory, catalog and prompt suite to edit into the project folder (default: here)."""
+    from ..config.paths import write_templates
 
     out = console.out()
     for path in write_templates(directory, force):
         out.print(f"wrote {escape(str(path))}")
-    out.print("Edit the hosts (addresses, roles, python, checkpoints) and the drafters, then check them with: "
+    out.print("The hosts in inventory.yaml are examples (`example: true`: never connected to): set their "
+              "addresses and delete that line, set the drafters' paths, then check them with "
               "[bold]dflash-ops config[/] and [bold]dflash-ops hosts check[/]")
 
 
@@ -36,7 +37,7 @@ def config_cmd(
 ):
     """Which inventory, catalog and runs folder a command run here uses, and by which rule: the
     flag, the environment variable, the current directory, then the user config folder."""
-    from ..paths import cache_dir
+    from ..config.paths import cache_dir
 
     names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
     inv, cat = names.inventory, names.catalog       # read them: a broken file fails here, with its line
@@ -51,8 +52,9 @@ def config_cmd(
     rows += [["runs", str(names.runs_root), "--runs-dir, $DFLASH_OPS_RUNS, else ./runs"],
              ["cache", str(cache_dir()), "$XDG_CACHE_HOME/dflash-ops"]]
     out = console.out()
-    out.print(console.table("configuration", ["file", "path", "found by"], rows))
-    out.print(escape(f"hosts: {', '.join(inv.names())}; training runs: {', '.join(cat.runs) or 'none'}; "
+    out.print(console.table("configuration", ["file", "path", "found by"], rows, wrap=("path", "found by")))
+    hosts = [h.name + (" (example)" if h.example else "") for h in inv]
+    out.print(escape(f"hosts: {', '.join(hosts)}; training runs: {', '.join(cat.runs) or 'none'}; "
                      f"drafters: {', '.join(cat.drafters) or 'none'}"
                      + (f"; default drafter: {cat.default}" if cat.default else "")))
     if not all(f.path for f in files.values()):

@@ -3,7 +3,8 @@ line, tables, and plain JSON for ``--json``.
 
 Widths: a terminal's own width (or ``$COLUMNS``); a pipe without ``$COLUMNS`` gets 200 columns so
 table rows stay on one line. A table never cuts a cell: where its rows fit, it is a table; where
-they do not, a list (one record per row, ``column value`` pairs).
+only its free-text columns (``wrap``) are too wide, those wrap inside it; where neither, a list
+(one record per row, ``column value`` pairs).
 """
 from __future__ import annotations
 
@@ -50,20 +51,38 @@ def print_json(data) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+MIN_WRAP = 24   # a free-text column narrower than this is hard to read: the table becomes a list
+
+
 class Tabular:
     """A table that fits the console it is printed on: a rich table when every cell fits on one
-    line, else a list with one record per row (nothing is ever cut: ids stay whole)."""
+    line, or when only the ``wrap`` columns (free text: a versions list, a path) do not and they
+    keep at least MIN_WRAP columns; else a list with one record per row (nothing is ever cut:
+    ids stay whole)."""
 
-    def __init__(self, title, header, cells, right, caption, show_header, transpose):
+    def __init__(self, title, header, cells, right, caption, show_header, transpose, wrap=()):
         self.title, self.header, self.cells = title, list(header), cells
         self.right, self.caption, self.show_header, self.transpose = set(right), caption, show_header, transpose
+        self.wrap = set(wrap)
 
     def widths(self, max_width: int) -> list[int] | None:
-        """Each column's width, when every cell fits on one line within ``max_width``; None when
-        they do not (a table whose cells wrap is hard to read: it becomes a list)."""
+        """Each column's width within ``max_width``: every cell on one line, else the ``wrap``
+        columns narrowed (sharing what is left, none below MIN_WRAP); None when even that does
+        not fit (a table whose ids or numbers wrap is hard to read: it becomes a list)."""
         columns = [[Text(h)] * self.show_header + [r[i] for r in self.cells] for i, h in enumerate(self.header)]
         full = [max(max(cell_len(line) for line in t.plain.splitlines() or [""]) for t in col) for col in columns]
-        return full if sum(full) + 3 * len(full) + 1 <= max_width else None   # + padding and borders
+        room = max_width - 3 * len(full) - 1     # padding and borders
+        if sum(full) <= room:
+            return full
+        wrapping = [i for i, h in enumerate(self.header) if h in self.wrap]
+        left = room - sum(w for i, w in enumerate(full) if i not in wrapping)
+        if not wrapping or left < MIN_WRAP * len(wrapping):
+            return None
+        widths = list(full)
+        for n, i in enumerate(sorted(wrapping, key=lambda i: full[i])):   # narrow ones keep their width
+            widths[i] = min(full[i], left // (len(wrapping) - n))
+            left -= widths[i]
+        return widths
 
     def table(self, widths: list[int]) -> Table:
         t = Table(title=self.title, caption=self.caption, show_header=self.show_header)
@@ -97,9 +116,10 @@ class Tabular:
 
 def table(title: str | None, header: Sequence[str], rows: Sequence[Sequence[str]], *, right: Sequence[str] = (),
           caption: str | None = None, show_header: bool = True, markup: bool = False,
-          transpose: bool = False) -> Tabular:
+          transpose: bool = False, wrap: Sequence[str] = ()) -> Tabular:
     """A table that fits the terminal (see :class:`Tabular`); cells are escaped unless ``markup``
-    (then they may carry [colour] tags). Columns named in ``right`` are right-aligned.
-    ``transpose``: as a list, one record per column (a table of runs side by side)."""
+    (then they may carry [colour] tags). Columns named in ``right`` are right-aligned; columns
+    named in ``wrap`` hold free text that may wrap inside the table rather than turn it into a
+    list. ``transpose``: as a list, one record per column (a table of runs side by side)."""
     cells = [[Text.from_markup(str(c)) if markup else Text(str(c)) for c in r] for r in rows]
-    return Tabular(title, header, cells, right, caption, show_header, transpose)
+    return Tabular(title, header, cells, right, caption, show_header, transpose, wrap)

@@ -1,4 +1,4 @@
-"""What the global options give every command: the names resolver (orchestrator/resolve.py) over
+"""What the global options give every command: the names resolver (orchestrator/names.py) over
 the inventory, the catalog and the runs folder, built on first use."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class Options:
 
     def names(self, catalog: str | None = None, runs_dir: str | None = None):
         if (catalog, runs_dir) not in self._names:
-            from ..resolve import Resolver
+            from ..names import Resolver
 
             self._names[catalog, runs_dir] = Resolver(inventory=self.inventory_path, catalog=catalog,
                                                       runs_root=runs_dir)
@@ -38,5 +38,5 @@ def inventory(ctx: typer.Context):
 
 
 RUNS_DIR_HELP = "Runs folder (default: $DFLASH_OPS_RUNS, else ./runs)."
-CATALOG_HELP = ("Catalog (default: $DFLASH_OPS_CATALOG, ./configs/drafters.yaml, "
-                "$XDG_CONFIG_HOME/dflash-ops/drafters.yaml; `dflash-ops config` shows which).")
+CATALOG_HELP = ("Catalog (default: $DFLASH_OPS_CATALOG, ./configs/drafters.yaml, then drafters.yaml in the user "
+                "config folder; `dflash-ops config` shows which).")

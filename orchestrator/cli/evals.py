@@ -7,10 +7,13 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
+from remote.settings import EvalSettings
+
 from . import console
 from .context import CATALOG_HELP, RUNS_DIR_HELP
 from .context import names as context_names
 from .guard import INTERRUPTED
+from .options import with_settings
 
 
 class _Progress:
@@ -80,27 +83,20 @@ class _Progress:
 def _follow_and_finish(record, jobs, out) -> None:
     """Follow the run, then merge, report and summarize it; Ctrl-C detaches (exit 130) and says
     what is true at that moment."""
-    from ..evaluate import follow
+    from ..eval.pipeline import EvalError, complete, failed_logs
 
     progress = _Progress(record, out)
     try:
-        with progress.bars:
-            progress.errors.update(follow(record, jobs, progress.on_event))
-        for i, msg in progress.errors.items():
-            out.print(f"[red]{escape(record.shards[i].label)}: {escape(msg)}[/]")
-        _finish(record, jobs, out)
+        try:
+            with progress.bars:
+                summary, (_, html_path) = complete(record, jobs, progress.on_event)
+        finally:
+            for i, msg in progress.errors.items():
+                out.print(f"[red]{escape(record.shards[i].label)}: {escape(msg)}[/]")
     except KeyboardInterrupt:
         record.detached()
         out.print(f"\n[yellow]{progress.interrupted()}[/]")
         raise typer.Exit(INTERRUPTED) from None
-
-
-def _finish(record, jobs, out) -> None:
-    """Merge, report and summarize a followed run (the failed shards' logs first when it failed)."""
-    from ..evaluate import EvalError, failed_logs, finish
-
-    try:
-        summary, (_, html_path) = finish(record)
     except EvalError:
         for host, tail in failed_logs(record, jobs).items():
             out.print(f"[bold red]worker {escape(host)} failed.[/] Last lines of its log:")
@@ -119,15 +115,19 @@ def _finish(record, jobs, out) -> None:
     acc = summary.get("per_position_acceptance") or []
     if acc:
         rows.append(["acceptance @1..4", " ".join(f"{a:.2f}" for a in acc[:4])])
+    from ..reports.report import report_verdict
+    from ..runs.folders import load_run
+
+    out.print(f"[bold]{escape(report_verdict(load_run(record.folder)))}[/]")
     out.print(console.table(f"run {record.id}", ["metric", "value"], rows, right=("value",)))
     out.print(f"results: {escape(str(record.folder))}")
     out.print(f"report:  {escape(str(html_path))}")
 
 
-def _located(names, choice, host, sync: bool, out, err):
+def _locate_or_sync(names, choice, host, sync: bool, out, err):
     """A training-run drafter's checkpoint on ``host``; one only on the training host is synced
     with ``--sync`` (or when the user says yes), else refused with the command that syncs it."""
-    from ..resolve import NotSynced
+    from ..names import NotSynced
     from .sync import run_sync
 
     with err.status(f"{host.name}: connecting, looking for the checkpoints of training run {choice.run.name} ..."):
@@ -145,8 +145,10 @@ def _located(names, choice, host, sync: bool, out, err):
     return choice
 
 
+@with_settings
 def eval_cmd(
     ctx: typer.Context,
+    settings: EvalSettings,
     host: List[str] = typer.Option(["local"], "--host", "-H", help="Eval host(s); several shard the prompts."),
     gpus: Optional[str] = typer.Option(None, "--gpus", metavar="all|N|IDS",
                                        help="One worker per GPU of each host (all, a count, or ids 0,2,5), "
@@ -156,33 +158,10 @@ def eval_cmd(
                                                "(default: the catalog's `default:`, else the newest synced "
                                                "checkpoint of its training run; 'embedded' on `local`)."),
     target: Optional[str] = typer.Option(None, "--target", "-t", help="Target label or folder on the host."),
-    suite: str = typer.Option("default", "--suite", help="Built-in suite name or a JSONL path on the host."),
-    prompts: Optional[int] = typer.Option(2, "--prompts", "-n", help="First N prompts (0 = all)."),
-    mode: str = typer.Option("offline", "--mode", help="offline (walk the reference) or online (real spec decoding)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    max_blocks: Optional[int] = typer.Option(None, "--max-blocks", help="Offline: at most N blocks per prompt."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda; cpu on `local` and "
-                                                                 "on hosts with `gpus: 0`)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)."),
     sglang: str = typer.Option("auto", "--sglang", help="Reference completions: auto (the host's SGLang in offline "
                                                          "mode), off (local greedy), or a URL as seen from the host."),
-    thinking: str = typer.Option("off", "--thinking", help="Chat template thinking: off (as z-lab's published runs) "
-                                                            "| on | default (the template's own)."),
-    ddtree: Optional[str] = typer.Option(None, "--ddtree", help="Offline DDTree node budgets, each 1..1024 ('' to "
-                                                                "skip; default 8,16,32,64 greedy, none at T > 0)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy; > 0 samples (online: lossless "
-                                                                 "speculative sampling; offline: expected τ, an estimate)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed (each prompt's seed derives from it and the prompt id)."),
-    all_anchors: bool = typer.Option(False, "--all-anchors", help="Also every completion position as an anchor."),
     sync: bool = typer.Option(False, "--sync", help="Copy the checkpoint from the training host first when the eval "
                                                     "host lacks it (no checkpoint named: the training host's newest)."),
-    target_devices: Optional[str] = typer.Option(None, "--target-devices", metavar="N|auto",
-                                                 help="Split the target over N GPUs per worker (device_map); "
-                                                      "auto: every GPU of the host."),
-    max_memory: Optional[float] = typer.Option(None, "--max-memory", metavar="GIB",
-                                               help="Use at most this many GiB per device (memory pre-flight, device_map)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
@@ -196,43 +175,35 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..evaluate import check_request, check_sglang_option, start
-    from ..placement import parse_gpus
-    from ..runrecord import EvalRequest, RunRecord
+    from ..eval.pipeline import check_sglang_option, new_run, start
+    from ..eval.placement import parse_gpus
+    from ..reports.tracking import check_trackers
 
     out, err = console.out(), console.err()
     names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
-    if mode not in ("offline", "online"):
-        raise InputError(f"--mode must be offline or online, not {mode!r}")
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
-    from ..tracking import check_trackers
-
     trackers = check_trackers(log_to)
     check_sglang_option(sglang)
-    parse_gpus(gpus)        # bad --gpus / --target-devices: one red line before any host is contacted
-    if target_devices is not None and target_devices != "auto" and not (target_devices.isdigit() and int(target_devices) >= 1):
-        raise InputError(f"--target-devices must be a count >= 1 or auto, not {target_devices!r}")
-    if max_memory is not None and max_memory <= 0:
-        raise InputError("--max-memory must be > 0 (GiB per device)")
+    parse_gpus(gpus)        # bad --gpus: one red line before any host is contacted
     if resume:
         record = names.run_record(resume, prefer=("running", "failed", "cancelled"))
+        done, total = record.progress
+        (err if as_json else out).print(
+            f"resuming run {record.id} ({record.label} on {escape(', '.join(record.hosts))}): "
+            + (f"{done} of {total} prompts were done when last heard from; " if total else "")
+            + "a worker still running is followed, a stopped one restarts and skips its finished prompts")
     else:
         hosts = [names.host(h, role="eval") for h in host]
         choice = names.drafter(drafter, hosts[0], target)
         if choice.run:
-            choice = _located(names, choice, hosts[0], sync, out, err)
+            choice = _locate_or_sync(names, choice, hosts[0], sync, out, err)
         (err if as_json else out).print(escape(choice.statement(hosts[0].name)))
-        req = EvalRequest(hosts=[h.name for h in hosts], drafter=choice.resolved, target=choice.target, suite=suite,
-                          prompts=prompts or None, mode=mode, max_new_tokens=max_new_tokens, max_blocks=max_blocks,
-                          device=device, dtype=dtype, sglang=sglang, thinking=thinking, ddtree_budgets=ddtree,
-                          all_anchors=all_anchors, verify_weights=verify_weights, drafter_path=choice.path,
-                          drafter_run=choice.run.name if choice.run else None,
-                          checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path,
-                          temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                          gpus=gpus, target_devices=target_devices, max_memory_gb=max_memory)
-        check_request(req)
-        record = RunRecord.create(names.runs_root, req, choice.label, req.checkpoint, choice.step)
+        record = new_run(names.runs_root, [h.name for h in hosts], choice, settings, sglang=sglang, gpus=gpus,
+                         verify_weights=verify_weights)
+        if record.request.suite_file:
+            (err if as_json else out).print(f"suite {escape(record.request.suite_file)}: this machine's file, sent to "
+                                            f"{escape(', '.join(record.hosts))}")
     status = err.status("pre-flight ...") if not as_json else None
     if status:
         status.start()
@@ -242,18 +213,19 @@ def eval_cmd(
     finally:
         if status:
             status.stop()
+    where = ", ".join(record.hosts)
     if detach:
         if as_json:
             console.print_json({"id": record.id, "hosts": [s.host for s in record.shards], "folder": str(record.folder),
-                                "status": record.status, "attach": f"dflash-ops attach {record.id}"})
+                                "status": str(record.status), "attach": f"dflash-ops attach {record.id}"})
         else:
-            out.print(f"run [bold]{record.id}[/] started on {record.host}")
+            out.print(f"run [bold]{record.id}[/] started on {escape(where)}")
             out.print(f"follow with: dflash-ops attach {record.id}")
         return
-    out.print(f"run [bold]{record.id}[/] started on {record.host}")
+    out.print(f"run [bold]{record.id}[/] started on {escape(where)}")
     _follow_and_finish(record, jobs, out)
     if trackers:
-        from ..tracking import log_run
+        from ..reports.tracking import log_run
 
         for where in log_run(trackers, record.folder, record.folder.parent):
             out.print(f"logged to {escape(where)}")
@@ -265,7 +237,7 @@ RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its ne
 def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
-    from ..evaluate import jobs_of
+    from ..eval.pipeline import jobs_of
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
@@ -277,14 +249,27 @@ def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
 def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Stop a run's workers (finished prompts stay on the host; `eval --resume RUN` continues)."""
-    import json
-
-    from ..evaluate import cancel
+    from ..eval.pipeline import cancel
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
-    for host, state in cancel(record, names.inventory).items():
-        console.out().print(f"{escape(host)}: {escape(json.dumps(state))}")
+    out = console.out()
+    for host, st in cancel(record, names.inventory).items():
+        out.print(escape(cancel_line(host, st)))
+    out.print(f"`dflash-ops eval --resume {record.id}` finishes it; `dflash-ops show {record.id}` shows what is there")
+
+
+def cancel_line(host: str, st: dict) -> str:
+    """What `cancel` did on one host, in words: ``cancelled on ct129 after 5 of 12 prompts``."""
+    done, todo = st.get("done"), st.get("prompts")
+    count = "" if done is None else f" after {done}" + (f" of {todo}" if todo else "") + \
+        f" prompt{'' if (todo or done) == 1 else 's'}"
+    state = st.get("state")
+    if state == "cancelled":
+        return f"cancelled on {host}{count}"
+    if state in ("done", "failed", "lost"):
+        return f"{host}: the worker had already ended ({state}){count}"
+    return f"{host}: the worker is {state or 'in an unknown state'}{count}" + (f" ({st['why']})" if st.get("why") else "")
 
 
 def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
@@ -292,7 +277,7 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Teacher-forced per-position accuracy of the run's checkpoint computed the training way
     (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions."""
-    from ..parity import ParityError, run_parity
+    from ..eval.parity import ParityError, run_parity
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("done",), need="results.jsonl")
@@ -303,7 +288,7 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     acc, tau = report["accuracy"], report["tau_estimate"]
     rows = [[str(k + 1), *(f"{acc[m][k]:.3f}" for m in paths)] for k in range(len(acc["training"]))]
     rows.append(["τ est.", *(f"{tau[m]:.2f}" for m in paths)])
-    head = ["slot k", "training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (seed bug)"]
+    head = ["slot k", "training (batched mask)", "eval (per anchor, ctx [:p])", "ctx [:p+1] (one token too many)"]
     out.print(console.table(f"parity {record.id}: teacher-forced accuracy over {report['anchors']} anchors", head, rows,
                             right=head))
     if not report["agree"]:

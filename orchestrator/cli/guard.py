@@ -44,7 +44,14 @@ def _errors():
 
 
 class GuardedGroup(TyperGroup):
-    """The root command group: its subcommands (and their callbacks) run inside :func:`guard`."""
+    """The root command group: its subcommands (and their callbacks) run inside :func:`guard`;
+    their help is tidied for the terminal (cli/helptext.py)."""
+
+    def main(self, *args, **kwargs):
+        from .helptext import tidy
+
+        tidy(self)
+        return super().main(*args, **kwargs)
 
     def invoke(self, ctx):
         with guard():

@@ -26,10 +26,15 @@ def hosts(ctx: typer.Context,
     for h in inv:
         address = "(local subprocess)" if h.is_local else h.endpoint if h.is_ray else (
             f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
-        rows.append([h.name, ",".join(h.roles), address, h.python, h.workdir or "-", h.checkpoints or "-",
-                     h.sglang or "-", "-" if h.gpus is None else str(h.gpus)])
-    console.out().print(console.table(f"hosts ({context_names(ctx).inventory_file})", [
+        rows.append([h.name + (" (example)" if h.example else ""), ",".join(h.roles), address, h.python,
+                     h.workdir or "-", h.checkpoints or "-", h.sglang or "-", "-" if h.gpus is None else str(h.gpus)])
+    out = console.out()
+    out.print(console.table(f"hosts ({context_names(ctx).inventory_file})", [
         "name", "roles", "address", "python", "workdir", "checkpoints", "sglang", "gpus"], rows))
+    examples = [h.name for h in inv if h.example]
+    if examples:
+        out.print(f"[yellow]{', '.join(examples)}: example host{'s' * (len(examples) > 1)} (`example: true` in "
+                  f"{inv.get(examples[0]).defined_in}), never connected to: set the address and delete that line[/]")
 
 
 @hosts_app.command("check")
@@ -44,7 +49,7 @@ def hosts_check(
 
     from rich.markup import escape
 
-    from ..hostcheck import HostCheckFailed, check_hosts
+    from ..eval.hostcheck import HostCheckFailed, check_hosts
 
     resolver = context_names(ctx)
     inv = resolver.inventory
@@ -54,12 +59,13 @@ def hosts_check(
     if as_json:
         console.print_json([asdict(r) | {"ok": r.ok} for r in reports])
     else:
-        rows = [[escape(r.name), "[green]ok[/]" if r.ok else "[red]FAIL[/]", *(escape(v or "-") for v in (
-                 r.python, r.torch, r.cuda, r.transformers, r.fla)), escape(", ".join(r.gpus) or "none"),
+        rows = [[escape(r.name), "[green]passed[/]" if r.ok else "[red]FAILED[/]", *(escape(v or "-") for v in (
+                 r.python, r.torch, r.cuda, r.transformers, r.fla)),
+                 escape(", ".join(r.gpus) or ("none" if r.python else "-")),
                  escape(" / ".join(r.disk.get(k) or "-" for k in ("workdir", "checkpoints"))),
                  escape(r.sglang or "-"), escape(r.model or "-")] for r in reports]
         out = console.out()
-        out.print(console.table("hosts check", ["host", "ok", "python", "torch", "cuda", "transformers", "fla",
+        out.print(console.table("hosts check", ["host", "check", "python", "torch", "cuda", "transformers", "fla",
                                                 "gpus", "free (workdir / ckpts)", "sglang", "model"], rows, markup=True))
         for r in reports:
             for e in r.errors:

@@ -23,11 +23,11 @@ def runs_cmd(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """List runs: id, drafter:checkpoint, target, mode, suite, prompts, decoding settings, τ, host, date, status."""
-    from ..runs import filter_runs, run_rows
+    from ..runs.folders import run_rows, select_runs
 
     names = context_names(ctx, runs_dir=runs_dir)
     d = names.runs_root
-    rows = run_rows(filter_runs(names.filter_runs(drafter, host), suite=suite, status=status))
+    rows = run_rows(select_runs(names.runs_of(drafter, host), suite=suite, status=status))
     if as_json:
         console.print_json(rows)
         return
@@ -58,20 +58,27 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the run's metrics and report paths as JSON."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
-    """Print a run's summary and the paths of its report (written if missing or stale)."""
-    from ..render import fnum
-    from ..report import current_report, run_warnings, summary_rows
+    """Print a run's verdict, its summary and the paths of its report (written if missing or stale)."""
+    from ..reports.render import fnum
+    from ..reports.report import current_report, ddtree_table, report_verdict, run_warnings, summary_rows
     r = context_names(ctx, runs_dir=runs_dir).eval_run(run)
     md_path, html_path = current_report(r, rewrite)
     m = r.metrics
     warnings = run_warnings(r)
+    verdict = report_verdict(r)
     if as_json:
-        console.print_json({"id": r.id, "path": str(r.path), "run": r.meta, "metrics": {
+        console.print_json({"id": r.id, "path": str(r.path), "run": r.record.to_dict() if r.record else None,
+                            "verdict": verdict, "metrics": {
             k: v for k, v in m.items() if k != "per_prompt"}, "warnings": warnings,
             "report": {"md": str(md_path), "html": str(html_path)}})
         return
     out = console.out()
-    out.print(console.table(f"run {r.id}", ["metric", "value"], summary_rows(r, m), show_header=False))
+    out.print(f"[bold]{escape(verdict)}[/]")
+    out.print(console.table(f"run {r.id}", ["metric", "value"], summary_rows(r, m), show_header=False,
+                            wrap=("value",)))
+    dd = ddtree_table(m)
+    if dd:
+        out.print(console.table("DDTree", *dd, right=dd[0][1:]))
     if m.get("categories"):
         out.print(console.table("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"], [
             [c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])] for c, v in m["categories"].items()],
@@ -98,7 +105,7 @@ def compare_cmd(
     """Pair runs prompt by prompt and compare them with the first: τ, per-position acceptance,
     DDTree, win/tie/loss, paired-bootstrap CIs and p-values. For a label, the newest runs that pair
     with the others are picked (and named, with why). Exit code 3 when no runs pair."""
-    from ..compare import (category_rows, compare_labels, difference_rows, env_warning_lines, per_position_rows,
+    from ..reports.compare import (category_rows, compare_labels, difference_rows, env_warning_lines, per_position_rows,
                            refusal, side_by_side, stats_note)
 
     names = context_names(ctx, runs_dir=runs_dir)
@@ -109,6 +116,8 @@ def compare_cmd(
         console.print_json(result)
     con = console.out()
     if not as_json:
+        for line in result.get("verdict") or []:
+            con.print(f"[bold]{escape(line)}[/]")
         for p in result["picked"]:
             con.print(escape(p["why"]))
     mismatches = "\n".join(f"• {escape(m['message'])}" for m in result["mismatches"])

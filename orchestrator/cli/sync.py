@@ -11,15 +11,29 @@ from .context import CATALOG_HELP
 from .context import names as context_names
 
 
+def _rate_column():
+    """Bytes per second in the units of every other size dflash-ops prints (KiB, MiB: human_bytes)."""
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    from ..reports.render import human_bytes
+
+    class Rate(ProgressColumn):
+        def render(self, task) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+    return Rate()
+
+
 class _SyncBars:
-    """rich progress bars for a sync: one for the checkpoint, one per file."""
+    """rich progress bars for a sync: one for the checkpoint, one per file; sizes and rates in
+    KiB/MiB/GiB, as the plan table and the result line."""
 
     def __init__(self, console):
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                             TimeRemainingColumn(), console=console, transient=False)
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+                             _rate_column(), TimeRemainingColumn(), console=console, transient=False)
         self.total = None
         self.files: dict[str, int] = {}
 
@@ -43,7 +57,7 @@ class _SyncBars:
 
 
 def _print_plan(out, plan, typed: str | None = None) -> None:
-    from ..render import human_bytes
+    from ..reports.render import human_bytes
 
     if typed:
         out.print(escape(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
@@ -63,21 +77,22 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
 
 
 def run_sync(names, name: str, *, run: str | None, src: str, dst: str, typed: str | None = None, jobs: int = 4,
-             dry_run: bool = False, direct: bool | None = None, lock_wait: float = 60.0):
+             dry_run: bool = False, direct: bool | None = None, tunnel: str | None = None, lock_wait: float = 60.0):
     """One sync with its plan, progress bars (on a terminal) and result line; `sync-ckpt` and
     `eval --sync` both run it."""
-    from ..render import human_bytes
+    from ..reports.render import human_bytes
     from ..sync import sync_checkpoint
 
     err, out = console.err(), console.out()
     result = sync_checkpoint(names.inventory, names.catalog, name, run=run, src_name=src, dst_name=dst, jobs=jobs,
-                             dry_run=dry_run, direct=direct, lock_wait=lock_wait,
+                             dry_run=dry_run, direct=direct, tunnel=tunnel, lock_wait=lock_wait,
                              progress=_SyncBars(err) if err.is_terminal else None,
                              on_plan=lambda p: _print_plan(out, p, typed))
     if dry_run:
         return result
     p = result.plan
-    moved = f"moved {human_bytes(result.bytes_moved)} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
+    how = {"tunnel": " through the tunnel", "direct": " (pulled by the eval host)"}.get(result.path, "")
+    moved = f"moved {human_bytes(result.bytes_moved)}{how} in {result.seconds:.1f}s ({human_bytes(result.rate)}/s)"
     extra = f", re-sent after a checksum mismatch: {', '.join(result.resent)}" if result.resent else ""
     out.print(f"[green]✔[/] {p.run}:{p.checkpoint} on {p.dst.name}: {moved}; "
               f"{result.verified} file(s) verified (sha256), {result.skipped} already there{extra}")
@@ -95,16 +110,28 @@ def sync_ckpt_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan (send/resume/skip per file); move nothing."),
     jobs: int = typer.Option(4, "--jobs", "-j", min=1, help="Files moved at once."),
     direct: Optional[bool] = typer.Option(None, "--direct/--relay",
-                                          help="The eval host pulls from the train host itself (default: run's `direct`)."),
+                                          help="The eval host pulls from the train host itself, with its own "
+                                               "credentials (default: run's `direct`); --relay: through here."),
+    tunnel: bool = typer.Option(False, "--tunnel", help="The eval host pulls from the train host through a tunnel "
+                                "forwarded here: encrypted once end to end, this machine only forwards (default: "
+                                "the eval host's `tunnel` in the inventory)."),
+    tunnel_auto: bool = typer.Option(False, "--tunnel-auto", help="--tunnel where it can be set up, else through here "
+                                     "(one line says why)."),
     lock_wait: float = typer.Option(60.0, "--lock-wait", metavar="S", help="Wait this long for another sync's lock."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
 ):
     """Copy a training checkpoint to the eval host: streamed through here, resumable, sha256-verified, atomic."""
+    from ..errors import InputError
+
     names = context_names(ctx, catalog=catalog)
+    if direct and (tunnel or tunnel_auto):
+        raise InputError("--direct and --tunnel exclude each other: the eval host pulls either with its own "
+                         "credentials or through the tunnel")
+    mode = "tunnel" if tunnel else "auto" if tunnel_auto else "relay" if direct is False else None
     training_run, ckpt = names.checkpoint_name(name, run)
     source, dest = names.role_host("train", src), names.role_host("eval", dst)
     run_sync(names, ckpt, run=training_run.name if training_run else None, src=source.name, dst=dest.name,
-             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, lock_wait=lock_wait)
+             typed=name, jobs=jobs, dry_run=dry_run, direct=direct, tunnel=mode, lock_wait=lock_wait)
 
 
 def ckpts_cmd(
@@ -119,7 +146,7 @@ def ckpts_cmd(
     from dataclasses import asdict
     from datetime import datetime
 
-    from ..render import human_bytes
+    from ..reports.render import human_bytes
     from ..sync import list_checkpoints
 
     names = context_names(ctx, catalog=catalog)
@@ -134,11 +161,20 @@ def ckpts_cmd(
         return
     out = console.out()
     colour = {"yes": "green", "partial": "yellow", "no": "dim", "?": "red"}
-    out.print(console.table("checkpoints on the training host", ["run", "checkpoint", "step", "size", "files", "time",
-                                                                 "on eval"], [
-        [escape(r.run), escape(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
-         datetime.fromtimestamp(r.mtime).strftime("%Y-%m-%d %H:%M"), f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
-        for r in rows], markup=True))
+    one_run = len({r.run for r in rows}) == 1
+    head = ["checkpoint", "step", "size", "files", "changed", "state", "on eval"]
+    cells = [[escape(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
+              datetime.fromtimestamp(r.mtime).strftime("%m-%d %H:%M"),
+              "[yellow]being written[/]" if r.incomplete else "complete", f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
+             for r in rows]
+    if not one_run:
+        head, cells = ["run", *head], [[escape(r.run), *c] for r, c in zip(rows, cells)]
+    title = f"checkpoints of {rows[0].run} on {source.name}" if one_run and rows else f"checkpoints on {source.name}"
+    out.print(console.table(title, head, cells, markup=True, right=("step", "size", "files")))
+    for r in rows:
+        if r.incomplete:
+            out.print(f"[yellow]! {escape(r.run)}:{escape(r.name)} is being written: {escape(r.incomplete)} "
+                      f"(sync-ckpt and watch wait for it)[/]")
     for w in warnings:
         out.print(f"[yellow]! {escape(w)}[/]")
 

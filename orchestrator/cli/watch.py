@@ -6,9 +6,12 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
+from remote.settings import EvalSettings
+
 from . import console
 from .context import CATALOG_HELP, RUNS_DIR_HELP
 from .context import names as context_names
+from .options import with_settings
 
 COLOUR = {"info": "", "warn": "yellow", "alarm": "bold red"}
 
@@ -67,8 +70,10 @@ class LiveView:
         self.live.update(self.render())
 
 
+@with_settings
 def watch_cmd(
     ctx: typer.Context,
+    settings: EvalSettings,
     run: str = typer.Argument(..., help="Training run (configs/drafters.yaml), or a drafter label of one."),
     every: Optional[int] = typer.Option(None, "--every", metavar="STEPS", min=1,
                                         help="One checkpoint per STEPS training steps (default: every checkpoint)."),
@@ -82,20 +87,9 @@ def watch_cmd(
                                                 help="Alarm (exit 6 under --once) when eval τ and the training "
                                                      "run's tau_metric are more than R× apart."),
     max_attempts: int = typer.Option(3, "--max-attempts", min=1, help="Tries per checkpoint before giving up."),
-    suite: str = typer.Option("default", "--suite", help="Built-in suite name or a JSONL path on the host."),
-    prompts: Optional[int] = typer.Option(2, "--prompts", "-n", help="First N prompts (0 = all)."),
-    mode: str = typer.Option("offline", "--mode", help="offline | online."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    max_blocks: Optional[int] = typer.Option(None, "--max-blocks"),
-    device: Optional[str] = typer.Option(None, "--device"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
-    sglang: str = typer.Option("auto", "--sglang"),
-    thinking: str = typer.Option("off", "--thinking", help="off | on | default (as eval)."),
-    ddtree: Optional[str] = typer.Option(None, "--ddtree", help="DDTree budgets ('' to skip; default as eval)."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (as eval)."),
-    top_p: float = typer.Option(1.0, "--top-p"),
-    top_k: int = typer.Option(0, "--top-k"),
-    seed: int = typer.Option(0, "--seed"),
+    redo: bool = typer.Option(False, "--redo", help="Evaluate a checkpoint again even when a finished run with "
+                                                    "the same settings exists (default: that run is reused)."),
+    sglang: str = typer.Option("auto", "--sglang", help="Reference completions, as `eval --sglang`."),
     log_to: List[str] = typer.Option([], "--log-to", help="Also log each point to mlflow | tensorboard | wandb "
                                                          "(optional extras; see README)."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
@@ -104,20 +98,15 @@ def watch_cmd(
     """Evaluate a training run as it trains: poll the training host, sync each new complete
     checkpoint, evaluate it with the same settings every time, append it to the trajectory
     (runs/watch-RUN/trajectory.html)."""
-    from ..errors import InputError
-    from ..tracking import check_trackers
+    from ..eval.pipeline import check_sglang_option
+    from ..reports.tracking import check_trackers
     from ..watch import WatchOptions, Watcher
 
-    if mode not in ("offline", "online"):
-        raise InputError(f"--mode must be offline or online, not {mode!r}")
+    check_sglang_option(sglang)
     names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
     hosts = [names.host(h, role="eval").name for h in host] or [names.inventory.pick("eval", None).name]
-    settings = dict(suite=suite, prompts=prompts or None, mode=mode, max_new_tokens=max_new_tokens,
-                    max_blocks=max_blocks, device=device, dtype=dtype, sglang=sglang, thinking=thinking,
-                    ddtree_budgets=ddtree, all_anchors=False, temperature=temperature, top_p=top_p, top_k=top_k,
-                    seed=seed)
-    opts = WatchOptions(run=run, hosts=hosts, settings=settings, every=every, baseline=baseline,
-                        alarm_ratio=alarm_ratio, max_attempts=max_attempts, src=src, log_to=check_trackers(log_to))
+    opts = WatchOptions(run=run, hosts=hosts, settings=settings, sglang=sglang, every=every, baseline=baseline,
+                        alarm_ratio=alarm_ratio, max_attempts=max_attempts, redo=redo, src=src, log_to=check_trackers(log_to))
     err = console.err()
     view = LiveView(err) if err.is_terminal else None
     watcher = Watcher(names, opts, view.say if view else _say,

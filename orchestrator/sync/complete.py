@@ -8,7 +8,7 @@ Complete = both
   writes it last), or else a ``config.json`` plus weights (``*.safetensors``/``.pt``/``.pth``/
   ``.bin``; every shard of a ``-0000k-of-0000n`` set).
 
-Inputs are what the host's ``ckpt_tool list``/``manifest`` already report: relative paths, the
+Inputs are what the host's ``sync_host list``/``manifest`` already report: relative paths, the
 newest mtime, and the host's clock at the time of the answer.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..catalog import TrainingRun
+from ..config.catalog import TrainingRun
 from .tool import SyncError
 
 CONFIG = "config.json"
@@ -71,12 +71,12 @@ def judge(paths: list[str], newest_mtime: float, host_now: float, run: TrainingR
 
 
 def judge_listed(entry: dict, host_now: float, run: TrainingRun) -> Verdict:
-    """:func:`judge` on one checkpoint of a ``ckpt_tool list`` answer."""
+    """:func:`judge` on one checkpoint of a ``sync_host list`` answer."""
     return judge(entry.get("paths") or [], entry["mtime"], host_now, run)
 
 
 def judge_manifest(files: list[dict], host_now: float, run: TrainingRun) -> Verdict:
-    """:func:`judge` on a ``ckpt_tool manifest`` answer's files (mtimes in ns)."""
+    """:func:`judge` on a ``sync_host manifest`` answer's files (mtimes in ns)."""
     newest = max((f["mtime_ns"] for f in files), default=0) / 1e9
     return judge([f["path"] for f in files], newest, host_now, run)
 

@@ -1,24 +1,28 @@
-"""`ckpts`: a training run's checkpoints on the training host (step, size, time) and whether
-each is already complete on the eval host."""
+"""`ckpts`: a training run's checkpoints on the training host (step, size, time), whether each
+is complete there yet (sync/complete.py's rule) and whether it is already complete on the eval host."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from ..catalog import Catalog, CatalogError, TrainingRun
-from ..inventory import Host, Inventory, InventoryError
+from ..config.catalog import Catalog, CatalogError, TrainingRun
+from ..config.inventory import Host, Inventory, InventoryError
 from ..transport import TransportError, runner_for
+from .complete import judge_listed
 from .plan import dest_rundir
-from .tool import SyncError, run_tool
+from .tool import Session, SyncError, run_tool
 
 
-def list_runs(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str]) -> dict:
+def host_checkpoints(runner, host: Host, runs: list[TrainingRun], root_for: Callable[[TrainingRun], str],
+                     session: Session | None = None) -> dict:
     """The tool's listing of each run's checkpoint folders under ``root_for(run)`` on ``host``
-    (``host``'s paths already expanded there: :meth:`Host.on_host`)."""
-    args: list[str] = ["list", host.checkpoints or "/"]
+    (``host``'s paths already expanded there: :meth:`Host.on_host`), asked through ``session``
+    where the caller has one open, else by a tool run of its own."""
+    args: list[str] = [host.checkpoints or "/"]
     for r in runs:
         args += ["--run", r.name, runner.expand_home(root_for(r)), r.pattern]
-    answer = run_tool(runner, host, *args, timeout=120)
+    answer = (session.call_json("LIST", args, timeout=120) if session is not None
+              else run_tool(runner, host, "list", *args, timeout=120))
     for info in answer["runs"].values():
         info["now"] = answer["now"]  # the host's clock, for the completeness rule
     return answer["runs"]
@@ -33,6 +37,7 @@ class CkptRow:
     files: int
     mtime: float
     on_eval: str  # yes | partial | no | ?
+    incomplete: str = ""   # why it is not complete yet on the training host (sync/complete.py); "" = complete
 
 
 def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *,
@@ -46,14 +51,14 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
     warnings: list[str] = []
     with runner_for(src, inv) as srun:
         src = src.on_host(srun.expand_home)
-        listing = list_runs(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
+        listing = host_checkpoints(srun, src, runs, lambda r: r.source_dir(src.checkpoints))
     there: dict | None = None
     try:
         dst = inv.pick("eval", dst_name)
         if dst.checkpoints:
             with runner_for(dst, inv, connect_timeout=10) as drun:
                 dst = dst.on_host(drun.expand_home)
-                there = list_runs(drun, dst, runs, lambda r: dest_rundir(dst, r))
+                there = host_checkpoints(drun, dst, runs, lambda r: dest_rundir(dst, r))
     except (InventoryError, TransportError, SyncError) as e:
         warnings.append(f"eval host: {e}")
     rows = []
@@ -72,6 +77,8 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
                 on = "partial"
             else:
                 on = "no"
-            rows.append(CkptRow(r.name, c["name"], c["step"], c["size"], c["files"], c["mtime"], on))
+            verdict = judge_listed(c, info["now"], r)
+            rows.append(CkptRow(r.name, c["name"], c["step"], c["size"], c["files"], c["mtime"], on,
+                                "" if verdict.complete else verdict.reason))
     rows.sort(key=lambda x: (x.run, x.step if x.step is not None else -1, x.name))
     return rows, warnings

@@ -1,85 +1,30 @@
-"""The destination lock: ``ckpt_tool.py hold`` runs on the eval host over the control connection
-for the whole sync. It takes the checkpoint's lock (or waits for another sync, or refuses), answers
-STATE (what is already there, under the lock), BEGIN and FINALIZE (the verified staging folder
-renamed into place). Every ``recv`` of the data path checks that the holder that started it still
-holds the lock (a token), so a killed sync's orphans stop and never interleave with a new one; the
-holder gives up when this side stops pinging.
+"""The destination lock: the eval host's ``sync_host.py serve`` session (tool.py) takes the
+checkpoint's lock for the whole sync (or waits for another sync, or refuses), answers STATE
+(what is already there, under the lock), BEGIN and FINALIZE (the verified staging folder renamed
+into place). Every ``recv`` of the data path checks that the session that started it still holds
+the lock (a token), so a killed sync's orphans stop and never interleave with a new one; the
+session gives up the lock when this side stops pinging or its connection drops.
 """
 from __future__ import annotations
 
-import queue
-import threading
-import time
-
-from ..inventory import Host
-from .tool import SyncError, tool_argv, tool_error
-
-PING_EVERY = 2.0
+from .tool import Session
 
 
-def _pump(stream, sink) -> None:
-    """Every line of ``stream`` (decoded, without the newline) into ``sink``, then None."""
-    try:
-        for raw in iter(stream.readline, b""):
-            sink(raw.decode(errors="replace").rstrip("\n"))
-    except Exception:
-        pass
-    sink(None)
+class Destination:
+    """One checkpoint's folder on the eval host, through that host's session."""
 
+    def __init__(self, session: Session, rundir: str, ckpt: str, token: str):
+        self.session, self.where = session, {"rundir": rundir, "ckpt": ckpt}
+        self.token = token
 
-class Holder:
-    """``ckpt_tool.py hold`` on the destination over the control transport: the lock, the state
-    (under the lock), and the final rename."""
+    def lock(self, wait: float) -> None:
+        self.session.call("LOCK", {**self.where, "token": self.token, "wait": wait}, timeout=wait + 30)
 
-    def __init__(self, runner, host: Host, rundir: str, ckpt: str, token: str, wait: float, idle: float):
-        self.host = host
-        self.h = runner.open_exec(tool_argv(host, "hold", rundir, ckpt, token, "--wait", f"{wait:g}",
-                                            "--idle", f"{idle:g}"))
-        self.lines: queue.Queue = queue.Queue()
-        self.wlock = threading.Lock()
-        self.closed = threading.Event()
-        self.err: list[str] = []
-        threading.Thread(target=_pump, args=(self.h.stdout, self.lines.put), daemon=True).start()
-        threading.Thread(target=_pump, args=(self.h.stderr, self.err.append), daemon=True).start()
-        self.wait_s = wait
+    def state(self) -> dict:
+        return self.session.call_json("STATE", self.where, timeout=120)
 
-    def expect(self, prefix: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                raise SyncError(f"host {self.host.name}: no answer from the lock holder in {timeout:g}s") from None
-            if line is None:
-                raise SyncError(f"host {self.host.name}: lock holder ended: "
-                                f"{tool_error(chr(10).join(e for e in self.err if e), 'connection closed')}")
-            if line.startswith("BUSY"):
-                raise SyncError(f"host {self.host.name}: {line[5:]}; it is still running — wait for it "
-                                f"or raise --lock-wait")
-            if line.startswith("ERROR"):
-                raise SyncError(f"host {self.host.name}: {line[6:]}")
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
+    def begin(self) -> None:
+        self.session.call("BEGIN", timeout=60)
 
-    def send(self, line: str) -> None:
-        with self.wlock:
-            self.h.stdin.write((line + "\n").encode())
-            self.h.stdin.flush()
-
-    def ping_forever(self) -> None:
-        while not self.closed.wait(PING_EVERY):
-            try:
-                self.send("PING")
-            except Exception:
-                return
-
-    def close(self) -> None:
-        self.closed.set()
-        try:
-            with self.wlock:
-                self.h.stdin.close()
-        except Exception:
-            pass
-        t = threading.Thread(target=self.h.close, daemon=True)  # never hang on a dead link
-        t.start()
-        t.join(5)
+    def finalize(self, manifest: dict) -> str:
+        return self.session.call("FINALIZE", manifest, timeout=300)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Callable
 
-from ..catalog import Catalog, CatalogError, TrainingRun, check_name, resolve_checkpoint
-from ..inventory import Host
+from ..config.catalog import Catalog, CatalogError, TrainingRun, check_name, resolve_checkpoint
+from ..config.inventory import Host
 from .tool import SyncError
 
 
@@ -62,6 +62,7 @@ class SyncResult:
     skipped: int = 0
     resent: list[str] = field(default_factory=list)
     dry_run: bool = False
+    path: str = ""  # how the bytes moved: relay, tunnel or direct ("" when none moved)
 
     @property
     def rate(self) -> float:

@@ -1,11 +1,15 @@
-"""The data path: each file streams from an OpenSSH client running ``ckpt_tool.py send`` on the
-source into one running ``ckpt_tool.py recv`` on the destination, the first one's stdout joined
-to the second one's stdin by a kernel pipe (REFERENCE §5; benchmarks/bench_sync.py). The bytes
-never enter this process nor touch this machine's disk, and no paramiko is in the way (its
-512 MiB rekey deadlock, paramiko#822). Both clients come from the hosts' SSH endpoints
-(transport/endpoint.py). ``ServerAliveInterval``/``CountMax`` make a dead link fail in bounded
-time; the remote ends give up when stdin is silent for ``idle`` seconds; a watchdog stops a
-transfer that moved nothing for ``stall`` seconds.
+"""The data path: each file streams from ``sync_host.py send`` on the source into one running
+``sync_host.py recv`` on the destination, the sender's stdout joined to the receiver's stdin by a
+kernel pipe (REFERENCE §5; benchmarks/bench_sync.py). The OpenSSH clients of both ends ride one
+master connection per host (transport/master.py), so a file costs a session, not a connection.
+The bytes never enter this process nor touch this machine's disk, and no paramiko is in the way
+(its 512 MiB rekey deadlock, paramiko#822). ``ServerAliveInterval``/``CountMax`` make a dead
+link fail in bounded time; the remote ends give up when stdin is silent for ``idle`` seconds; a
+watchdog stops a transfer that moved nothing for ``stall`` seconds.
+
+With ``--tunnel`` (sync/tunnel.py) or ``--direct`` there is no pipe here: the receiver starts the
+sender itself (``recv --pull``) through an OpenSSH client on the eval host, and this machine only
+runs the receiver's session (and, for the tunnel, forwards the training host's encrypted stream).
 
 Integrity: bytes go to ``.staging-CKPT/NAME.part``, appended from its size on resume; sha256 is
 computed in flight on both ends (the sender over the whole file, continuing over the prefix on
@@ -15,6 +19,7 @@ before fsync + rename; a mismatch deletes the ``.part`` and the file is sent aga
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import threading
@@ -25,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Callable
 
-from ..inventory import Host
-from ..render import human_bytes
-from ..transport import CONNECT_TIMEOUT, SSHEndpoint, command_line, endpoint_for
+from ..reports.render import human_bytes
+from ..transport import CONNECT_TIMEOUT
+from ..transport.master import Master
 from .plan import FilePlan, SyncPlan, SyncResult
 from .tool import SyncError, tool_argv, tool_error
 
@@ -64,20 +69,25 @@ def data_options(alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> tupl
             f"MACs={MACS}")
 
 
+MAX_SESSIONS = 8  # files at once on one master connection (sshd's MaxSessions is 10 by default)
+
+
 @dataclass(frozen=True)
 class DataPath:
-    """How the data path reaches the hosts of a sync: the OpenSSH endpoint of each, pinned to the
-    host keys its control connection accepted (transport/endpoint.py), or None for the built-in
-    ``local`` host (run here). ``pulled``: the source as the eval host reaches it (``--direct``),
-    pinned to a known_hosts file on the eval host."""
-    src: SSHEndpoint | None
-    dst: SSHEndpoint | None
-    pulled: SSHEndpoint | None = None
+    """How the data path reaches the hosts of a sync: the OpenSSH master connection of each
+    (transport/master.py, pinned to the host key its control connection accepted), or None for
+    the built-in ``local`` host (run here). ``pull``: with ``--tunnel`` and ``--direct``, the
+    command the eval host runs to start the sender of a file on the training host (file, offset
+    -> argv); there is no sender here then."""
+    src: Master | None
+    dst: Master | None
+    pull: Callable[[FilePlan, int], list[str]] | None = None
+    mode: str = "relay"
 
     @staticmethod
-    def argv(endpoint: SSHEndpoint | None, remote: list[str], alive: tuple[int, int]) -> list[str]:
-        """``remote`` run by an OpenSSH client on ``endpoint``'s host, or here."""
-        return list(remote) if endpoint is None else endpoint.argv(remote, data_options(alive))
+    def argv(master: Master | None, remote: list[str], alive: tuple[int, int]) -> list[str]:
+        """``remote`` run over ``master``'s connection, or here."""
+        return list(remote) if master is None else master.argv(remote, data_options(alive))
 
 
 class SyncProgress:
@@ -190,14 +200,12 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
     failures: list[str] = []
 
     def argv_pair(f: FilePlan, offset: int) -> tuple[list[str] | None, list[str]]:
-        send = tool_argv(src, "send", str(PurePosixPath(plan.src_dir) / f.path), f.size, f.mtime_ns,
-                         offset, *(["--hash", "--cache", plan.src_dir] if f.sha256 is None else []))
         recv = tool_argv(dst, "--idle", f"{idle:g}", "recv", plan.dst_rundir, plan.checkpoint, f.path,
                          f.size, offset, f.mtime_ns, token, *(["--sha256", f.sha256] if f.sha256 else []))
-        if path.pulled is not None:  # the eval host pulls from the training host itself, with its own key
-            pull = path.pulled.argv(send, data_options(alive), on_host=True)
-            line = f"set -o pipefail 2>/dev/null; {command_line(pull)} | {command_line(recv)}"
-            return None, path.argv(path.dst, ["bash", "-c", line], alive)
+        if path.pull is not None:  # the eval host starts the sender itself
+            return None, path.argv(path.dst, [*recv, "--pull", json.dumps(path.pull(f, offset))], alive)
+        send = tool_argv(src, "send", str(PurePosixPath(plan.src_dir) / f.path), f.size, f.mtime_ns,
+                         offset, *(["--hash", "--cache", plan.src_dir] if f.sha256 is None else []))
         return path.argv(path.src, send, alive), path.argv(path.dst, recv, alive)
 
     def one(f: FilePlan) -> None:
@@ -228,7 +236,7 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
                 progress.file_restarted(f, offset)
                 offset = 0
                 continue
-            raise SyncError(explain(f, t, status, derr, serr, src_rc, src, dst, alive, idle, plan.dst_rundir))
+            raise SyncError(explain(f, t, status, derr, serr, src_rc, plan, path, alive, idle))
 
     def watchdog() -> None:
         while not abort.wait(1.0):
@@ -253,7 +261,7 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
     wd.start()
     try:
         progress.start(plan)
-        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo)))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo), MAX_SESSIONS))) as pool:
             futures = [pool.submit(guarded, f) for f in sorted(todo, key=lambda f: -f.to_move)]
             for fut in futures:
                 try:
@@ -273,8 +281,9 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
         raise SyncError(failures[0])
 
 
-def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc: str,
-             src: Host, dst: Host, alive, idle: float, dst_dir: str = "") -> str:
+def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc: str, plan: SyncPlan,
+            path: DataPath, alive, idle: float) -> str:
+    src, dst, dst_dir = plan.src, plan.dst, plan.dst_rundir
     where = f"{f.path} ({human_bytes(t.got)} of {human_bytes(f.size - f.offset)} this run)"
     keep = "what arrived is kept in the staging folder; run the same command again to resume"
     if status.startswith("NOSPACE"):   # the receiver's own word, before the sender's broken pipe
@@ -282,18 +291,30 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
         return (f"no space left on {dst.name}:{dst_dir or '?'} while moving {f.path}: {arrived:,} of "
                 f"{f.size:,} bytes arrived (kept in the staging folder); free space there and run the same "
                 f"command again: it resumes")
+    if path.pull is not None:  # the sender's leg as the eval host's client saw it
+        serr = "\n".join(ln[5:] for ln in derr.splitlines() if ln.startswith("PULL "))
+        derr = "\n".join(ln for ln in derr.splitlines() if not ln.startswith("PULL "))
     dead = alive[0] * alive[1]
-    for host, err in ((dst, derr), (src, serr)):
-        low = err.lower()
+    for host, err, m in ((dst, derr, path.dst), (src, serr, path.src)):
+        text = (err + "\n" + (m.error_tail() if m is not None and not m.alive else "")).strip()
+        low = text.lower()
+        via = " (through the tunnel from the eval host)" if host is src and path.mode == "tunnel" else ""
         if "host key verification failed" in low:
-            ep = endpoint_for(host)
-            return f"{ep.where}: host key verification failed (known_hosts {ep.known_hosts_file})"
+            if m is not None:
+                ep = m.endpoint
+                return f"{ep.where}: host key verification failed (known_hosts {ep.known_hosts_file})"
+            return f"host {host.name}: host key verification failed{via}"
         if "not responding" in low or "timed out" in low or "connection reset" in low:
-            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while "
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}){via} while "
                     f"moving {where}: no answer for ~{dead}s; {keep}")
         if any(w in low for w in ("connection refused", "no route", "could not resolve",
                                   "network is unreachable", "permission denied")):
-            return f"cannot reach host {host.name} ({host.address}:{host.port}): {err.strip().splitlines()[-1]}"
+            return f"cannot reach host {host.name} ({host.address}:{host.port}){via}: {text.splitlines()[-1]}"
+    for host, m in ((dst, path.dst), (src, path.src)):
+        if m is not None and not m.alive and not t.killed_for:
+            tail = m.error_tail() or "connection closed"
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while moving {where} "
+                    f"(ssh: {tail}); {keep}")
     for host, rc, err, ssh_used in ((dst, t.rcs[1], derr, not dst.is_local),
                                     (src, t.rcs[0], serr, t.src_argv is not None and not src.is_local)):
         if ssh_used and rc == 255 and not t.killed_for:  # ssh itself failed: the connection

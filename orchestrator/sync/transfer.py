@@ -1,123 +1,193 @@
-"""One checkpoint's sync, start to end: resolve the name on the training host, take the lock on
-the eval host, plan (send / resume / skip), check free space, relay the files (pinned to the host
-keys the control connections accepted), verify them against the sha256 the training host's manifest
-gives over its control connection (on a first sync, the ones its senders recorded there: see
-``check_against``), and let the lock holder rename the staging folder into place.
+"""One checkpoint's sync, start to end: one session per host (``sync_host.py serve``, tool.py)
+and, for the data path, one OpenSSH master connection per host (transport/master.py), all opened
+while the sync lists and locks; resolve the name on the training host, take the lock on the eval
+host, plan (send / resume / skip), check free space, move the files (relay, ``--tunnel`` or
+``--direct``; every OpenSSH client pinned to the host key its host's control connection accepted),
+verify them against the sha256 the training host's manifest gives over its control connection
+(on a first sync, the ones its senders recorded there: see ``check_against``), and let the lock
+holder rename the staging folder into place.
 """
 from __future__ import annotations
 
-import json
-import os
 import secrets
-import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import PurePosixPath
 from typing import Callable, Iterator
 
-from ..catalog import Catalog
-from ..inventory import Inventory
-from ..render import human_bytes
-from ..transport import SSHRunner, runner_for
+from ..config.catalog import Catalog, TrainingRun
+from ..config.inventory import Host, Inventory
+from ..errors import DflashOpsWarning
+from ..reports.render import human_bytes
+from ..transport import SSHRunner, TransportError, runner_for
+from ..transport.master import Master
 from .complete import judge_manifest, newest_complete, require_complete
-from .listing import list_runs
-from .lock import Holder
+from .listing import host_checkpoints
+from .lock import Destination
 from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
-from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, DataPath, SyncProgress, move
-from .tool import SyncError, run_tool
+from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, DataPath, SyncProgress, data_options, move
+from .tool import Session, SyncError, close_all, tool_argv
+from .tunnel import TunnelUnavailable, pull_through_tunnel
 
 LOCK_WAIT = 60.0
 FREE_RESERVE = 64 << 20  # keep this much free on the destination
+MODES = ("relay", "tunnel", "auto", "direct")
+
+
+class TunnelFallback(DflashOpsWarning):
+    """``--tunnel-auto`` could not set up the tunnel: the sync moves the bytes through this machine."""
+
+
+def data_mode(run: TrainingRun, dst: Host, direct: bool | None, tunnel: str | None) -> str:
+    """How the bytes move: ``relay`` (through this machine), ``tunnel`` (the eval host pulls through
+    a tunnel this machine forwards; ``auto``: the relay where the tunnel cannot be set up) or
+    ``direct`` (the eval host pulls with its own credentials). What the command says wins, then
+    the training run's ``direct`` (catalog), then the eval host's ``tunnel`` (inventory)."""
+    if tunnel is not None and tunnel not in MODES:
+        raise SyncError(f"unknown data path {tunnel!r}; one of {', '.join(MODES)}")
+    if direct and tunnel not in (None, "relay", "direct"):
+        raise SyncError("--direct and --tunnel exclude each other: the eval host pulls either with its own "
+                        "credentials or through the tunnel")
+    if direct or tunnel == "direct":
+        return "direct"
+    if tunnel is not None:
+        return tunnel
+    if direct is False:
+        return "relay"
+    if run.direct:
+        return "direct"
+    return {True: "tunnel", "auto": "auto"}.get(dst.tunnel, "relay")
+
+
+class Masters:
+    """The data path's OpenSSH master connections of a sync, one per SSH host, started in the
+    background as soon as the host's control connection is up; closed at the end of the sync."""
+
+    def __init__(self, alive: tuple[int, int]):
+        self.alive, self.open = alive, {}
+
+    def start(self, runner) -> None:
+        if isinstance(runner, SSHRunner) and runner not in self.open:
+            self.open[runner] = Master(runner.endpoint, runner.pin_lines(), data_options(self.alive))
+
+    def get(self, runner, timeout: float = 60) -> Master | None:
+        """``runner``'s master, authenticated (None for the local host)."""
+        if not isinstance(runner, SSHRunner):
+            return None
+        self.start(runner)
+        try:
+            return self.open[runner].ready(timeout)
+        except TransportError as e:
+            raise SyncError(str(e)) from None
+
+    def close(self) -> None:
+        for m in self.open.values():
+            m.close()
+        self.open.clear()
+
+
+def _session(runner, host: Host, idle: float, sessions: list[Session], masters: Masters | None) -> tuple[Host, Session]:
+    """Connect, expand ``~`` in the host's paths there, start its session (into ``sessions``, closed
+    at the end of the sync) and, unless ``masters`` is None, its data path's master connection."""
+    runner.connect()
+    host = host.on_host(runner.expand_home)
+    session = Session(runner, host, idle)
+    sessions.append(session)
+    if masters is not None:
+        masters.start(runner)
+    return host, session
 
 
 def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | None = None,
                     src_name: str | None = None, dst_name: str | None = None, jobs: int = 4,
-                    dry_run: bool = False, direct: bool | None = None, lock_wait: float = LOCK_WAIT,
-                    alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT), idle: float = IDLE_TIMEOUT,
-                    stall: float = STALL_TIMEOUT, progress: SyncProgress | None = None,
+                    dry_run: bool = False, direct: bool | None = None, tunnel: str | None = None,
+                    lock_wait: float = LOCK_WAIT, alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT),
+                    idle: float = IDLE_TIMEOUT, stall: float = STALL_TIMEOUT, progress: SyncProgress | None = None,
                     on_plan: Callable[[SyncPlan], None] | None = None) -> SyncResult:
     """Copy checkpoint ``name`` of a training run (default: the run with the newest checkpoint)
     from the training host to the eval host; ``dry_run`` only plans. ``on_plan`` sees the plan
-    before any byte moves."""
+    before any byte moves. ``tunnel``: relay, tunnel, auto or direct (default: ``data_mode``)."""
     src, dst = inv.pick("train", src_name), inv.pick("eval", dst_name)
-    with runner_for(src, inv) as srun, runner_for(dst, inv) as drun, ThreadPoolExecutor(2) as bg:
+    with ExitStack() as stack:
+        srun = stack.enter_context(runner_for(src, inv))
+        drun = stack.enter_context(runner_for(dst, inv))
+        masters = None if dry_run else Masters(alive)
+        if masters is not None:
+            stack.callback(masters.close)
+        sessions: list[Session] = []
+        stack.callback(close_all, sessions)
+        bg = stack.enter_context(ThreadPoolExecutor(1))
         started = time.monotonic()
-        dconn = bg.submit(lambda: drun.connect() and dst.on_host(drun.expand_home))  # both come up at once
-        src = src.on_host(srun.expand_home)
-        r, info = pick_run(catalog, run, lambda runs: list_runs(
-            srun, src, runs, lambda x: x.source_dir(src.checkpoints)))
+        eval_side: Future = bg.submit(_session, drun, dst, idle, sessions, masters)  # both hosts come up at once
+        src, ssess = _session(srun, src, idle, sessions, None)
+        r, info = pick_run(catalog, run, lambda runs: host_checkpoints(
+            srun, src, runs, lambda x: x.source_dir(src.checkpoints), session=ssess))
         ckpt = resolve_name(name, r, info, src)
-        dst = dconn.result()
-        direct = r.direct if direct is None else direct
+        dst, dsess = eval_side.result()
+        mode = data_mode(r, dst, direct, tunnel)
+        if masters is not None and mode == "relay":
+            masters.start(srun)
         plan = SyncPlan(run=r.name, checkpoint=ckpt, src=src, dst=dst,
                         src_dir=str(PurePosixPath(info["dir"]) / ckpt), dst_rundir=dest_rundir(dst, r))
         if src.name == dst.name and plan.src_dir == plan.dst_final:
             raise SyncError(f"source and destination are the same folder: {plan.src_dir}")
-        manifest_f = bg.submit(run_tool, srun, src, "manifest", plan.src_dir, timeout=600)
-        source = manifest_f.result()  # the completeness rule, before the destination is touched
-        if not dry_run:
-            instead = newest_complete(info, r) if name in ("latest", "newest") else None
-            require_complete(source["files"], source["now"], r, src.name, plan.src_dir, instead)
-        else:
-            plan.incomplete = judge_manifest(source["files"], source["now"], r).reason or None
-            st = run_tool(drun, dst, "state", plan.dst_rundir, ckpt, timeout=120)
-            src_files = source["files"]
+        source = ssess.call_json("MANIFEST", {"dir": plan.src_dir}, timeout=600)
+        src_files = source["files"]
+        if dry_run:
+            plan.incomplete = judge_manifest(src_files, source["now"], r).reason or None
+            st = dsess.call_json("STATE", {"rundir": plan.dst_rundir, "ckpt": ckpt}, timeout=120)
             plan.final_exists = st["final_exists"]
             plan.up_to_date = st["final_exists"] and same_manifest(st["final_manifest"], src_files)
             make_plan(plan, src_files, st)
             if on_plan:
                 on_plan(plan)
             return SyncResult(plan=plan, dry_run=True)
+        # the completeness rule, before the destination is touched
+        instead = newest_complete(info, r) if name in ("latest", "newest") else None
+        require_complete(src_files, source["now"], r, src.name, plan.src_dir, instead)
         token = secrets.token_hex(16)
-        holder = Holder(drun, dst, plan.dst_rundir, ckpt, token, lock_wait, idle)
-        try:
-            holder.expect("LOCKED", lock_wait + 30)
-            pinger = threading.Thread(target=holder.ping_forever, daemon=True)
-            pinger.start()
-            holder.send("STATE")
-            st = json.loads(holder.expect("STATE ", 120))
-            src_files = source["files"]
-            plan.final_exists = st["final_exists"]
-            if st["final_exists"]:
-                if any(e.get("sha256") is None for e in src_files):
-                    src_files = run_tool(srun, src, "manifest", plan.src_dir, "--hash", timeout=3600)["files"]
-                if same_manifest(st["final_manifest"], src_files):
-                    plan.up_to_date = True
-                    make_plan(plan, src_files, {"free_bytes": st["free_bytes"]})
-                    for f in plan.files:
-                        f.action, f.offset = "skip", f.size
-                    if on_plan:
-                        on_plan(plan)
-                    return SyncResult(plan=plan, seconds=time.monotonic() - started,
-                                      verified=len(plan.files), skipped=len(plan.files))
-                raise SyncError(f"{dst.name}:{plan.dst_final} already exists with different content "
-                                f"(or without a dflash manifest); move it away to sync again")
-            make_plan(plan, src_files, st)
-            if on_plan:
-                on_plan(plan)
-            need = plan.to_move
-            if st["free_bytes"] is not None and st["free_bytes"] < need + FREE_RESERVE:
-                raise SyncError(
-                    f"not enough space on {dst.name} for {plan.dst_rundir}: {human_bytes(need)} to write "
-                    f"(+{human_bytes(FREE_RESERVE)} reserve), {human_bytes(st['free_bytes'])} free; nothing was moved")
-            holder.send("BEGIN")
-            holder.expect("BEGUN", 60)
-            result = SyncResult(plan=plan)
-            with data_path(srun, drun, plan, token, direct) as path:
+        dest = Destination(dsess, plan.dst_rundir, ckpt, token)
+        dest.lock(lock_wait)
+        st = dest.state()
+        plan.final_exists = st["final_exists"]
+        if st["final_exists"]:
+            if any(e.get("sha256") is None for e in src_files):
+                src_files = ssess.call_json("MANIFEST", {"dir": plan.src_dir, "hash": True}, timeout=3600)["files"]
+            if same_manifest(st["final_manifest"], src_files):
+                plan.up_to_date = True
+                make_plan(plan, src_files, {"free_bytes": st["free_bytes"]})
+                for f in plan.files:
+                    f.action, f.offset = "skip", f.size
+                if on_plan:
+                    on_plan(plan)
+                return SyncResult(plan=plan, seconds=time.monotonic() - started,
+                                  verified=len(plan.files), skipped=len(plan.files))
+            raise SyncError(f"{dst.name}:{plan.dst_final} already exists with different content "
+                            f"(or without a dflash manifest); move it away to sync again")
+        make_plan(plan, src_files, st)
+        if on_plan:
+            on_plan(plan)
+        need = plan.to_move
+        if st["free_bytes"] is not None and st["free_bytes"] < need + FREE_RESERVE:
+            raise SyncError(
+                f"not enough space on {dst.name} for {plan.dst_rundir}: {human_bytes(need)} to write "
+                f"(+{human_bytes(FREE_RESERVE)} reserve), {human_bytes(st['free_bytes'])} free; nothing was moved")
+        dest.begin()
+        result = SyncResult(plan=plan)
+        if need:
+            with data_path(srun, drun, ssess, dsess, masters, plan, token, mode, alive) as path:
+                result.path = path.mode
                 move(plan, path, token, result, jobs=jobs, alive=alive, idle=idle, stall=stall, progress=progress)
-            if any(e.get("sha256") is None for e in src_files):  # first sync: see source_hashes
-                check_against(plan, run_tool(srun, src, "manifest", plan.src_dir, "--hash", timeout=3600)["files"])
-            manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
-                                   "sha256": f.sha256} for f in plan.files]}
-            holder.send("FINALIZE " + json.dumps(manifest))
-            holder.expect("DONE", 300)
-            result.seconds = time.monotonic() - started
-            result.verified = len(plan.files)
-            result.skipped = sum(f.action == "skip" for f in plan.files)
-        finally:
-            holder.close()
+        if any(e.get("sha256") is None for e in src_files):  # first sync: see check_against
+            check_against(plan, ssess.call_json("MANIFEST", {"dir": plan.src_dir, "hash": True}, timeout=3600)["files"])
+        manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
+                               "sha256": f.sha256} for f in plan.files]}
+        dest.finalize(manifest)
+        result.seconds = time.monotonic() - started
+        result.verified = len(plan.files)
+        result.skipped = sum(f.action == "skip" for f in plan.files)
         return result
 
 
@@ -125,14 +195,17 @@ def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
     """Every file that arrived has the sha256 the training host's manifest gives over the control
     connection (and the file there is still the one listed).
 
-    On a first sync that manifest is read after the transfer, and its hashes are the ones each
-    sender recorded in the folder's manifest cache (``send --cache``) as it read the file, keyed by
-    size, mtime, inode and ctime: no second read of the checkpoint. They are still the training
-    host's word: the data path is pinned to the host key the control connection accepted
-    (``data_path``), so the sender ran on that host, and whoever might answer the data path in its
-    place could not write that host's cache. A file the cache does not cover (a read-only source,
-    a file rewritten meanwhile, a sender that hashed some other file) is hashed there now, over
-    the control connection."""
+    On a first sync that manifest is read after the transfer (a request to the training host's
+    session: no tool start), and its hashes are the ones each sender recorded in the folder's
+    manifest cache (``send --cache``) as it read the file, keyed by size, mtime, inode and ctime:
+    the checkpoint is read and hashed once there, by its senders. They are still the training
+    host's word: every client of the data path is pinned to the host key that host's control
+    connection accepted (``data_path``: the relay's master connection here; with ``--tunnel`` the
+    eval host's client, whose only known host key is that one, and whose key can only run the
+    sender of this checkpoint's files, the tool's code pinned by its sha256), so the sender ran on
+    that host as our code, and whoever might answer the data path in its place could not write that
+    host's cache. A file the cache does not cover (a read-only source, a file rewritten meanwhile, a
+    sender that hashed some other file) is hashed there now, over the control connection."""
     there = {e["path"]: e for e in source_files}
     for f in plan.files:
         e = there.get(f.path)
@@ -147,24 +220,35 @@ def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
 
 
 @contextmanager
-def data_path(srun, drun, plan: SyncPlan, token: str, direct: bool) -> Iterator[DataPath]:
-    """The sync's data path, each SSH host pinned to the key its control connection accepted:
-    a temporary known_hosts file here (removed at the end), and for ``direct`` one on the eval
-    host for its own pull from the training host."""
-    ssh = {r: r.endpoint for r in (srun, drun) if isinstance(r, SSHRunner)}
-    with tempfile.TemporaryDirectory(prefix="dflash-ops-keys-") as tmp:
-        pins = os.path.join(tmp, "known_hosts")
-        with open(pins, "w") as f:
-            f.write("".join(r.pin_lines() for r in ssh))
-        pinned = {r: ep.pinned_to(pins) for r, ep in ssh.items()}
-        if not direct:
-            yield DataPath(pinned.get(srun), pinned.get(drun))
+def data_path(srun, drun, ssess: Session, dsess: Session, masters: Masters, plan: SyncPlan, token: str,
+              mode: str, alive: tuple[int, int]) -> Iterator[DataPath]:
+    """The sync's data path (``mode``: :func:`data_mode`), every OpenSSH client pinned to the host
+    key its host's control connection accepted: the master connections here, and for ``direct``
+    a known_hosts file on the eval host for its own pull from the training host."""
+    dm = masters.get(drun)
+    with ExitStack() as stack:
+        if mode in ("tunnel", "auto"):
+            try:
+                pull = stack.enter_context(pull_through_tunnel(srun, ssess, dsess, dm, plan, token, alive))
+            except TunnelUnavailable as e:
+                if mode == "tunnel":
+                    raise
+                warnings.warn(TunnelFallback(f"{e}; moving the bytes through this machine instead"), stacklevel=2)
+            else:
+                yield DataPath(None, dm, pull, "tunnel")
+                return
+        if mode == "direct":
+            if not isinstance(srun, SSHRunner):
+                raise SyncError(f"--direct needs the training host to be an SSH host, not {plan.src.name}")
+            remote_pins = f"{plan.dst_rundir}/.dflash-known-hosts-{token}"
+            drun.put_text(srun.pin_lines(), remote_pins)
+            stack.callback(drun.run, ["rm", "-f", "--", remote_pins], timeout=30)
+            pulled = srun.endpoint.pinned_to(remote_pins)
+
+            def pull(f, offset: int) -> list[str]:
+                send = tool_argv(plan.src, "send", str(PurePosixPath(plan.src_dir) / f.path), f.size, f.mtime_ns,
+                                 offset, *(["--hash", "--cache", plan.src_dir] if f.sha256 is None else []))
+                return pulled.argv(send, data_options(alive), on_host=True)
+            yield DataPath(None, dm, pull, "direct")
             return
-        if srun not in ssh:
-            raise SyncError(f"--direct needs the training host to be an SSH host, not {plan.src.name}")
-        remote_pins = f"{plan.dst_rundir}/.dflash-known-hosts-{token}"
-        drun.put_text(srun.pin_lines(), remote_pins)
-        try:
-            yield DataPath(None, pinned.get(drun), pulled=ssh[srun].pinned_to(remote_pins))
-        finally:
-            drun.run(["rm", "-f", "--", remote_pins], timeout=30)
+        yield DataPath(masters.get(srun), dm)

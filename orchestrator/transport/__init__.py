@@ -4,6 +4,7 @@ SSH endpoint both the control connection and the OpenSSH data path are built fro
 - runner.py: the Runner interface and :func:`command_line`, the one place argv becomes shell text
 - local.py: the built-in ``local`` host
 - endpoint.py: :class:`SSHEndpoint`, resolved by ``ssh -G``; Fabric connection and OpenSSH argv
+- master.py: :class:`~.master.Master`, an OpenSSH master connection the data path rides
 - ssh.py: :class:`SSHRunner`, commands and files over the control connection
 """
 from __future__ import annotations
@@ -13,15 +14,15 @@ from typing import TYPE_CHECKING
 from .endpoint import CONNECT_TIMEOUT, SSHEndpoint, endpoint_for, parse_jump_spec
 from .errors import CommandFailed, CommandTimeout, HostKeyError, TransportError
 from .local import LocalRunner
-from .runner import ExecHandle, Result, Runner, command_line
+from .runner import ExecHandle, Result, Runner, authorized_keys_command, command_line
 from .ssh import CONNECT_RETRIES, SSHRunner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..inventory import Host, Inventory
+    from ..config.inventory import Host, Inventory
 
 __all__ = ["CONNECT_TIMEOUT", "CONNECT_RETRIES", "CommandFailed", "CommandTimeout", "ExecHandle", "HostKeyError",
-           "LocalRunner", "Result", "Runner", "SSHEndpoint", "SSHRunner", "TransportError", "command_line",
-           "endpoint_for", "parse_jump_spec", "runner_for"]
+           "LocalRunner", "Result", "Runner", "SSHEndpoint", "SSHRunner", "TransportError", "authorized_keys_command",
+           "command_line", "endpoint_for", "parse_jump_spec", "runner_for"]
 
 
 def runner_for(host: "Host", inventory: "Inventory | None" = None, *,

@@ -1,6 +1,6 @@
 """How to reach one host over SSH, described once.
 
-An :class:`SSHEndpoint` is resolved by OpenSSH itself (``ssh -G``, orchestrator/sshconfig.py),
+An :class:`SSHEndpoint` is resolved by OpenSSH itself (``ssh -G``, orchestrator/config/sshconfig.py),
 with the inventory's fields as overrides, and then produces both ways dflash-ops talks to a host:
 
 - the control connection (:meth:`SSHEndpoint.connection`: a Fabric ``Connection`` with a
@@ -22,13 +22,13 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from .. import sshconfig
+from ..config import sshconfig
 from .errors import HostKeyError, TransportError
 from .hostkeys import KnownHosts, host_name
 from .runner import command_line
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..inventory import Host, Inventory
+    from ..config.inventory import Host, Inventory
 
 CONNECT_TIMEOUT = 10.0
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -65,13 +65,17 @@ class SSHEndpoint:
 
     # --- the data path: OpenSSH ------------------------------------------------------------
 
-    def options(self, extra: tuple[str, ...] = (), on_host: bool = False) -> list[str]:
+    def options(self, extra: tuple[str, ...] = (), on_host: bool = False, control: str | None = None,
+                master: bool = False) -> list[str]:
         """ssh options (without the destination). ``extra``: more ``Key=Value`` options, also
         given to jump hops. ``on_host``: for an ssh run *on another host* (``sync-ckpt
-        --direct``), whose own key and known_hosts files are used (ours are paths here)."""
+        --direct``), whose own key and known_hosts files are used (ours are paths here).
+        ``control``: the socket of a master connection (:class:`~orchestrator.transport.master.Master`)
+        this client rides, or with ``master`` the one it opens; the options stay complete, so a
+        client whose master is gone connects on its own, pinned all the same."""
         opts = [] if on_host else ["-F", "/dev/null"]
-        opts += ["-T", "-x", "-a", "-p", str(self.port), "-o", "BatchMode=yes", "-o", "ControlMaster=no",
-                 "-o", "ControlPath=none"]
+        opts += ["-T", "-x", "-a", "-p", str(self.port), "-o", "BatchMode=yes"]
+        opts += control_options(control, master)
         if self.user:
             opts += ["-l", self.user]
         if not on_host:
@@ -95,9 +99,15 @@ class SSHEndpoint:
             opts += ["-o", f"ProxyCommand={self.proxy_command}"]
         return opts
 
-    def argv(self, remote: list[str], extra: tuple[str, ...] = (), on_host: bool = False) -> list[str]:
+    def argv(self, remote: list[str], extra: tuple[str, ...] = (), on_host: bool = False,
+             control: str | None = None) -> list[str]:
         """An OpenSSH client argv running ``remote`` (quoted by :func:`command_line`) here."""
-        return ["ssh", *self.options(extra, on_host), "--", self.address, command_line(remote)]
+        return ["ssh", *self.options(extra, on_host, control), "--", self.address, command_line(remote)]
+
+    def master_argv(self, control: str, extra: tuple[str, ...] = ()) -> list[str]:
+        """The OpenSSH master connection at socket ``control``; its own session runs ``cat`` on the
+        host, fed by the master's stdin (transport/master.py: how long the master lives)."""
+        return ["ssh", *self.options(extra, control=control, master=True), "--", self.address, "cat"]
 
     # --- the control connection: Fabric ----------------------------------------------------
 
@@ -137,6 +147,41 @@ class SSHEndpoint:
         """This endpoint (and its jump hops) with ``path`` as the first known_hosts file of the
         data path: a known_hosts file holding the keys the control connections accepted."""
         return replace(self, pinned=path, jump=self.jump.pinned_to(path) if self.jump else None)
+
+
+def control_options(control: str | None, master: bool = False) -> list[str]:
+    """OpenSSH options for a client that opens (``master``) or rides the master connection at
+    socket ``control`` (every ``%`` doubled: ssh expands tokens in ControlPath), or uses none."""
+    if control is None:
+        return ["-o", "ControlMaster=no", "-o", "ControlPath=none"]
+    path = control.replace("%", "%%")
+    if master:
+        return ["-o", "ControlMaster=yes", "-o", "ControlPersist=no", "-o", f"ControlPath={path}"]
+    return ["-o", "ControlMaster=no", "-o", f"ControlPath={path}"]
+
+
+def tunnel_client_argv(*, user: str, alias: str, port: int, identity: str, known_hosts: str, control: str,
+                       proxy: list[str], remote: list[str] | None, extra: tuple[str, ...] = ()) -> list[str]:
+    """The OpenSSH client the eval host runs for ``sync-ckpt --tunnel``: to the training host as
+    ``alias`` through ``proxy`` (a command that connects to the tunnel's socket and passes the
+    connection to ssh: ProxyUseFdpass), with exactly one key (the one-time ``identity``; no
+    agent, no other keys, no config files of that host) and exactly one known host key
+    (``known_hosts``: the training host's, as its control connection accepted it, under
+    ``alias``). ``remote`` None: the master connection at ``control`` (no session of its own; it
+    lives as long as the ``serve`` process that started it); else a client riding it."""
+    opts = ["-F", "/dev/null", "-T", "-x", "-a", "-p", str(port), "-l", user, "-o", "BatchMode=yes",
+            "-o", f"IdentityFile={sshconfig.quote_value(identity)}", "-o", "IdentitiesOnly=yes",
+            "-o", "IdentityAgent=none", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={sshconfig.quote_value(known_hosts)}",
+            "-o", "GlobalKnownHostsFile=/dev/null", "-o", f"HostKeyAlias={alias}", "-o", "CheckHostIP=no",
+            "-o", "UpdateHostKeys=no", "-o", "ProxyCommand=" + command_line(proxy).replace("%", "%%"),
+            "-o", "ProxyUseFdpass=yes"]
+    opts += control_options(control, master=remote is None)
+    for option in extra:
+        opts += ["-o", option]
+    if remote is None:
+        return ["ssh", *opts, "-N", "--", alias]
+    return ["ssh", *opts, "--", alias, command_line(remote)]
 
 
 def _other_key_types(listed: set[str]) -> list[str]:
@@ -225,6 +270,7 @@ def endpoint_for(host: "Host", inventory: "Inventory | None" = None, _chain: tup
     that is not an inventory host inherits the host's identity, known_hosts and trust policy."""
     if host.is_local:
         raise TransportError(f"host {host.name} is the local machine, not an SSH host")
+    host.refuse_example()
     if host.name in _chain:
         raise TransportError(f"jump hosts form a loop: {' → '.join((*_chain, host.name))}")
     destination = host.ssh_config or host.address

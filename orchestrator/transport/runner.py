@@ -47,6 +47,16 @@ def command_line(argv: list[str], *, env: dict[str, str] | None = None, cwd: str
     return line
 
 
+def authorized_keys_command(argv: list[str]) -> str:
+    """The ``command="..."`` option of an authorized_keys line forcing ``argv``: its shell text
+    (:func:`command_line`) with every ``"`` escaped as sshd reads the option (``\\"``; any other
+    backslash stays as it is). A line break cannot be part of an authorized_keys line."""
+    line = command_line(argv)
+    if any(c in line for c in "\r\n\0"):
+        raise ValueError("a forced command cannot hold a line break")
+    return 'command="' + line.replace('"', '\\"') + '"'
+
+
 def as_bytes(data: str | bytes | None) -> bytes | None:
     if data is None:
         return None

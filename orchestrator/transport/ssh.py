@@ -24,7 +24,7 @@ from .runner import KILL_GRACE, ExecHandle, Result, Runner, as_bytes, command_li
 if TYPE_CHECKING:  # pragma: no cover
     import paramiko
 
-    from ..inventory import Host, Inventory
+    from ..config.inventory import Host, Inventory
 
 CONNECT_RETRIES = 2
 WINDOW_SIZE = 16 << 20  # REFERENCE §5: big windows keep relays fast

@@ -12,24 +12,22 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..catalog import Catalog, CatalogError, TrainingRun
+from ..config.catalog import Catalog, CatalogError, TrainingRun
 from ..errors import DflashOpsError, OperationFailed
-from ..runrecord import EvalRequest, RunRecord
+from remote.settings import EvalSettings
+from remote.states import State
+
+from ..runs.record import RunRecord
 from .state import MAX_ATTEMPTS, Point, RunLock, WatchState
 
 if TYPE_CHECKING:
-    from ..resolve import Resolver
+    from ..names import Resolver
 
 Say = Callable[[str, str], None]  # (level: info|warn|alarm, message)
-
-# the eval settings that must be the same for every point of a trajectory
-SETTING_KEYS = ("suite", "prompts", "mode", "max_new_tokens", "max_blocks", "device", "dtype", "sglang",
-                "thinking", "ddtree_budgets", "all_anchors", "temperature", "top_p", "top_k", "seed")
-
 
 class WatchAlarm(OperationFailed):
     """Eval τ departs from the training run's own τ metric by more than --alarm-ratio."""
@@ -45,13 +43,15 @@ class PassFailed(OperationFailed):
 class WatchOptions:
     run: str                          # training run (or a drafter label that names one)
     hosts: list[str]                  # eval hosts; one eval at a time on each
-    settings: dict                    # EvalRequest fields in SETTING_KEYS
+    settings: EvalSettings            # the same for every point of the trajectory
+    sglang: str = "auto"              # reference completions, as `eval --sglang`
     every: int | None = None          # one checkpoint per N training steps (None: every one)
     baseline: str | None = None       # a drafter label evaluated once with the same settings
     alarm_ratio: float | None = None  # eval τ vs the training metric, either way
     max_attempts: int = MAX_ATTEMPTS
+    redo: bool = False                # evaluate again even where a run with the same settings exists
     src: str | None = None            # training host (default: by role)
-    log_to: list[str] = field(default_factory=list)  # experiment trackers (orchestrator/tracking.py)
+    log_to: list[str] = field(default_factory=list)  # experiment trackers (orchestrator/reports/tracking.py)
 
 
 @dataclass
@@ -123,13 +123,13 @@ class Watcher:
 
     def run_pass(self) -> PassResult:
         from ..sync.complete import judge_listed
-        from ..sync.listing import list_runs
+        from ..sync.listing import host_checkpoints
         from ..transport import runner_for
 
         result = PassResult()
         src = self.inv.pick("train", self.opts.src)
         with runner_for(src, self.inv) as srun:
-            info = list_runs(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
+            info = host_checkpoints(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
             self.train_series = self._training_metrics(srun, src)
         if not info.get("exists", True):
             self.say("warn", f"run {self.run.name}: {info['dir']} does not exist on {src.name} (yet)")
@@ -190,6 +190,8 @@ class Watcher:
             p = self.state.point(name, step)
         try:
             summary = self._resume_eval(p)
+            if summary is None and not self.opts.redo:
+                summary = self._reuse(p)
             if summary is None:
                 with self.lock:
                     self.state.mark(p, "syncing", host=host)
@@ -205,8 +207,10 @@ class Watcher:
                 self.state.mark(p, "waiting", reason=str(e))
             return False
         except DflashOpsError as e:
-            with self.lock:
-                self.state.failed(p, str(e), self.opts.max_attempts)
+            from ..eval.pipeline import InvalidRun
+
+            with self.lock:   # an invalid run is not retried: the same host decodes the same way again
+                self.state.failed(p, str(e), 1 if isinstance(e, InvalidRun) else self.opts.max_attempts)
             self.say("warn", f"{name}: failed (attempt {p.attempts} of {self.opts.max_attempts}): {e}")
             return False
         with self.lock:
@@ -221,7 +225,7 @@ class Watcher:
         """The point's eval run into the experiment trackers (a failure there is a warning)."""
         if not self.opts.log_to or not eval_run:
             return
-        from .. import tracking
+        from ..reports import tracking
 
         try:
             for where in tracking.log_run(self.opts.log_to, self.runs_root / eval_run, self.runs_root, step=step,
@@ -234,20 +238,41 @@ class Watcher:
         with self.lock:
             self.state.mark(p, status, **fields)
 
+    def _reuse(self, p: Point) -> dict | None:
+        """The summary of a finished, valid eval run of this checkpoint with exactly the watch's
+        settings (an `eval` typed by hand, or an earlier watch), which then stands for the point."""
+        import json
+
+        from ..runs.folders import load_runs
+
+        for run in reversed(load_runs(self.runs_root)):
+            rec = run.record
+            if rec is None or rec.status != State.DONE or rec.drafter != self.label or rec.checkpoint != p.name:
+                continue
+            if rec.settings != self.opts.settings or rec.request.sglang != self.opts.sglang or run.invalid:
+                continue
+            if not (run.path / "summary.json").exists():
+                continue
+            self.say("info", f"{p.name}: run {rec.id} has these settings already: reused (--redo evaluates again)")
+            with self.lock:
+                self.state.mark(p, "evaluating", eval_run=rec.id)
+            return json.loads((run.path / "summary.json").read_text())
+        return None
+
     def _resume_eval(self, p: Point) -> dict | None:
         """The summary of ``p``'s eval run when it finished, or after re-attaching to it when its
         worker still runs (a watch killed mid-eval); None when it must be (re)started."""
         if not p.eval_run or not (self.runs_root / p.eval_run / "run.json").exists():
             return None
         record = RunRecord.load(self.runs_root / p.eval_run)
-        if record.status == "done" and (record.folder / "summary.json").exists():
+        if record.status == State.DONE and (record.folder / "summary.json").exists():
             import json
 
             return json.loads((record.folder / "summary.json").read_text())
-        if record.status != "running":
+        if record.status != State.RUNNING:
             return None
         self.say("info", f"{p.name}: re-attaching to eval run {record.id}")
-        from ..evaluate import jobs_of
+        from ..eval.pipeline import jobs_of
 
         record.following()
         return self._follow(record, jobs_of(record, self.inv))
@@ -255,32 +280,24 @@ class Watcher:
     def _evaluate(self, p: Point | None, drafter: str, host: str, on_id: Callable[[str], None]) -> dict:
         """Evaluate checkpoint ``p`` of the watched run (or, with ``p`` None, the drafter named
         ``drafter``: the baseline) on ``host``, its names resolved the way `eval` resolves them."""
-        from ..evaluate import check_request, start
+        from ..eval.pipeline import new_run, start
 
         eval_host = self.inv.get(host)
         choice = self.names.drafter(drafter, eval_host)
         if choice.run is not None and p is None:
             choice = self.names.locate_checkpoint(choice, eval_host)
-        checkpoint, step = (p.name, p.step) if p is not None else (choice.checkpoint, choice.step)
-        req = EvalRequest(hosts=[host], drafter=choice.resolved if p is None else f"{choice.label}:{p.name}",
-                          target=choice.target, drafter_path=choice.path,
-                          drafter_run=choice.run.name if choice.run else None,
-                          checkpoint=checkpoint if choice.run else None, target_path=choice.target_path,
-                          **self.opts.settings)
-        check_request(req)
-        record = RunRecord.create(self.runs_root, req, choice.label, req.checkpoint, step if choice.run else None)
+        if p is not None:
+            choice = replace(choice, checkpoint=p.name, step=p.step)
+        record = new_run(self.runs_root, [host], choice, self.opts.settings, sglang=self.opts.sglang)
         on_id(record.id)
         self.say("info", f"{drafter}: evaluating on {host} (run {record.id})")
         jobs = start(record, self.inv)
         return self._follow(record, jobs)
 
     def _follow(self, record: RunRecord, jobs) -> dict:
-        from ..evaluate import RunUnfinished, finish, follow
+        from ..eval.pipeline import complete
 
-        lost = follow(record, jobs, lambda i, ev: self.on_event(record.shards[i].host, ev))
-        if lost:
-            raise RunUnfinished("; ".join(lost.values()))
-        summary, _ = finish(record)
+        summary, _ = complete(record, jobs, lambda i, ev: self.on_event(record.shards[i].host, ev))
         return summary
 
     def _baseline(self) -> None:
@@ -291,6 +308,8 @@ class Watcher:
                 import json
 
                 summary = json.loads((self.runs_root / b["eval_run"] / "summary.json").read_text())
+                if summary.get("invalid"):
+                    raise DflashOpsError(f"baseline run {b['eval_run']} is invalid: {summary['invalid'].get('message')}")
             else:
                 summary = self._evaluate(None, label, self.opts.hosts[0],
                                          lambda rid: self._set_baseline(label=label, status="evaluating", eval_run=rid))
@@ -337,7 +356,8 @@ class Watcher:
     def watch(self, once: bool, every_s: float, stop: threading.Event | None = None) -> PassResult:
         """One pass (``once``) or passes every ``every_s`` seconds until ``stop``; holds the run's lock."""
         stop = stop or threading.Event()
-        settings = {**self.opts.settings, "every": self.opts.every, "baseline": self.opts.baseline}
+        settings = {**self.opts.settings.to_dict(), "sglang": self.opts.sglang, "every": self.opts.every,
+                    "baseline": self.opts.baseline}
         with RunLock(self.folder, self.run.name):
             self.state = WatchState.open(self.folder, self.run.name, settings)
             self.state.save()

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import InputError
-from ..runrecord import now_iso
+from ..runs.record import now_iso
 
 STATE_FILE = "state.json"
 LOCK_FILE = "lock"

@@ -9,9 +9,9 @@ import json
 import tempfile
 from pathlib import Path, PurePosixPath
 
-from ..catalog import TrainingRun
+from ..config.catalog import TrainingRun
 from ..errors import OperationFailed
-from ..inventory import Host
+from ..config.inventory import Host
 
 MAX_BYTES = 64 << 20
 # on the training host: the log file, or every events file of a folder, as base64 (read only)

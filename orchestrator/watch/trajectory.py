@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..plots import _figure, _png
-from ..render import Document, fnum
+from ..reports.plots import _figure, _png
+from ..reports.render import Document, fnum
 from .state import WatchState
 
 
 def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | None:
     """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths."""
-    from ..stats import bootstrap_tau
+    from ..reports.stats import bootstrap_tau
 
     path = run_dir / "results.jsonl"
     if not path.exists():
@@ -95,24 +95,65 @@ def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
     return out
 
 
+def trajectory_verdict(run: str, points: list[dict], baseline: dict, runs_root: Path) -> list[str]:
+    """The trajectory's answer, first: the newest checkpoint's τ with its CI (and the best one so
+    far when that is another), then that checkpoint against the baseline, paired prompt by prompt."""
+    from ..reports.compare import CompareError, compare_runs
+    from ..reports.verdict import ci_text, pair_verdict
+    from ..runs.folders import RunError, load_run
+
+    scored = [p for p in points if p["tau_macro"] is not None]
+    if not scored:
+        return [f"{run}: no checkpoint evaluated yet"]
+    latest = max(scored, key=lambda p: p["step"])
+    ci = f" {ci_text(*latest['ci'][0])}" if latest["ci"] else ""
+    line = (f"{run} at step {latest['step']} (the newest of {len(scored)} checkpoint{'s' * (len(scored) != 1)} "
+            f"evaluated): τ {latest['tau_macro']:.2f}{ci}")
+    best = max(scored, key=lambda p: p["tau_macro"])
+    if best is not latest and best["tau_macro"] > latest["tau_macro"]:
+        line += f"; the best so far is step {best['step']}, τ {best['tau_macro']:.2f}"
+    lines = [line]
+    if baseline.get("status") == "done" and baseline.get("eval_run") and latest["eval_run"]:
+        name = f"{run} step {latest['step']}"
+        try:
+            result = compare_runs([load_run(runs_root / baseline["eval_run"]), load_run(runs_root / latest["eval_run"])],
+                                  resamples=2000, use_published=False)
+        except (CompareError, RunError) as e:
+            lines.append(f"{name} vs {baseline['label']}: not compared ({e})")
+        else:
+            if result["refused"]:
+                lines.append(f"{name} vs {baseline['label']}: the runs do not pair ({result['mismatches'][0]['message']})")
+            else:
+                measure = "expected τ" if result.get("measure") == "expected" else "τ"
+                lines.append(pair_verdict(name, baseline["label"], result["comparisons"][0], measure))
+    return lines
+
+
+def settings_note(settings: dict, budgets: list[str]) -> str:
+    """What every point shares, as the points themselves show it (the DDTree budgets that ran)."""
+    st = settings
+    ddtree = f"DDTree budgets {', '.join(budgets)}" if budgets else "no DDTree"
+    return (f"Every point is one checkpoint evaluated with the same settings: suite `{st.get('suite')}`, "
+            f"{st.get('prompts') or 'all'} prompts, mode `{st.get('mode')}`, max new tokens "
+            f"{st.get('max_new_tokens')}, thinking `{st.get('thinking')}`, {ddtree}. "
+            f"CIs: 95% percentile bootstrap over prompts.")
+
+
 def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: dict, tau_tag: str | None,
                      alarms: list[str]) -> tuple[Path, Path]:
     from .trainlog import value_at
 
     points = trajectory_points(state, runs_root)
+    budgets = sorted({k for p in points for k in p["ddtree"]}, key=int)
     doc = Document(f"Trajectory of training run {state.run}")
+    doc.verdict(trajectory_verdict(state.run, points, state.baseline, runs_root))
     doc.warnings("Alarm: eval τ departs from the training metric", alarms)
-    st = state.settings
-    doc.para(f"Every point is one checkpoint evaluated with the same settings: suite `{st.get('suite')}`, "
-             f"{st.get('prompts') or 'all'} prompts, mode `{st.get('mode')}`, max new tokens {st.get('max_new_tokens')}, "
-             f"thinking `{st.get('thinking')}`, DDTree budgets `{st.get('ddtree_budgets') or 'none'}`. "
-             f"CIs: 95% percentile bootstrap over prompts.", "note")
+    doc.para(settings_note(state.settings, budgets), "note")
     base = None
     b = state.baseline
     if b.get("status") == "done":
         ci = tau_cis(runs_root / b["eval_run"]) if b.get("eval_run") else None
         base = {"label": b["label"], "tau": b["summary"]["tau_macro"], "ci": ci[0] if ci else None}
-    budgets = sorted({k for p in points for k in p["ddtree"]}, key=int)
     tags = sorted(train)
     header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]", *[f"DDTree-{k}" for k in budgets],
               *[f"training {t}" for t in tags], "eval run"]

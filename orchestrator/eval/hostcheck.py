@@ -1,0 +1,191 @@
+"""`hosts check`: probe hosts in parallel (reachability, python/ML stack, GPUs, disk, SGLang)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from importlib import resources
+
+from remote.versions import TRANSFORMERS_TESTED, transformers_problem, transformers_status
+
+from ..errors import DflashOpsError, OperationFailed
+from ..config.inventory import Host, Inventory
+from ..transport import CommandTimeout, TransportError, runner_for
+
+
+class HostCheckFailed(OperationFailed):
+    """Some host failed its check (unreachable, python or torch missing)."""
+
+
+_ray_clusters = threading.Lock()
+AUTH_LINE = "\nSGLANG_AUTH = None "
+
+
+def probe_source(sglang_auth: str | None = None) -> str:
+    """The probe's source, piped to the host's python; SGLang credentials ride in it (stdin), not argv."""
+    source = resources.files("remote").joinpath("probe.py").read_text()
+    if sglang_auth:
+        assert AUTH_LINE in source, "remote/probe.py lost its SGLANG_AUTH line"
+        source = source.replace(AUTH_LINE, f"\nSGLANG_AUTH = {sglang_auth!r} ", 1)
+    return source
+
+
+@dataclass
+class HostReport:
+    name: str
+    endpoint: str
+    reachable: bool = False
+    python: str | None = None
+    torch: str | None = None
+    cuda: str | None = None  # "yes (12.8, 8 devices)", "no", or None when unknown
+    transformers: str | None = None
+    fla: str | None = None
+    gpus: list[str] = field(default_factory=list)
+    disk: dict[str, str | None] = field(default_factory=dict)
+    sglang: str | None = None
+    model: str | None = None
+    errors: list[str] = field(default_factory=list)  # make the check fail
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    raw: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reachable and not self.errors
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _fill(report: HostReport, host: Host, data: dict) -> None:
+    report.raw = data
+    report.python = data.get("python")
+    pk = data.get("packages") or {}
+    report.torch, report.transformers, report.fla = pk.get("torch"), pk.get("transformers"), pk.get("fla")
+    if not report.torch:
+        report.errors.append(f"torch is not installed for {host.python}")
+    if report.transformers:
+        status = transformers_status(report.transformers)
+        if status == "unsupported" and "eval" in host.roles:
+            report.errors.append(transformers_problem(report.transformers))
+        elif status == "untested" and "eval" in host.roles:
+            report.warnings.append(f"transformers {report.transformers} is not a version CI tests (tested: "
+                                   f"{', '.join(TRANSFORMERS_TESTED)}); each eval's pre-flight self-test checks "
+                                   f"its decoding first")
+        report.transformers = f"{report.transformers} ({status})"
+    tc = data.get("torch_cuda")
+    if tc:
+        if tc.get("available"):
+            report.cuda = f"yes ({tc.get('cuda')}, {tc.get('device_count')} dev)"
+        elif tc.get("available") is False:
+            report.cuda = "no"
+        else:
+            report.cuda = "?"
+            report.warnings.append(f"torch CUDA check: {tc.get('error')}")
+    report.gpus = [f"{g['name']} ({g['memory']})" for g in data.get("gpus") or []]
+    if data.get("error"):
+        report.warnings.append(f"nvidia-smi: {data['error']}")
+    if host.gpus and len(report.gpus) < host.gpus:
+        report.warnings.append(f"inventory says {host.gpus} GPU(s), found {len(report.gpus)}")
+    for key, d in (data.get("disk") or {}).items():
+        if d is None:
+            continue
+        free = _gib(d.get("free_bytes"))
+        report.disk[key] = free if d.get("exists") else f"{free} (missing)"
+        if not d.get("exists"):
+            report.warnings.append(f"{key} {d.get('path')} does not exist yet")
+    sg = data.get("sglang")
+    if sg:
+        report.sglang = "healthy" if sg.get("healthy") else "down"
+        report.model = sg.get("model_path")
+        if not sg.get("healthy"):
+            report.warnings.append(f"SGLang at {sg.get('url')}: {sg.get('error') or 'not healthy'}")
+
+
+def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = None) -> HostReport:
+    report = HostReport(name=host.name, endpoint=host.endpoint)
+    start = time.monotonic()
+    try:
+        if host.is_ray:
+            _check_cluster(report, host, inventory, timeout)
+        else:
+            with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
+                _probe(report, host.on_host(runner.expand_home), runner, timeout)
+    except CommandTimeout as e:
+        report.reachable = True
+        report.errors.append(str(e))
+    except (TransportError, DflashOpsError) as e:
+        report.errors.append(str(e))
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def probe(host: Host, runner, timeout: float = 60.0) -> HostReport:
+    """The report of ``host`` through a connection already open (``host``'s paths expanded there)."""
+    report = HostReport(name=host.name, endpoint=host.endpoint)
+    start = time.monotonic()
+    try:
+        _probe(report, host, runner, timeout)
+    except CommandTimeout as e:
+        report.reachable = True
+        report.errors.append(str(e))
+    except (TransportError, DflashOpsError) as e:
+        report.errors.append(str(e))
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _probe(report: HostReport, host: Host, runner, timeout: float) -> None:
+    """Run remote/probe.py with the host's python and fill ``report`` from what it prints."""
+    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+    for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
+                        ("--sglang", host.sglang)):
+        if value:
+            argv += [flag, value]
+    result = runner.run(argv, input=probe_source(host.sglang_auth), timeout=timeout)
+    report.reachable = True
+    if result.returncode in (126, 127):
+        report.errors.append(f"python not found or not executable: {host.python}")
+    elif not result.ok:
+        tail = (result.stderr.strip().splitlines() or [f"exit {result.returncode}"])[-1]
+        report.errors.append(f"probe failed ({host.python}): {tail}")
+    else:
+        try:
+            data = json.loads(result.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            report.errors.append("probe printed no JSON report")
+        else:
+            _fill(report, host, data)
+
+
+def _check_cluster(report: HostReport, host: Host, inventory: Inventory | None, timeout: float) -> None:
+    """A Ray cluster (``kind: ray``): its nodes and GPUs, and the probe run by a 0-GPU actor on one
+    of its nodes (the python Ray runs there, its ML stack, the workdir's disk)."""
+    from . import ray as ray_backend
+
+    with _ray_clusters:                 # a process is the client of one cluster at a time
+        cluster = ray_backend.cluster_info(host, inventory)
+        report.reachable = True
+        runner = ray_backend.place(host, inventory, None, 0)
+        try:
+            _probe(report, replace(host.on_host(runner.expand_home), python=runner.info["python"], gpus=None), runner,
+                   timeout)
+        finally:
+            ray_backend.release(runner)
+    report.cuda = f"ray {cluster.ray_version}: {cluster.free_gpus}/{cluster.gpus} GPU free"
+    report.gpus = [f"node {n['address']}: {n['gpus']} GPU, {n['cpus']} CPU" for n in cluster.nodes]
+    report.warnings = [w for w in report.warnings if not w.startswith("nvidia-smi")]
+    if host.gpus and cluster.gpus < host.gpus:
+        report.warnings.append(f"inventory says {host.gpus} GPU(s), the cluster has {cluster.gpus}")
+
+
+def check_hosts(hosts: list[Host], timeout: float = 60.0,
+                inventory: Inventory | None = None) -> list[HostReport]:
+    """Check hosts in parallel; the result keeps the order of ``hosts``."""
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
+        return list(pool.map(lambda h: check_host(h, timeout, inventory), hosts))

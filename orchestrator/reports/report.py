@@ -1,0 +1,272 @@
+"""Per-run reports: `report.md` and a self-contained `report.html` written into the run folder
+(orchestrator/reports/render.py, plots from orchestrator/reports/plots.py). Every number is recomputed from
+results.jsonl; where summary.json disagrees, the report carries a warning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from remote.states import State
+
+from .render import Document, fnum
+from ..runs.metrics import TAU_CONVENTIONS, multi_turn_note
+from ..runs.folders import EvalRun, load_run
+
+REPORT_MD, REPORT_HTML = "report.md", "report.html"
+
+
+def short_sha(drafter_env: dict) -> str:
+    sha = (drafter_env or {}).get("sha256")
+    if isinstance(sha, str):
+        return sha[:12]
+    if isinstance(sha, dict) and sha:
+        if len(sha) == 1:
+            return str(next(iter(sha.values())))[:12]
+        return ", ".join(f"{Path(k).name} {str(v)[:12]}" for k, v in sorted(sha.items()))
+    return "—"
+
+
+def versions_text(env: dict) -> str:
+    v = env.get("versions") or {}
+    return ", ".join(f"{k} {v[k]}" for k in v) if v else "—"
+
+
+def variant_text(variant: dict | None) -> str:
+    """The drafter variant the worker found (``python -m remote.inspect`` prints it in full)."""
+    if not variant:
+        return "—"
+    parts = [str(variant.get("architecture", "?")), f"{variant.get('mask_rule', '?')} mask rule",
+             f"{variant.get('drafts_per_block', '?')} drafts per block"]
+    if variant.get("sample_from_anchor"):
+        parts.append("sample_from_anchor")
+    if str(variant.get("vocab", "")).startswith("reduced"):
+        parts.append(str(variant["vocab"]).split(":")[0] + " vocabulary")
+    return ", ".join(parts)
+
+
+def decoding_text(settings: dict) -> str:
+    """The decoding settings a run used (docs/run-format.md, env.json ``settings``)."""
+    t = float(settings.get("temperature") or 0.0)
+    parts = ["greedy (T=0)" if t == 0 else
+             f"sampled: T={t:g}, top_p={settings.get('top_p', 1.0):g}, top_k={settings.get('top_k', 0)}, "
+             f"seed={settings.get('seed', 0)}"]
+    thinking = settings.get("enable_thinking")
+    parts.append("thinking " + ("template default" if thinking is None else ("on" if thinking else "off")))
+    if settings.get("stop_token_ids") is not None:
+        parts.append(f"stop tokens {settings['stop_token_ids']}")
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- tables
+
+def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
+    """The run's τ in every convention (runs/metrics.py TAU_CONVENTIONS; per turn only where a
+    prompt has several) and its speed when online."""
+    rows = [("tau_macro", fnum(m["tau_macro"])), ("tau_pooled", fnum(m["tau_pooled"]))]
+    if multi_turn_note(m):
+        rows.append(("tau_macro_turns", fnum(m.get("tau_macro_turns"))))
+    rows.append(("tau_sglang", fnum(m.get("tau_sglang"))))
+    if m.get("expected"):
+        rows.append(("expected τ (offline, T > 0: an estimate)", fnum(m["expected"]["tau"])))
+    on = m.get("online")
+    if on:
+        rows.append(("online tokens/s", fnum(on.get("tokens_per_s"), 2)))
+        if on.get("target_tokens_per_s") is not None:
+            rows.append(("target greedy tokens/s", fnum(on.get("target_tokens_per_s"), 2)))
+            rows.append(("speedup", fnum(on.get("speedup"), 3)))
+        if on.get("lossless") is None and "lossless" in on:
+            rows.append(("lossless", "not checked per prompt at T > 0 (a sample has no single right output)"))
+        elif "lossless" in on:
+            rows.append(("lossless (output == target greedy)", fnum(on["lossless"])))
+    return rows
+
+
+def ddtree_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    """DDTree's τ per node budget, beside the plain walk's (None when the run has no DDTree)."""
+    if not m.get("ddtree"):
+        return None
+    rows = [["none (DFlash)", str(m["prompts"]), fnum(m["tau_macro"]), fnum(m["tau_pooled"])]]
+    rows += [[b, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
+             for b, v in sorted(m["ddtree"].items(), key=lambda kv: int(kv[0]))]
+    return ["DDTree budget N", "prompts", "tau_macro", "tau_pooled"], rows
+
+
+def run_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
+    """What was run: the drafter, target, suite, host and settings, and how much."""
+    rows = [("run", run.id), ("drafter", run.label), ("target", str(run.target or "—")),
+            ("suite", str(run.suite or "—")), ("host", str(run.host or "—")), ("status", run.status),
+            ("mode", str(m.get("mode") or run.mode or "—")), ("block size", str(m["block_size"]))]
+    if m.get("max_length", m["block_size"]) != m["block_size"]:
+        rows.append(("longest acceptance (sample_from_anchor: B drafts + bonus)", str(m["max_length"])))
+    s = run.settings
+    rows += [("decoding", decoding_text(s)),
+             ("settings", ", ".join(f"{k}={s[k]}" for k in ("max_new_tokens", "max_blocks", "reference") if k in s) or "—"),
+             ("prompts", fnum(m["prompts"])), ("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"])),
+             ("created", run.created_at or "—")]
+    return rows
+
+
+def environment_rows(run: EvalRun) -> list[tuple[str, str]]:
+    """Where it ran and with what: what can change the numbers between two runs."""
+    env = run.env
+    drafter = env.get("drafter") or {}
+    return [("device", str(env.get("device") or "—")), ("GPU", str(env.get("gpu") or "—")),
+            ("dtype", str(env.get("dtype") or "—")), ("kernel path", str(env.get("kernel_path") or "—")),
+            ("versions", versions_text(env)), ("drafter sha256", short_sha(drafter)),
+            ("drafter format", str(drafter.get("format") or "—")),
+            ("drafter variant", variant_text(drafter.get("variant")))]
+
+
+def summary_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
+    """τ first, then what was run and where."""
+    return tau_rows(run, m) + run_rows(run, m) + environment_rows(run)
+
+
+@dataclass(frozen=True)
+class PromptColumn:
+    """A column of the per-prompt table: its heading, and its cell for one results.jsonl row
+    (None: no value). A column with no value on any row is left out, so a column that only some
+    runs have (a field the worker writes in some modes) costs nothing where it is absent."""
+    heading: str
+    cell: Callable[[dict], Optional[str]]
+
+
+def _walk(row: dict):
+    return row.get("acceptance_lengths") or []
+
+
+def _ratio(a, b, digits: int = 2) -> Optional[str]:
+    return fnum(a / b, digits) if a is not None and b else None
+
+
+PROMPT_COLUMNS: list[PromptColumn] = [
+    PromptColumn("prompt", lambda r: str(r.get("id"))),
+    PromptColumn("category", lambda r: r.get("category")),
+    PromptColumn("τ", lambda r: _ratio(sum(_walk(r)), len(_walk(r)), 3)),
+    PromptColumn("cycles", lambda r: str(len(_walk(r))) if _walk(r) else None),
+    PromptColumn("tokens", lambda r: str(sum(_walk(r))) if _walk(r) else None),
+    PromptColumn("expected τ", lambda r: _ratio((r.get("expected") or {}).get("tau_sum"),
+                                                (r.get("expected") or {}).get("anchors"), 3)),
+    PromptColumn("turns", lambda r: str(len(r["turns"])) if len(r.get("turns") or []) > 1 else None),
+    PromptColumn("speedup", lambda r: _ratio(r.get("target_wall_s"), r.get("wall_s"))),
+]
+# The serving engine's own τ for the same prompt (a run's optional per-prompt ``engine`` fields)
+# is a column here, beside ours: append a PromptColumn("engine τ", ...) reading the row.
+ENGINE_COLUMNS: list[PromptColumn] = []
+
+
+def prompt_table(rows: list[dict], columns: Optional[list[PromptColumn]] = None) -> tuple[list[str], list[list[str]]]:
+    """The per-prompt table (suite order): the columns that have a value on some row."""
+    columns = list(columns if columns is not None else PROMPT_COLUMNS + ENGINE_COLUMNS)
+    cells = [[c.cell(r) for c in columns] for r in rows]
+    keep = [i for i, c in enumerate(columns) if any(row[i] is not None for row in cells)]
+    return ([columns[i].heading for i in keep],
+            [["—" if row[i] is None else row[i] for i in keep] for row in cells])
+
+
+# --------------------------------------------------------------------------- report
+
+def run_warnings(run: EvalRun) -> list[str]:
+    from ..runs.metrics import summary_disagreements
+
+    m = run.metrics
+    w = []
+    if not run.results:
+        w.append("results.jsonl is missing or empty: nothing to report")
+    if run.summary is None:
+        w.append("summary.json is missing (the run is still running or failed); numbers are from results.jsonl")
+    w += summary_disagreements(m, run.summary)
+    if run.status != State.DONE:
+        w.append(f"run status is '{run.status}': the numbers cover the {m['prompts']} prompt(s) written so far"
+                 + (f" of {run.prompts_planned}" if run.prompts_planned else ""))
+    if run.inferred:
+        w.append("run.json is missing: drafter, target and suite were inferred from env.json")
+    return w
+
+
+def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
+    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position
+
+    m, label = run.metrics, run.label
+    return [("per-position", "Per-position acceptance", plot_per_position([(label, m)])),
+            ("histogram", "Acceptance-length histogram", plot_histogram([(label, m)])),
+            ("categories", "τ per prompt category", plot_categories([(label, m)])),
+            ("ddtree", "DDTree τ vs budget", plot_ddtree([(label, m)]))]
+
+
+def _detail_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    out = []
+    ppa = m["per_position_acceptance"]
+    acc = m.get("all_anchors_accuracy")
+    cum = m.get("all_anchors_cumulative")
+    head = ["k", "acceptance"] + (["teacher-forced accuracy", "cumulative"] if acc else [])
+    rows = [[str(k), fnum(ppa[k - 1])] + ([fnum(acc[k - 1]), fnum(cum[k - 1])] if acc else [])
+            for k in range(1, len(ppa) + 1)]
+    out.append(("Per-position acceptance (τ_pooled = 1 + Σ)", head, rows))
+    if m.get("expected"):
+        out.append(("Expected acceptance per draft (offline, T > 0: an estimate)", ["k", "mean α_k"],
+                    [[str(k), fnum(a)] for k, a in enumerate(m["expected"]["alpha"], 1)]))
+    h = m["acceptance_histogram"]
+    out.append(("Acceptance-length histogram", ["length", "cycles", "share"],
+                [[k, str(h[k]), fnum(h[k] / m["cycles"] if m["cycles"] else 0.0)] for k in sorted(h, key=int)]))
+    if m.get("categories"):
+        out.append(("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"],
+                    [[c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
+                     for c, v in m["categories"].items()]))
+    return out
+
+
+def report_verdict(run: EvalRun) -> str:
+    """The run's verdict line (reports/verdict.py), against the published number its suite names."""
+    from .compare import published_for
+    from .verdict import run_verdict
+
+    published = published_for(run, None)[0] if run.results else None
+    return run_verdict(run, published)
+
+
+def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
+    """Write report.md and report.html for the run folder; return their paths. The verdict comes
+    first, then τ, the plots, the prompts one by one, what was run and where, and the detail."""
+    run = run_dir if isinstance(run_dir, EvalRun) else load_run(run_dir)
+    m = run.metrics
+    doc = Document(f"dflash-ops run {run.id}")
+    doc.verdict([report_verdict(run)])
+    doc.para(f"Drafter **{run.label}** on target `{run.target}`, suite `{run.suite}`, {decoding_text(run.settings)}, "
+             f"{m.get('mode') or run.mode or '—'}. All numbers are recomputed from `results.jsonl`.")
+    doc.warnings("Warnings", run_warnings(run))
+    doc.table(["metric", "value"], tau_rows(run, m), heading="τ", cls="summary")
+    dd = ddtree_table(m)
+    if dd:
+        doc.table(*dd, heading="DDTree", level=3)
+    for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",
+                 TAU_CONVENTIONS):
+        if note:
+            doc.para(note, cls="note")
+    for key, heading, png in report_plots(run):
+        doc.plot(key, heading, png)
+    doc.table(*prompt_table(run.results), heading="Per prompt")
+    doc.table(["field", "value"], run_rows(run, m), heading="The run")
+    doc.table(["field", "value"], environment_rows(run), heading="Environment", level=3)
+    for heading, head, rows in _detail_tables(m):
+        doc.table(head, rows, heading=heading, level=3)
+    return doc.write(Path(out_dir) if out_dir is not None else run.path, "report")
+
+
+def report_is_stale(run_dir) -> bool:
+    d = Path(run_dir)
+    html_p, md_p = d / REPORT_HTML, d / REPORT_MD
+    if not (html_p.exists() and md_p.exists()):
+        return True
+    t = min(html_p.stat().st_mtime, md_p.stat().st_mtime)
+    return any((d / f).exists() and (d / f).stat().st_mtime > t
+               for f in ("results.jsonl", "summary.json", "env.json", "run.json"))
+
+
+def current_report(run: EvalRun, rewrite: bool = False) -> tuple[Path, Path]:
+    """The run's report.md and report.html, (re)written when missing, stale or ``rewrite``."""
+    if rewrite or report_is_stale(run.path):
+        return write_report(run)
+    return run.path / REPORT_MD, run.path / REPORT_HTML

@@ -1,0 +1,1 @@
+"""Run folders on this machine: the run record (run.json), reading runs, their metrics."""

@@ -1,0 +1,328 @@
+"""``runs/<id>/run.json``: an eval run's record, and the one owner of its state.
+
+Everything that changes a run's state is a method here; the eval flow (eval/pipeline.py) and the
+commands (eval, attach, cancel) call them and never set fields themselves. From the start of
+the workers on, each transition writes run.json (atomically), so an interrupted command leaves
+a record another can pick up; a run whose pre-flight failed leaves nothing.
+
+Run status:   preparing -> running -> done | failed | cancelled     (remote/states.py: State)
+              (running stays running when the user detaches or contact is lost: `attach`)
+Shard state:  pending -> running -> the worker's exit state (done, failed, lost, ...) | cancelled;
+              ``fetched`` once its files are back here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from remote.settings import EvalSettings
+from remote.states import State
+
+from ..config.catalog import parse_step, step_name
+from ..errors import InputError
+
+RUN_FILE = "run.json"
+_SAVING = threading.Lock()
+
+
+class RunRecordError(InputError):
+    """A run.json that cannot be read as a run record (the message names the file)."""
+
+
+@dataclass
+class EvalRequest:
+    """What the user asked for, with every name resolved (kept in run.json so `eval --resume`
+    repeats it without the catalog): the drafter is ``drafter_path`` on every host, or checkpoint
+    folder ``checkpoint`` of training run ``drafter_run`` under each host's ``checkpoints`` root,
+    or the embedded demo; the target is ``target_path`` (or the embedded demo's). How the worker
+    decodes is ``settings`` (remote/settings.py); the rest is where and how the run is placed."""
+    hosts: list[str]
+    settings: EvalSettings = field(default_factory=EvalSettings)
+    drafter_ref: str | None = None  # what the drafter resolved to, as a user would type it (v5:step_20000)
+    target: str | None = None       # the target's label (catalog), `embedded`, or its folder
+    sglang: str = "auto"            # reference completions: auto (the host's, offline mode) | off | URL
+    gpus: str | None = None         # --gpus all|N|0,2,5: one shard per GPU of each host (eval/placement.py)
+    min_free_gb: float = 1.0
+    verify_weights: bool = False    # sha256 of the weights vs the sync manifest (slow on 17 GB)
+    drafter_path: str | None = None
+    drafter_run: str | None = None
+    checkpoint: str | None = None
+    target_path: str | None = None
+    suite_file: str | None = None   # the suite is this machine's file (settings.suite), sent to each host ...
+    suite_sha256: str | None = None  # ... with these contents
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "settings": self.settings.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EvalRequest":
+        """From :meth:`to_dict`, or from a flat request (run.json format 1: the settings beside the
+        rest, ``drafter`` for ``drafter_ref``, ``ddtree_budgets``, ``max_memory_gb``)."""
+        data = dict(data)
+        if "settings" not in data:
+            flat = {"ddtree_budgets": "ddtree", "max_memory_gb": "max_memory"}
+            names = {f.name for f in fields(EvalSettings)}
+            settings = {}
+            for key in list(data):
+                name = flat.get(key, key)
+                if name in names:
+                    settings[name] = data.pop(key)
+            data["settings"] = settings
+            if "drafter" in data:
+                data["drafter_ref"] = data.pop("drafter")
+        settings = data.pop("settings")
+        if not isinstance(settings, dict):
+            raise TypeError("'settings' is not an object")
+        return cls(**data, settings=EvalSettings.from_dict(settings))
+
+
+@dataclass
+class Shard:
+    """One worker's part of a run (``--shard index/count`` of the prompts): a host, or one GPU of it."""
+    host: str
+    index: int
+    count: int
+    gpu: str | None = None          # its worker's CUDA_VISIBLE_DEVICES, "0" or "0,1" (a label only on CPU)
+    run_dir: str = ""               # on the host: <workdir>/runs/<run id>[/shard-<index>]
+    code_dir: str = ""
+    python: str = ""
+    drafter_path: str = ""
+    target_path: str = ""
+    fetched: bool = False
+    state: State = State.PENDING
+    exit_code: int | None = None
+    done: int = 0                   # prompts its worker had finished when last heard from
+    prompts: int | None = None      # prompts its worker has to do (None: not heard yet)
+    ray: dict | None = None         # a Ray host's shard: its actor, job, node (backends/ray.py)
+
+    @property
+    def label(self) -> str:
+        """``host`` or ``host:gpuN``: how progress and errors name the shard."""
+        return self.host if self.gpu is None else f"{self.host}:gpu{self.gpu}"
+
+    def local_dir(self, run_dir: Path) -> Path:
+        """Where its files land here."""
+        return run_dir if self.count == 1 else run_dir / f"shard-{self.index}"
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def run_id(drafter: str, checkpoint: str | None, host: str, when: datetime | None = None) -> str:
+    """``20261202-210130-v5-step20k-ct129`` (the checkpoint as its short step name)."""
+    when = when or datetime.now()
+    step = parse_step(checkpoint) if checkpoint else None
+    parts = [when.strftime("%Y%m%d-%H%M%S"), drafter, step_name(step) if step is not None else checkpoint or "", host]
+    return "-".join(re.sub(r"[^A-Za-z0-9._-]+", "_", p).strip("_") for p in parts if p)
+
+
+@dataclass
+class RunRecord:
+    """Everything needed to follow, resume, cancel and report a run."""
+    id: str
+    drafter: str                    # the drafter's label (catalog), or its folder's name
+    checkpoint: str | None          # the checkpoint's folder, for a training run's drafter
+    target: str
+    created_at: str
+    status: State
+    request: EvalRequest
+    shards: list[Shard] = field(default_factory=list)
+    step: int | None = None         # the checkpoint's training step
+    folder: Path | None = field(default=None, repr=False, compare=False)   # runs/<id>, not saved
+
+    @property
+    def hosts(self) -> list[str]:
+        """The hosts its shards run on, in order, each once."""
+        return list(dict.fromkeys(s.host for s in self.shards)) or list(self.request.hosts)
+
+    @property
+    def settings(self) -> EvalSettings:
+        return self.request.settings
+
+    @property
+    def label(self) -> str:
+        """``drafter:checkpoint`` (or the drafter alone): how lists and reports name the run's drafter."""
+        return f"{self.drafter}:{self.checkpoint}" if self.checkpoint else self.drafter
+
+    # --- creating, reading, writing ------------------------------------------------------------
+
+    @classmethod
+    def create(cls, runs_dir: Path, request: EvalRequest, label: str, checkpoint: str | None,
+               step: int | None = None) -> "RunRecord":
+        """A new run of drafter ``label`` at checkpoint folder ``checkpoint`` (training ``step``)."""
+        hosts = request.hosts
+        rid = run_id(label, checkpoint, "+".join(hosts))
+        return cls(id=rid, drafter=label, checkpoint=checkpoint, step=step, target=request.target or "default",
+                   created_at=now_iso(), status=State.PREPARING, request=request,
+                   shards=[Shard(host=h, index=i, count=len(hosts)) for i, h in enumerate(hosts)],
+                   folder=Path(runs_dir) / rid)
+
+    @classmethod
+    def from_dict(cls, raw: dict, folder: Path | None = None) -> "RunRecord":
+        """From run.json's object; every field's type is checked (a run folder is untrusted input)."""
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON object was expected, not {type(raw).__name__}")
+        raw = {k: v for k, v in raw.items() if k not in ("host", "hosts", "suite", "mode", "prompts")}  # derived
+        shards = raw.pop("shards", [])
+        if not isinstance(shards, list) or not all(isinstance(s, dict) for s in shards):
+            raise TypeError("'shards' is not a list of objects")
+        request = raw.pop("request", None)
+        if not isinstance(request, dict):
+            raise TypeError("'request' is not an object")
+        record = cls(**raw, request=EvalRequest.from_dict(request), shards=[Shard(**s) for s in shards],
+                     folder=folder)
+        record.status = State(record.status)
+        for s in record.shards:
+            s.state = State(s.state)
+        _check_types(record)
+        return record
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunRecord":
+        path = Path(run_dir) / RUN_FILE
+        try:
+            return cls.from_dict(json.loads(path.read_bytes().decode("utf-8")), Path(run_dir))
+        except OSError as e:
+            raise RunRecordError(f"{path}: cannot read the run record: {e.strerror or e}") from None
+        except (ValueError, TypeError) as e:   # JSON, UTF-8, missing or unknown fields, wrong types
+            raise RunRecordError(f"{path}: not a valid run record ({e}); the run cannot be followed, cancelled "
+                                 f"or resumed from it") from None
+
+    def to_dict(self) -> dict:
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "folder"}
+        s = self.settings   # derived, for a reader of run.json (from_dict drops them)
+        data.update(hosts=self.hosts, suite=s.suite, mode=s.mode, prompts=s.prompts,
+                    status=str(self.status), request=self.request.to_dict(),
+                    shards=[{**asdict(s), "state": str(s.state)} for s in self.shards])
+        return data
+
+    def save(self) -> None:
+        """run.json, atomically; shards followed side by side save from their own threads."""
+        with _SAVING:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=RUN_FILE + ".", suffix=".tmp", dir=self.folder)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_dict(), indent=2))
+            os.replace(tmp, self.folder / RUN_FILE)
+
+    @property
+    def progress(self) -> tuple[int, int | None]:
+        """(prompts finished, prompts in all) as the workers last reported them."""
+        todo = [s.prompts for s in self.shards]
+        return sum(s.done for s in self.shards), (sum(todo) if all(t is not None for t in todo) else None)
+
+    # --- transitions ---------------------------------------------------------------------------
+
+    def place(self, placements: list[tuple[str, str | None]]) -> None:
+        """Pre-flight resolved ``--gpus``: one shard per (host, GPU id or None)."""
+        self.shards = [Shard(host=host, gpu=gpu, index=i, count=len(placements))
+                       for i, (host, gpu) in enumerate(placements)]
+
+    def prepared(self, index: int, *, run_dir: str, code_dir: str, python: str, drafter_path: str,
+                 target_path: str) -> None:
+        """Pre-flight passed on shard ``index``'s host: where its worker runs and what it loads."""
+        s = self.shards[index]
+        s.run_dir, s.code_dir, s.python = run_dir, code_dir, python
+        s.drafter_path, s.target_path = drafter_path, target_path
+
+    def placed(self, index: int, *, gpu: str | None, ray: dict) -> None:
+        """A Ray cluster placed shard ``index``: the GPUs Ray assigned it, and its actor's ids."""
+        self.shards[index].gpu, self.shards[index].ray = gpu, ray
+
+    def started(self, shards: list[int] | None = None) -> None:
+        """The workers of ``shards`` (default: all) were started, fresh or resumed; a resumed run
+        keeps its finished shards as they are."""
+        for s in self.shards:
+            if shards is None or s.index in shards:
+                s.fetched, s.state = False, State.RUNNING
+        self.status = State.RUNNING
+        self.save()
+
+    def following(self) -> None:
+        """`attach`: every shard is followed again and its files fetched again."""
+        for s in self.shards:
+            s.fetched = False
+
+    def shard_progressed(self, index: int, event: dict) -> None:
+        """A worker event with its progress (``start``: prompts to do and done; ``prompt``: done)."""
+        s = self.shards[index]
+        if event.get("event") == "start":
+            s.prompts, s.done = event.get("prompts"), event.get("done") or 0
+        elif event.get("event") == "prompt":
+            s.done, s.prompts = event.get("done", s.done), event.get("prompts", s.prompts)
+        else:
+            return
+        self.save()
+
+    def shard_exited(self, index: int, exit_event: dict) -> None:
+        """The worker of shard ``index`` ended (its files are about to be fetched)."""
+        s = self.shards[index]
+        s.state = _state(exit_event.get("state"))
+        s.exit_code = exit_event.get("exit_code")
+
+    def shard_fetched(self, index: int) -> None:
+        self.shards[index].fetched = True
+        self.save()
+
+    def detached(self) -> None:
+        """The user stopped following; the workers keep running."""
+        self.save()
+
+    def settle(self) -> str:
+        """After following: ``unfinished`` (some shard not fetched: still running), ``failed``
+        (some worker failed) or ``done``; the status follows."""
+        if not all(s.fetched for s in self.shards):
+            self.status, outcome = State.RUNNING, "unfinished"
+        elif any(s.state != State.DONE for s in self.shards):
+            self.status, outcome = State.FAILED, "failed"
+        else:
+            self.status, outcome = State.DONE, "done"
+        self.save()
+        return outcome
+
+    def cancelled(self, answers: dict[int, dict]) -> None:
+        """`cancel` asked each shard's host (``answers``: the host's answer per shard): a worker it
+        stopped is ``cancelled``, one that had ended keeps its state; the run is ``cancelled`` when
+        any worker was, and otherwise keeps its status (a finished run stays done)."""
+        stopped = False
+        for index, answer in answers.items():
+            s = self.shards[index]
+            if answer.get("cancelled"):
+                s.state, stopped = State.CANCELLED, True
+            elif s.state == State.RUNNING or not s.state.is_terminal():
+                s.state = _state(answer.get("state"))
+        if stopped:
+            self.status = State.CANCELLED
+        self.save()
+
+
+def _state(value) -> State:
+    """A state a host reported; anything else is ``unknown``."""
+    try:
+        return State(value)
+    except ValueError:
+        return State.UNKNOWN
+
+
+_TYPES = {"id": str, "drafter": str, "checkpoint": (str, type(None)), "target": str, "created_at": str,
+          "step": (int, type(None))}
+_SHARD_TYPES = {"host": str, "index": int, "count": int, "gpu": (str, type(None)), "run_dir": str, "code_dir": str,
+                "python": str, "drafter_path": str, "target_path": str, "fetched": bool,
+                "exit_code": (int, type(None)), "ray": (dict, type(None)), "done": int, "prompts": (int, type(None))}
+
+
+def _check_types(record: RunRecord) -> None:
+    for name, kind in _TYPES.items():
+        if not isinstance(getattr(record, name), kind):
+            raise TypeError(f"'{name}' has the wrong type ({type(getattr(record, name)).__name__})")
+    for s in record.shards:
+        for name, kind in _SHARD_TYPES.items():
+            if not isinstance(getattr(s, name), kind) or (kind is int and isinstance(getattr(s, name), bool)):
+                raise TypeError(f"shard {s.index}: '{name}' has the wrong type ({type(getattr(s, name)).__name__})")

@@ -1,0 +1,97 @@
+"""What the sync tests share: a training run of its own per test on the SSH lab (``Env``), big
+files made of a 1 MiB random block (real bytes for sha256 and the ciphers), and the check that a
+synced checkpoint is byte-identical with its manifest."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from orchestrator.config.catalog import parse_catalog
+from orchestrator.config.inventory import load_inventory
+from orchestrator.sync import sync_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+FAST = dict(alive=(2, 3), idle=6.0, stall=20.0, progress=None)  # quick dead-link detection for tests
+_BLOCK = os.urandom(MiB)
+
+
+def write_file(path: Path, mib: int, salt: bytes = b"") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = bytearray(_BLOCK)
+    with open(path, "wb") as f:
+        for i in range(mib):
+            block[:16] = hashlib.md5(salt + i.to_bytes(4, "little")).digest()  # not one repeated block
+            f.write(block)
+
+
+def sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 * MiB):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Env:
+    def __init__(self, lab, tmp: Path, eval_ckpts: Path | None = None):
+        self.lab = lab
+        self.run = f"r{uuid.uuid4().hex[:8]}"
+        eval_over = {"checkpoints": str(eval_ckpts)} if eval_ckpts else {}
+        self.inv_path = lab.write_inventory(tmp / "inventory.yaml", eval=eval_over)
+        self.inv = load_inventory(self.inv_path)
+        self.cat_path = tmp / "drafters.yaml"
+        self.cat_path.write_text(json.dumps({"runs": {self.run: {"dir": self.run, "pattern": "step_{step}",
+                                                                  "settle": 0}}}))  # files written just now
+        self.catalog = parse_catalog(json.loads(self.cat_path.read_text()), self.cat_path)
+        self.src_run = lab.train.root / "checkpoints" / self.run
+        self.dst_run = (eval_ckpts or lab.eval.root / "checkpoints") / self.run
+
+    def ckpt(self, step: int, files: dict[str, int | bytes]) -> Path:
+        d = self.src_run / f"step_{step}"
+        for rel, spec in files.items():
+            if isinstance(spec, bytes):
+                (d / rel).parent.mkdir(parents=True, exist_ok=True)
+                (d / rel).write_bytes(spec)
+            else:
+                write_file(d / rel, spec, salt=rel.encode())
+        return d
+
+    def sync(self, name: str, **kw):
+        return sync_checkpoint(self.inv, self.catalog, name, run=self.run, **{**FAST, **kw})
+
+    def cli(self, *args: str, **kw) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "-i", str(self.inv_path), *args,
+                                 "--catalog", str(self.cat_path)], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, **kw)
+
+    def staging(self, step: int) -> Path:
+        return self.dst_run / f".staging-step_{step}"
+
+    def part_size(self, step: int, rel: str) -> int:
+        try:
+            return (self.staging(step) / f"{rel}.part").stat().st_size
+        except OSError:
+            return 0
+
+    def wait_part(self, step: int, rel: str, at_least: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.part_size(step, rel) < at_least:
+            assert time.monotonic() < deadline, "transfer did not start"
+            time.sleep(0.05)
+
+
+def identical(src: Path, dst: Path) -> None:
+    names = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file() and not p.name.startswith("."))
+    got = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file() and not p.name.startswith("."))
+    assert names == got
+    for n in names:
+        assert sha(src / n) == sha(dst / n), n
+    manifest = json.loads((dst / ".dflash-manifest.json").read_text())
+    assert {e["path"]: e["sha256"] for e in manifest["files"]} == {n: sha(src / n) for n in names}
