@@ -23,10 +23,9 @@ from remote.export import NOTE_NAME, ExportRefused, export, export_refusals
 from remote.online import speculative_generate
 from remote.target import target_features
 from remote.tiny import tiny_target
-from tests.models import freeze, random_drafter, trained_drafter, walk_target
-from tests.references import randomize, speculators_drafter, speculators_logits, zlab_drafter, zlab_generate, zlab_logits
-from tests.test_conformance import (SPECULATORS_VARIANTS, TOL, ZLAB_VARIANTS, ours_logits_per_anchor, prompts,
-                                    reference_from)
+from golden import SPECULATORS_VARIANTS, TOL, ZLAB_VARIANTS, ours_logits_per_anchor, prompts, reference_from
+from models import freeze, random_drafter, trained_drafter, walk_target
+from references import randomize, speculators_drafter, speculators_logits, zlab_drafter, zlab_generate, zlab_logits
 
 ROOT = Path(__file__).resolve().parents[1]
 # Exportable DFlash2 drafters (the golden DFlash2 variants have sliding layers, which neither format
