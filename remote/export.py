@@ -440,8 +440,6 @@ def export(src: str | Path, fmt: str, out: str | Path | None = None, force: bool
            verifier: str | None = None, num_target_layers: int | None = None) -> dict:
     """Export ``src`` to ``fmt`` (see the module docstring); returns the result dict printed by
     :func:`main`. Raises :class:`ExportRefused`, :class:`CheckpointError`, :class:`DestinationError`."""
-    from safetensors.torch import save_file
-
     ckpt = open_checkpoint(src)
     problems = completeness_problems(ckpt.path)
     if problems:
@@ -478,7 +476,7 @@ def export(src: str | Path, fmt: str, out: str | Path | None = None, force: bool
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        _save_weights(weights, tmp / WEIGHTS_NAME)
         (tmp / CONFIG_NAME).write_text(json.dumps(plan.raw, indent=2, sort_keys=True) + "\n")
         _check_written(tmp, plan, weights)
         files = [_file_record(tmp, tmp / CONFIG_NAME), _file_record(tmp, tmp / WEIGHTS_NAME)]
@@ -496,6 +494,17 @@ def export(src: str | Path, fmt: str, out: str | Path | None = None, force: bool
         raise
     return {"ok": True, "source": str(source), "source_format": ckpt.format, "format": fmt, "out": str(dest),
             "files": files, "note": NOTE_NAME, "mapped": mapped, "not_carried": not_carried}
+
+
+def _save_weights(weights: dict, path: Path) -> None:
+    """safetensors' ``save_file``; its I/O failures (a full disk) are raised as the OSError they are."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(weights, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        raise OSError(None, str(e), str(path)) from None
 
 
 def _renamed_tensors(ckpt: DrafterCheckpoint, kept: set[str]) -> list[str]:
