@@ -181,9 +181,11 @@ class Resolver:
         raise InputError(f"name a drafter: --drafter LABEL[:CKPT], a folder on the host, or embedded; "
                          f"known drafters: {', '.join(cat.drafters) or 'none'}; {self.catalog_file}")
 
-    def drafter(self, spec: str | None, host: Host, target: str | None = None) -> DrafterChoice:
+    def drafter(self, spec: str | None, host: Host, target: str | None = None, *,
+                need_target: bool = True) -> DrafterChoice:
         """What ``--drafter spec`` means on ``host`` (spec None: the default), from the catalog
-        alone; a training run's checkpoint is then found by :meth:`locate_checkpoint`."""
+        alone; a training run's checkpoint is then found by :meth:`locate_checkpoint`. Without
+        ``need_target`` a drafter the catalog gives no target keeps ``target`` None (``export``)."""
         why, candidates = "", []
         label = spec
         if spec is None:
@@ -206,7 +208,8 @@ class Resolver:
                                  f"checkpoint {ckpt!r}; use --drafter {base}")
             choice = DrafterChoice(typed=spec, label=base, why=why, entry=entry, path=entry.path,
                                    run=self.catalog.runs[entry.run] if entry.run else None, checkpoint=ckpt)
-        choice.target, choice.target_path = self._target(target, choice.entry, choice.label)
+        if need_target or target or (choice.entry and choice.entry.target) or choice.label == EMBEDDED:
+            choice.target, choice.target_path = self._target(target, choice.entry, choice.label)
         return choice
 
     def locate_checkpoint(self, choice: DrafterChoice, host: Host, *, from_source: bool = False) -> DrafterChoice:

@@ -42,6 +42,7 @@ class DrafterCheckpoint:
     config: DrafterConfig
     weight_files: list[Path]
     notes: list[str] = field(default_factory=list)
+    raw: dict = field(default_factory=dict)   # config.json as read
 
     def describe(self) -> dict:
         c = self.config
@@ -377,7 +378,7 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     files = [path] if path.is_file() else _weight_files(folder, fmt)
     if len(files) > 1 and fmt == "state_dict":
         raise CheckpointError(f"{folder}: several state-dict files {[p.name for p in files]}: name one")
-    return DrafterCheckpoint(path=folder, format=fmt, config=cfg, weight_files=files)
+    return DrafterCheckpoint(path=folder, format=fmt, config=cfg, weight_files=files, raw=raw)
 
 
 MANIFEST = ".dflash-manifest.json"   # written by `dflash-ops sync-ckpt` (remote/sync_host.py)
@@ -555,24 +556,37 @@ def load_drafter(path: str | Path, device="cpu", dtype=None):
 
 # ----------------------------------------------------------------------------- saving
 
-def zlab_config_dict(cfg: DrafterConfig) -> dict:
+def layer_config_dict(cfg: DrafterConfig) -> dict:
+    """The transformers (``Qwen3Config``) fields of the drafter's layers, written in full so that no
+    class default is relied on: z-lab keeps them at the top level of ``config.json``, speculators
+    under ``transformer_layer_config``."""
+    return {"model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+            "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
+            "rope_parameters": dict(cfg.rope_parameters), "max_position_embeddings": cfg.max_position_embeddings,
+            "layer_types": list(cfg.layer_types), "use_sliding_window": cfg.sliding_window is not None,
+            "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size}
+
+
+def zlab_config_dict(cfg: DrafterConfig, base: dict | None = None) -> dict:
     """``config.json`` of a z-lab-format drafter: a Qwen3Config plus ``dflash_config`` (what z-lab's
-    own ``from_pretrained`` reads)."""
+    own ``from_pretrained`` reads). The knobs are written only where they differ from z-lab's
+    defaults. ``base``: keys without drafting semantics carried from another config (written under
+    the generated ones)."""
     if cfg.mask_rule != ZLAB or cfg.reduced_vocab or cfg.sample_from_anchor:
         raise ValueError("only z-lab-rule, full-vocabulary drafters without sample_from_anchor can be written "
                          "in the z-lab format")
-    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": cfg.target_layer_ids,
-              "input_embedding_scale": cfg.input_embedding_scale, "output_multiplier": cfg.output_multiplier,
-              "final_logit_softcapping": cfg.final_logit_softcapping}
-    raw = {"architectures": ["DFlash2DraftModel" if cfg.architecture == DFLASH2 else "DFlashDraftModel"],
-           "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-           "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
-           "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
-           "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
-           "rope_parameters": cfg.rope_parameters, "max_position_embeddings": cfg.max_position_embeddings,
-           "layer_types": cfg.layer_types, "use_sliding_window": cfg.sliding_window is not None,
-           "sliding_window": cfg.sliding_window, "vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
-           "num_target_layers": cfg.num_target_layers, "dflash_config": dflash}
+    dflash = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}
+    if cfg.input_embedding_scale != 1.0:
+        dflash["input_embedding_scale"] = cfg.input_embedding_scale
+    if cfg.output_multiplier != 1.0:
+        dflash["output_multiplier"] = cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        dflash["final_logit_softcapping"] = cfg.final_logit_softcapping
+    raw = {**(base or {}), **layer_config_dict(cfg),
+           "architectures": ["DFlash2DraftModel" if cfg.architecture == DFLASH2 else "DFlashDraftModel"],
+           "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers, "dflash_config": dflash}
     if cfg.is_causal is not None:
         raw["is_causal"] = cfg.is_causal
     if cfg.target_hidden_size != cfg.hidden_size:
@@ -583,9 +597,51 @@ def zlab_config_dict(cfg: DrafterConfig) -> dict:
     return raw
 
 
+def speculators_proposal_config(cfg: DrafterConfig, verifier: str | None = None,
+                                verifier_architectures: list[str] | None = None) -> dict:
+    """speculators' ``speculators_config`` (what vLLM requires of a speculators checkpoint): one greedy
+    proposal of ``num_drafts`` tokens and the verifier's name (None: not recorded)."""
+    return {"algorithm": cfg.architecture, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_drafts,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])}}
+
+
+def speculators_config_dict(cfg: DrafterConfig, base: dict | None = None, layer_base: dict | None = None,
+                            proposal: dict | None = None) -> dict:
+    """``config.json`` of a speculators-format drafter (``DFlashSpeculatorConfig`` /
+    ``DFlash2SpeculatorConfig``): the layer config under ``transformer_layer_config``,
+    ``aux_hidden_state_layer_ids`` = z-lab ids + 1, every field written. ``base`` / ``layer_base``:
+    keys without drafting semantics carried from another config (top level / layer config);
+    ``proposal``: the ``speculators_config`` (default :func:`speculators_proposal_config`)."""
+    knobs = cfg.input_embedding_scale != 1.0 or cfg.output_multiplier != 1.0 or (cfg.final_logit_softcapping or 0) > 0
+    if cfg.mask_rule != SPECULATORS or cfg.is_causal is not None or knobs:
+        raise ValueError("only speculators-rule drafters without z-lab's is_causal and knobs can be written in the "
+                         "speculators format")
+    if cfg.architecture == DFLASH2 and cfg.conv_kernel_size > cfg.block_size:
+        raise ValueError(f"speculators refuses a DFlash2 conv_kernel_size ({cfg.conv_kernel_size}) larger than "
+                         f"block_size ({cfg.block_size})")
+    kind = "DFlash2" if cfg.architecture == DFLASH2 else "DFlash"
+    raw = {**(base or {}), "speculators_model_type": cfg.architecture, "architectures": [f"{kind}DraftModel"],
+           "auto_map": {"": f"config.{kind}SpeculatorConfig"},
+           "transformer_layer_config": {**(layer_base or {}), **layer_config_dict(cfg)},
+           "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+           "draft_vocab_size": cfg.draft_vocab_size if cfg.reduced_vocab else cfg.vocab_size,
+           "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
+           "sliding_window_non_causal": cfg.sliding_window_non_causal, "sample_from_anchor": cfg.sample_from_anchor,
+           "target_hidden_size": None if cfg.target_hidden_size == cfg.hidden_size else cfg.target_hidden_size,
+           "speculators_config": proposal or speculators_proposal_config(cfg)}
+    if cfg.num_target_layers is not None:
+        raw["num_target_layers"] = cfg.num_target_layers
+    if cfg.architecture == DFLASH2:
+        raw.update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                   selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    return raw
+
+
 def save_drafter(model, folder: str | Path, fmt: str = "zlab", prefix: str = "", file_name: str | None = None) -> Path:
-    """Write ``model`` in the z-lab or the flat state-dict format (tests, the demo, the training
-    step). speculators-format checkpoints come from speculators itself."""
+    """Write ``model`` in the z-lab, speculators or flat state-dict format (tests, the demo, the
+    training step). Converting a checkpoint from one format to another is :mod:`remote.export`."""
     import torch
     from safetensors.torch import save_file
 
@@ -596,6 +652,9 @@ def save_drafter(model, folder: str | Path, fmt: str = "zlab", prefix: str = "",
     if fmt == "zlab":
         raw = zlab_config_dict(cfg)
         save_file(sd, str(folder / (file_name or "model.safetensors")))
+    elif fmt == "speculators":
+        raw = speculators_config_dict(cfg)
+        save_file(sd, str(folder / (file_name or "model.safetensors")))
     elif fmt == "state_dict":
         raw = cfg.to_dict()
         name = file_name or "drafter.pt"
@@ -604,6 +663,6 @@ def save_drafter(model, folder: str | Path, fmt: str = "zlab", prefix: str = "",
         else:
             torch.save({"model": sd, "step": 0}, folder / name)
     else:
-        raise ValueError(f"unknown format {fmt!r} (zlab or state_dict)")
+        raise ValueError(f"unknown format {fmt!r} (zlab, speculators or state_dict)")
     (folder / CONFIG_NAME).write_text(json.dumps(raw, indent=2))
     return folder

@@ -1,8 +1,9 @@
 """``python -m remote.inspect DRAFTER_DIR [--target TARGET_DIR] [--block-size N] [--verify-hashes] [--json]``
 
 Prints the detected format, the variant (DFlash / DFlash2) and the rules it was found to follow
-(mask rule per layer, RoPE, vocabulary, block layout, knobs), the normalised config and, with a
-target, the compatibility verdict.
+(mask rule per layer, RoPE, vocabulary, block layout, knobs), the normalised config, the formats
+``python -m remote.export`` can write it in (or why not) and, with a target, the compatibility
+verdict.
 Exit status: 0 ok, 1 checkpoint or compatibility problem, 2 usage. Reads only configs and tensor
 headers (for safetensors), so it is cheap enough to run as a pre-flight check before GPU time.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from remote.checkpoint import CheckpointError, check_tensors, completeness_problems, open_checkpoint, read_tensors
 from remote.compat import compatibility_problems, read_target_config
+from remote.export import export_refusals
 
 
 def inspect(drafter: str, target: str | None = None, block_size: int | None = None,
@@ -37,10 +39,12 @@ def inspect(drafter: str, target: str | None = None, block_size: int | None = No
         report["format"] = ckpt.format
         shapes = read_tensors(ckpt, shapes_only=True)
         fc_shape = shapes.get("fc.weight")
+        tinfo = None
         if target is not None:
             tinfo = read_target_config(target)
             report["target"] = tinfo.describe()
             report["problems"] += compatibility_problems(ckpt, tinfo, fc_shape, block_size)
+        report["exports"] = export_refusals(ckpt, num_target_layers=tinfo.num_hidden_layers if tinfo else None)
         if not report["problems"]:  # tensor check after the more specific compatibility messages
             _, ignored = check_tensors(ckpt, shapes)
             if ignored:
@@ -85,6 +89,8 @@ def main(argv=None) -> int:
                       f"{v['selector_rank']} top-{v['selector_top_k']}")
             for note in cfg["notes"]:
                 print(f"note      {note}")
+        for fmt, refusal in (report.get("exports") or {}).items():
+            print(f"export    {fmt}: " + ("yes" if refusal is None else f"no ({refusal})"))
         if "target" in report:
             t = report["target"]
             print(f"target    {t['path']}  ({t['model_type']}, {t['num_hidden_layers']} layers, hidden "

@@ -22,36 +22,11 @@ from remote.online import speculative_generate, target_decode
 from remote.sampling import Sampling
 from remote.target import target_features
 from remote.tiny import tiny_target
-from models import PROMPT_LEN, freeze, trained_drafter, walk_target
-from references import (RollbackTarget, randomize, speculators_drafter, speculators_logits, zlab_drafter,
+from models import freeze, trained_drafter, walk_target
+from references import (RollbackTarget, speculators_drafter, speculators_logits, zlab_drafter,
                               zlab_generate, zlab_logits)
-
-TOL = 1e-4
-SLIDE = ("sliding_attention", "full_attention")
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
-LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
-KNOBS = {"input_embedding_scale": 1.7, "output_multiplier": 0.6, "final_logit_softcapping": 3.0}
-
-ZLAB_VARIANTS = {
-    "dflash": {},
-    "sliding-causal": dict(layer_types=SLIDE, window=4),
-    "sliding-noncausal": dict(layer_types=("sliding_attention", "sliding_attention"), window=3, is_causal=False),
-    "all-causal": dict(is_causal=True),
-    "yarn": dict(rope=YARN),
-    "linear-rope": dict(rope=LINEAR),
-    "knobs": dict(knobs=KNOBS),
-    "dflash2": dict(dflash2=True, layer_types=SLIDE, window=4),
-}
-SPECULATORS_VARIANTS = {
-    "dflash": {},
-    "sliding-causal": dict(layer_types=SLIDE, window=3),
-    "sliding-noncausal": dict(layer_types=("sliding_attention", "sliding_attention"), window=3, non_causal=True),
-    "reduced-vocab": dict(draft_vocab=100),
-    "sample-from-anchor": dict(sample_from_anchor=True, layer_types=SLIDE, window=3),
-    "yarn": dict(rope=YARN),
-    "dflash2": dict(dflash2=True, layer_types=SLIDE, window=3),
-}
-
+from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, ours_logits_per_anchor,
+                    prompts, reference_from)
 
 @pytest.fixture(scope="module")
 def random_target():
@@ -63,13 +38,6 @@ def sequence(random_target):
     ids = torch.randint(0, 250, (20,), generator=torch.Generator().manual_seed(5))
     _, th = target_features(random_target, ids[None], [0, 1, 2])
     return ids, th
-
-
-def ours_logits_per_anchor(ours, target, th, ids, p, n):
-    noise = ours.embed(block_input_ids(ids[p:p + 1], n, ours.config.mask_token_id)[None],
-                       target.get_input_embeddings().weight)
-    hidden, _ = ours.draft(noise, p, th[:, :p])
-    return ours.logits(hidden, target.lm_head)
 
 
 def ours_logits_batched(ours, target, th, ids, anchors, attention):
@@ -218,32 +186,9 @@ def test_released_dflash2_codebook_names_load(tmp_path, random_target, sequence)
 
 # ----------------------------------------------------------------------------- greedy decoding
 
-def reference_from(ours, folder: Path, target, *, dflash2=False, **variant):
-    """A z-lab reference drafter carrying ``ours``' trained weights (plus DFlash2's extra modules,
-    near identity), saved with its own ``save_pretrained``."""
-    ref = zlab_drafter(folder, target, dflash2=dflash2, rope={"rope_type": "default", "rope_theta": 1e6}, **variant)
-    missing = ref.load_state_dict(ours.state_dict(), strict=False).missing_keys
-    if dflash2:
-        randomize(ref, seed=3, std=0.01, keep=("fc", "norm", "self_attn", "mlp."))
-        with torch.no_grad():
-            for layer in ref.layers:
-                for conv in (layer.attention_conv, layer.mlp_conv):
-                    conv.base_kernel[:, 0] += 1.0
-    else:
-        assert not missing
-    ref.save_pretrained(folder)
-    return ref.eval()
-
-
 @pytest.fixture(scope="module")
 def walk():
     return walk_target("qwen3"), trained_drafter("qwen3")
-
-
-def prompts(target, n, seed=11):
-    from remote.tiny import walk_batch
-    ids = walk_batch(n, PROMPT_LEN, target.config.vocab_size - 1, torch.Generator().manual_seed(seed))
-    return [row[None] for row in ids]
 
 
 @pytest.mark.parametrize("variant", ["dflash", "sliding-causal", "sliding-noncausal", "knobs", "dflash2"])

@@ -1,0 +1,69 @@
+"""The golden variants and helpers the golden tests (tests/test_conformance.py) and the export
+tests (tests/test_export.py) share: the drafter variants built with the references' own classes,
+the tolerance, our per-anchor draft logits, a z-lab reference carrying our trained weights, and
+the walk prompts. Nothing here is product code."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models import PROMPT_LEN
+from references import randomize, zlab_drafter
+from remote.drafter import block_input_ids
+
+TOL = 1e-4
+SLIDE = ("sliding_attention", "full_attention")
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+LINEAR = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0}
+KNOBS = {"input_embedding_scale": 1.7, "output_multiplier": 0.6, "final_logit_softcapping": 3.0}
+
+ZLAB_VARIANTS = {
+    "dflash": {},
+    "sliding-causal": dict(layer_types=SLIDE, window=4),
+    "sliding-noncausal": dict(layer_types=("sliding_attention", "sliding_attention"), window=3, is_causal=False),
+    "all-causal": dict(is_causal=True),
+    "yarn": dict(rope=YARN),
+    "linear-rope": dict(rope=LINEAR),
+    "knobs": dict(knobs=KNOBS),
+    "dflash2": dict(dflash2=True, layer_types=SLIDE, window=4),
+}
+SPECULATORS_VARIANTS = {
+    "dflash": {},
+    "sliding-causal": dict(layer_types=SLIDE, window=3),
+    "sliding-noncausal": dict(layer_types=("sliding_attention", "sliding_attention"), window=3, non_causal=True),
+    "reduced-vocab": dict(draft_vocab=100),
+    "sample-from-anchor": dict(sample_from_anchor=True, layer_types=SLIDE, window=3),
+    "yarn": dict(rope=YARN),
+    "dflash2": dict(dflash2=True, layer_types=SLIDE, window=3),
+}
+
+
+def ours_logits_per_anchor(ours, target, th, ids, p, n):
+    noise = ours.embed(block_input_ids(ids[p:p + 1], n, ours.config.mask_token_id)[None],
+                       target.get_input_embeddings().weight)
+    hidden, _ = ours.draft(noise, p, th[:, :p])
+    return ours.logits(hidden, target.lm_head)
+
+
+def reference_from(ours, folder: Path, target, *, dflash2=False, **variant):
+    """A z-lab reference drafter carrying ``ours``' trained weights (plus DFlash2's extra modules,
+    near identity), saved with its own ``save_pretrained``."""
+    ref = zlab_drafter(folder, target, dflash2=dflash2, rope={"rope_type": "default", "rope_theta": 1e6}, **variant)
+    missing = ref.load_state_dict(ours.state_dict(), strict=False).missing_keys
+    if dflash2:
+        randomize(ref, seed=3, std=0.01, keep=("fc", "norm", "self_attn", "mlp."))
+        with torch.no_grad():
+            for layer in ref.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel[:, 0] += 1.0
+    else:
+        assert not missing
+    ref.save_pretrained(folder)
+    return ref.eval()
+
+
+def prompts(target, n, seed=11):
+    from remote.tiny import walk_batch
+    ids = walk_batch(n, PROMPT_LEN, target.config.vocab_size - 1, torch.Generator().manual_seed(seed))
+    return [row[None] for row in ids]
