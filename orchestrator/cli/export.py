@@ -4,9 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.markup import escape
 
 from . import console
+from .console import safe
 from .context import CATALOG_HELP
 from .context import names as context_names
 
@@ -96,7 +96,7 @@ def export_cmd(
         status.start()
     try:
         result = export_on_host(where, names.inventory, req,
-                                on_phase=lambda p: status.update(f"{where.name}: {escape(p)} ...") if status else None)
+                                on_phase=lambda p: status.update(f"{where.name}: {safe(p)} ...") if status else None)
     finally:
         if status:
             status.stop()
@@ -107,19 +107,19 @@ def export_cmd(
     files = ", ".join(f["path"] for f in result["files"])
     out_name = result["out"].rstrip("/").rsplit("/", 1)[-1]
     o = console.out()
-    o.print(escape(f"✔ {named or drafter} ({result['source_format']}) → {result['format']} on {result['host']}: "
+    o.print(safe(f"✔ {named or drafter} ({result['source_format']}) → {result['format']} on {result['host']}: "
                    f"{result['out']} ({files}: {human_bytes(size)}; {result['note']}: the source's sha256 and what "
                    f"was mapped)"), soft_wrap=True)
     if result.get("verifier"):
-        o.print(escape(f"  verifier: {result['verifier']}"), soft_wrap=True)
+        o.print(safe(f"  verifier: {result['verifier']}"), soft_wrap=True)
     for line in result.get("not_carried") or []:
-        o.print(f"[yellow]! not carried: {escape(line)}[/]", soft_wrap=True)
+        o.print(f"[yellow]! not carried: {safe(line)}[/]", soft_wrap=True)
     in_run = named and posixpath.dirname(result["out"].rstrip("/")) in {
         posixpath.dirname(result[k].rstrip("/")) for k in ("source", "source_path")}
     then = f"{named.split(':', 1)[0]}:{out_name}" if in_run else \
         f"{result['out']} --target {choice.target or 'TARGET'}"
     if "eval" in where.roles:
-        o.print(escape(f"  evaluate it with: dflash-ops eval --host {result['host']} --drafter {then}"), soft_wrap=True)
+        o.print(safe(f"  evaluate it with: dflash-ops eval --host {result['host']} --drafter {then}"), soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
