@@ -280,8 +280,9 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"
-    started = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "6", "--max-new-tokens",
-                  "256", "--detach")
+    # 12 prompts per worker: still running when `cancel` (a Ray client start of its own) reaches them
+    started = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--suite", "humaneval", "--prompts", "24",
+                  "--max-new-tokens", "256", "--detach")
     assert started.returncode == 0, started.stdout + started.stderr
     run = only_run(runs)
     shards = [ray_cluster["workdir"] / "runs" / run.name / f"shard-{k}" for k in (0, 1)]
@@ -298,7 +299,7 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
     resumed = cli(inventory, runs, "eval", "--resume", run.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     merged = rows(run)
-    assert len(merged) == 6 and len({r["id"] for r in merged}) == 6       # every prompt exactly once
+    assert len(merged) == 24 and len({r["id"] for r in merged}) == 24     # every prompt exactly once
     assert [r["id"] for r in merged] == json.loads((run / "env.json").read_text())["suite"]["ids"]
 
 
