@@ -308,3 +308,14 @@ def test_ssh_config_is_resolved_by_openssh(tmp_path):
     assert (ep.address, ep.port, ep.user) == ("192.0.2.9", 2299, "matched")
     assert ep.jump is not None and (ep.jump.address, ep.jump.port) == ("192.0.2.10", 2022)
     assert ep.known_hosts == (str(tmp_path / "kh"),) == ep.jump.known_hosts   # the hop inherits it
+
+
+def test_a_relative_path_is_read_from_where_the_user_typed_it_or_the_login_home(ssh_runner, tmp_path, monkeypatch):
+    """`--drafter mine/step2` (and export's folders): on `local` from the folder the command runs
+    in, on an SSH host from the login home, never from the worker's code folder."""
+    monkeypatch.chdir(tmp_path)
+    assert LocalRunner().absolute("mine/step2") == str(tmp_path / "mine" / "step2")
+    assert LocalRunner().absolute("/abs/x") == "/abs/x"
+    home = ssh_runner.home().rstrip("/")
+    assert ssh_runner.absolute("mine/step2") == f"{home}/mine/step2"
+    assert ssh_runner.absolute("~/mine") == f"{home}/mine" and ssh_runner.absolute("/abs/x") == "/abs/x"

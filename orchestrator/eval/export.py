@@ -9,7 +9,6 @@ killed export leaves no destination folder.
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 from dataclasses import dataclass
 from typing import Callable
@@ -73,13 +72,13 @@ def export_on_host(host: Host, inventory: Inventory, req: ExportRequest,
             source, target = embedded_models(host, runner, code_dir)
             default_verifier = req.default_verifier or target
         else:
-            source, default_verifier = _absolute(runner, host, req.source), req.default_verifier
+            source, default_verifier = runner.absolute(req.source), req.default_verifier
         verifier = req.verifier
         if verifier is not None and not posixpath.isabs(runner.expand_home(verifier)):
-            folder = _absolute(runner, host, verifier)      # a folder there, else a model id as given
+            folder = runner.absolute(verifier)      # a folder there, else a model id as given
             verifier = folder if runner.run(["test", "-d", folder], timeout=30).ok else verifier
         verifier = runner.expand_home(verifier)
-        default_verifier = _absolute(runner, host, default_verifier) if default_verifier else None
+        default_verifier = runner.absolute(default_verifier) if default_verifier else None
         if verifier is None and default_verifier is not None and \
                 runner.run(["test", "-f", posixpath.join(default_verifier, "config.json")], timeout=30).ok:
             verifier = default_verifier
@@ -111,16 +110,6 @@ def export_on_host(host: Host, inventory: Inventory, req: ExportRequest,
         raise (ExportRefused if kind == "refused" else ExportDestination if kind == "destination"
                else ExportError)(message)
     return {**answer, "host": host.name, "verifier": verifier, "source_path": source}
-
-
-def _absolute(runner, host: Host, path: str) -> str:
-    """``path`` as the host reads it from any folder: ``~`` expanded there; a relative path is taken
-    from this process's folder on ``local``, from the login home on an SSH host (the worker runs in
-    its code folder)."""
-    path = runner.expand_home(path)
-    if posixpath.isabs(path):
-        return path
-    return os.path.abspath(path) if host.is_local else posixpath.join(runner.home(), path)
 
 
 def _answer(stdout: str) -> dict | None:

@@ -178,12 +178,17 @@ def locate_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[
                 raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
             drafter = f"{host.checkpoints.rstrip('/')}/{req.drafter_run}/{req.checkpoint}"
         elif req.drafter_path:
-            drafter = req.drafter_path
+            drafter = runner.absolute(req.drafter_path)
         else:
             raise EvalError(f"the run's request names no drafter folder ({req.drafter_ref}); start a new eval")
     if req.target != EMBEDDED:
-        target = req.target_path
+        target = runner.absolute(req.target_path) if _is_folder(req.target_path) else req.target_path
     return drafter, target
+
+
+def _is_folder(target: str | None) -> bool:
+    """A target named by a folder (``/x``, ``~/x``, ``./x``, ``a/b/c``), not a hub model id (``org/name``)."""
+    return bool(target) and (target.startswith(("/", "~", ".")) or target.count("/") >= 2)
 
 
 @dataclass

@@ -32,6 +32,9 @@ class LocalRunner(Runner):
     def __init__(self, name: str = "local"):
         self.name = name
 
+    def absolute(self, path: str) -> str:
+        return os.path.abspath(self.expand_home(path))
+
     @staticmethod
     def _env(env: dict[str, str] | None) -> dict[str, str] | None:
         return {**os.environ, **env} if env else None

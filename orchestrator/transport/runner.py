@@ -6,6 +6,7 @@ Commands are argv lists. They become a remote shell line in exactly one place,
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -139,6 +140,13 @@ class Runner(ABC):
         if path is None or (path != "~" and not path.startswith("~/")):
             return path
         return self.home().rstrip("/") + path[1:]
+
+    def absolute(self, path: str) -> str:
+        """``path`` as the host reads it from any folder (a worker runs in its code folder): ``~``
+        expanded there; a relative path is taken from the login home (:class:`LocalRunner`: from
+        this process's folder, where the user typed it)."""
+        path = self.expand_home(path)
+        return path if posixpath.isabs(path) else posixpath.join(self.home(), path)
 
     def close(self) -> None:
         pass
