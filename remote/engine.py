@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from remote.sglang import http_error_message
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -202,6 +204,17 @@ class ServerProcess:
     def tail(self, lines: int = 25) -> str:
         return log_tail(self.log_path, lines)
 
+    def failure(self, error: EngineError) -> EngineError | None:
+        """For a request to this server that failed: 'died mid-run' with the log's reason when the
+        server died (it exits shortly after an engine-core failure, which answers HTTP 500 first);
+        None while it lives or for a refusal (HTTP 4xx)."""
+        if error.kind == "http" and (error.status or 0) < 500:
+            return None
+        deadline = time.monotonic() + 10.0
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self.died_error("mid-run") if not self.alive() else None
+
     def died_error(self, when: str) -> EngineError:
         """The error for a server found dead: its exit status, its own error line and its log tail."""
         code = self.proc.poll()
@@ -318,7 +331,7 @@ class HTTPClient:
                 return resp.read()
         except urllib.error.HTTPError as e:
             error = EngineError(f"the {self.name} at {self.base} answered HTTP {e.code} to {method} {path}: "
-                                f"{_http_message(e)}", "http", status=e.code)
+                                f"{http_error_message(e, one_line=True)}", "http", status=e.code)
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, (TimeoutError, socket.timeout)):
@@ -345,24 +358,6 @@ class HTTPClient:
                 return 200 <= resp.status < 300
         except (urllib.error.URLError, OSError, ValueError):
             return False
-
-
-def _http_message(e: urllib.error.HTTPError) -> str:
-    try:
-        text = e.read().decode("utf-8", "replace").strip()
-    except Exception:
-        text = ""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj.get("message", obj.get("detail")))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        if err is not None:
-            text = str(err)
-    return " ".join(text.split())[:500] or str(e.reason) or "no message"
 
 
 # ----------------------------------------------------------------------------- Prometheus text format

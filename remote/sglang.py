@@ -115,7 +115,7 @@ class SGLangClient:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
             raise SGLangError(f"SGLang at {self.display} answered HTTP {e.code} to {method} {path}: "
-                              f"{_server_message(e)}", status=e.code) from None
+                              f"{http_error_message(e)}", status=e.code) from None
         except urllib.error.URLError as e:
             raise SGLangError(f"SGLang at {self.display} is not reachable: {_describe(e.reason)}") from None
         except (TimeoutError, socket.timeout):
@@ -184,7 +184,9 @@ def _describe(e) -> str:
     return str(e) or type(e).__name__
 
 
-def _server_message(e: urllib.error.HTTPError) -> str:
+def http_error_message(e: urllib.error.HTTPError, one_line: bool = False) -> str:
+    """A server's own words for an HTTP error: its JSON ``error``/``message``/``detail``, else the body
+    (``one_line``: its whitespace collapsed), at most 500 characters."""
     try:
         raw = e.read()
     except Exception:
@@ -200,4 +202,6 @@ def _server_message(e: urllib.error.HTTPError) -> str:
             err = err.get("message", err)
         if err is not None:
             text = str(err)
+    if one_line:
+        text = " ".join(text.split())
     return text[:500] or str(e.reason) or "no message"

@@ -102,15 +102,8 @@ class SGLangEngineClient:
 
     def __init__(self, url: str, timeout: float = 600.0, process: ServerProcess | None = None):
         self.url, self.process = url.rstrip("/"), process
-        self.http = HTTPClient(self.url, timeout, name="SGLang server", on_failure=self._died)
+        self.http = HTTPClient(self.url, timeout, name="SGLang server", on_failure=process.failure if process else None)
 
-    def _died(self, error: EngineError) -> EngineError | None:
-        if self.process is None or (error.kind == "http" and (error.status or 0) < 500):
-            return None
-        deadline = time.monotonic() + 10.0
-        while self.process.alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return self.process.died_error("mid-run") if not self.process.alive() else None
 
     def healthy(self, timeout: float = 5.0) -> bool:
         return self.http.ok("/health", timeout)

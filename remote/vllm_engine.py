@@ -136,18 +136,8 @@ class VLLMClient:
 
     def __init__(self, url: str, timeout: float = 600.0, process: ServerProcess | None = None):
         self.url, self.process, self._model_id = url.rstrip("/"), process, None
-        self.http = HTTPClient(self.url, timeout, name="vLLM server", on_failure=self._died)
+        self.http = HTTPClient(self.url, timeout, name="vLLM server", on_failure=process.failure if process else None)
 
-    def _died(self, error: EngineError) -> EngineError | None:
-        """For a server of ours: a failed request because it died (it exits shortly after an
-        engine-core failure, which answers HTTP 500 first) becomes 'died mid-run' with the log's
-        reason."""
-        if self.process is None or (error.kind == "http" and (error.status or 0) < 500):
-            return None
-        deadline = time.monotonic() + 10.0
-        while self.process.alive() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return self.process.died_error("mid-run") if not self.process.alive() else None
 
     # -- what the server is
 
