@@ -137,29 +137,27 @@ def _fill_engine(report: HostReport, host: Host, found: dict | None) -> None:
 
 
 def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = None) -> HostReport:
-    report = HostReport(name=host.name, endpoint=host.endpoint)
-    start = time.monotonic()
-    try:
+    def fill(report: HostReport) -> None:
         if host.is_ray:
             _check_cluster(report, host, inventory, timeout)
         else:
             with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
                 _probe(report, host.on_host(runner.expand_home), runner, timeout)
-    except CommandTimeout as e:
-        report.reachable = True
-        report.errors.append(str(e))
-    except (TransportError, DflashOpsError) as e:
-        report.errors.append(str(e))
-    report.seconds = time.monotonic() - start
-    return report
+    return _reported(host, fill)
 
 
 def probe(host: Host, runner, timeout: float = 60.0) -> HostReport:
     """The report of ``host`` through a connection already open (``host``'s paths expanded there)."""
+    return _reported(host, lambda report: _probe(report, host, runner, timeout))
+
+
+def _reported(host: Host, fill) -> HostReport:
+    """``fill(report)`` timed, a failure of it one error line of the report (a timeout: the host
+    answered, too slowly)."""
     report = HostReport(name=host.name, endpoint=host.endpoint)
     start = time.monotonic()
     try:
-        _probe(report, host, runner, timeout)
+        fill(report)
     except CommandTimeout as e:
         report.reachable = True
         report.errors.append(str(e))

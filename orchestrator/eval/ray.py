@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Iterator
 from ..errors import InputError, OperationFailed
 from .jobs import HostJob
 from ..transport import CommandTimeout, Result, Runner, SSHRunner, TransportError, endpoint_for
+from ..transport.local import end_process
 from ..transport.runner import ExecHandle, as_bytes, decode
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,13 +110,8 @@ class Tunnel:
 
     def close(self) -> None:
         self._pins.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            end_process(self.proc)
         Path(self._pins.name).unlink(missing_ok=True)
 
 

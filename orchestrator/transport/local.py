@@ -26,6 +26,17 @@ class _LocalHandle(ExecHandle):
             pass
 
 
+
+def end_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM a child still running, SIGKILL it after ``grace`` seconds, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
 class LocalRunner(Runner):
     """Runs argv as a local subprocess (no shell). Used for the built-in ``local`` host."""
 

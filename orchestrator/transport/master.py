@@ -19,6 +19,7 @@ import time
 
 from .endpoint import SSHEndpoint
 from .errors import HostKeyError, TransportError
+from .local import end_process
 
 SOCKET_ROOM = 90  # longest folder path for the socket (sun_path holds 104-108 bytes)
 
@@ -127,11 +128,5 @@ class Master:
                 self.proc.stdin.close()
         except OSError:
             pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end_process(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
