@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import platform
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 from helpers import invoke
@@ -107,8 +107,8 @@ def test_cli_import_does_not_load_torch_or_ssh():
 
 
 def test_help_starts_fast():
-    exe = shutil.which("dflash-ops")
-    argv = [exe, "--help"] if exe else [sys.executable, "-m", "orchestrator.cli", "--help"]
+    exe = Path(sys.executable).with_name("dflash-ops")   # this environment's console script, not PATH's first
+    argv = [str(exe), "--help"] if exe.exists() else [sys.executable, "-m", "orchestrator.cli", "--help"]
     times = []
     for _ in range(3):
         t = time.monotonic()

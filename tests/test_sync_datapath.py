@@ -98,6 +98,7 @@ def test_cipher_order_follows_this_machines_cpu(tmp_path):
     assert any(o.startswith("Ciphers=") for o in opts) and any(o.startswith("MACs=umac-128-etm") for o in opts)
 
 
+@pytest.mark.xdist_group("tunnel")     # /tmp/dflash-t-*: one tunnel at a time (test_sync_tunnel.py)
 @pytest.mark.parametrize("how", ["relay", "tunnel"])
 def test_a_first_sync_hashes_the_checkpoint_once_on_the_training_host(ssh_lab, tmp_path, monkeypatch, how):
     """The check after the transfer (the training host's own sha256 of every file) takes the
