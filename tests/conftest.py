@@ -11,6 +11,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the one import path of test helpers: `import sshlab`
 
+# One intra-op thread for torch here and in every worker the tests start (inherited; the SSH lab's
+# sshd sets it for its sessions): the two test processes already fill both cores, and the tiny
+# models run several times faster on one thread than on two fought over (benchmarks/bench_threads.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # The files of the longest tests first (whole evals, clusters, the tour), so that the two worker
 # processes end together rather than one starting the tour last; pyproject's addopts keep this order

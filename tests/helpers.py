@@ -45,7 +45,7 @@ def invoke(*args, env: dict | None = None):
 
 def lab_cli(eval_lab: dict, *args, inventory=None, runs=None, popen=False, timeout=600):
     """`dflash-ops` as a subprocess with the ``eval_lab`` fixture's inventory and catalog."""
-    env = {**os.environ, "DFLASH_OPS_CATALOG": str(eval_lab["catalog"]), "OMP_NUM_THREADS": "2",
+    env = {**os.environ, "DFLASH_OPS_CATALOG": str(eval_lab["catalog"]),
            "DFLASH_OPS_RUNS": str(runs or eval_lab["base"] / "runs"), "COLUMNS": "160"}
     argv = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory or eval_lab["inventory"]),
             *map(str, args)]

@@ -19,7 +19,7 @@ MAX_NEW = 32
 
 
 def worker(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "remote.worker", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -127,7 +127,7 @@ def worker(python: Path, pair: dict, out: Path, *extra: str) -> subprocess.Compl
     return subprocess.run([str(python), "-m", "remote.worker", "--target", pair["target"], "--drafter", pair["drafter"],
                            "--prompts", "2", "--out", str(out), "--device", "cpu", "--mode", "online",
                            "--max-new-tokens", "64", *extra], cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"})
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def test_a_diverging_greedy_online_run_is_invalid_not_a_result(embedded_pair, tmp_path):
@@ -159,8 +159,7 @@ def test_eval_of_an_invalid_run_exits_7_and_compare_refuses_it(embedded_pair, tm
     shutil.copytree(Path(embedded_pair["target"]).parent, home / "embedded")
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(yaml.safe_dump({"hosts": {"local": {"python": str(planted_python(tmp_path, "norollback"))}}}))
-    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "160",
-           "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "160"}
 
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), *args],

@@ -49,8 +49,7 @@ def local_home(embedded_pair, tmp_path_factory):
 
 
 def start_local_eval(home: Path, runs: Path, *args) -> subprocess.Popen:
-    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160",
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160"}
     env.pop("DFLASH_OPS_INVENTORY", None)
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--prompts", "5",
                              "--max-new-tokens", "40", "--ddtree", "", *args], cwd=home, env=env,
@@ -114,7 +113,7 @@ def test_dead_gpu_worker_is_named_and_resume_reruns_only_its_prompts(ssh_lab, em
     shutil.copytree(Path(embedded_pair["target"]).parent, host / "workdir" / "embedded", dirs_exist_ok=True)
     inventory = ssh_lab.write_inventory(tmp_path / "inventory.yaml")
     runs = tmp_path / "runs"
-    env = {**os.environ, "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160"}
     base = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "eval"]
     proc = subprocess.Popen([*base, "--host", "eval", "--gpus", "2", "--drafter", "embedded", "--device", "cpu",
                              "--prompts", "6", "--max-new-tokens", "160", "--ddtree", ""],

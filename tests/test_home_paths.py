@@ -49,7 +49,7 @@ def test_tilde_paths_live_in_the_login_home_on_the_host(ssh_lab, embedded_pair, 
         cat = tmp_path / "drafters.yaml"
         cat.write_text(yaml.safe_dump({"runs": {run: {"dir": run, "settle": 0}}}))
         env = {**os.environ, "DFLASH_OPS_CATALOG": str(cat), "DFLASH_OPS_RUNS": str(tmp_path / "runs"),
-               "COLUMNS": "200", "OMP_NUM_THREADS": "2"}
+               "COLUMNS": "200"}
 
         def cli(*args):
             res = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inv), *args], cwd=REPO,

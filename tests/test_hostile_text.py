@@ -90,7 +90,7 @@ def test_an_eval_whose_prompt_ids_carry_markup_and_escapes_runs_to_its_end(local
     suite = tmp_path / "hostile.jsonl"
     suite.write_text(json.dumps({"id": HOSTILE, "prompt": "Say hello."}) + "\n")
     env = {**os.environ, "DFLASH_OPS_HOME": str(local_home), "DFLASH_OPS_RUNS": str(tmp_path / "runs"),
-           "COLUMNS": "160", "OMP_NUM_THREADS": "1"}
+           "COLUMNS": "160"}
     env.pop("DFLASH_OPS_INVENTORY", None)
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--drafter",
                            "embedded", "--suite", str(suite), "--prompts", "1", "--max-new-tokens", "8", "--ddtree", ""],

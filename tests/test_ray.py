@@ -145,7 +145,7 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     client_port = free_port()
     # the head gives each Ray Client's server process 30 s to come up; a cold one on a loaded 2-core CI
     # machine took longer (connect() also retries that once)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
     start = subprocess.Popen([*prefix, sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2",
                               "--num-gpus", "2", "--port", str(free_port()), "--ray-client-server-port", str(client_port),
@@ -191,7 +191,7 @@ def write_inventory(tmp_path: Path, cluster: dict) -> Path:
 
 
 def cli(inventory: Path, runs: Path, *args, home: Path | None = None, popen: bool = False):
-    env = {**os.environ, "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160"}
     if home:
         env["DFLASH_OPS_HOME"] = str(home)
     argv = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), *args]

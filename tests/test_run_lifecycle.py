@@ -16,8 +16,7 @@ FAST = ("--drafter", "embedded", "--max-new-tokens", "8", "--ddtree", "")
 
 
 def cli(home: Path, runs: Path, *args: str, popen: bool = False):
-    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160",
-           "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160"}
     env.pop("DFLASH_OPS_INVENTORY", None)
     argv = [sys.executable, "-m", "orchestrator.cli", *args]
     if popen:

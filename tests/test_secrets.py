@@ -67,7 +67,7 @@ def test_sglang_credentials_never_leave_the_inventory(ssh_lab, embedded_pair, tm
                       auth=f"alice:{secret}", hits=hits) as url:
         inv = ssh_lab.write_inventory(tmp_path / "inventory.yaml",
                                       eval={"sglang": url.replace("http://", f"http://alice:{secret}@") + "/"})
-        env = {**os.environ, "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "200", "OMP_NUM_THREADS": "2"}
+        env = {**os.environ, "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "200"}
 
         def cli(*args, code=0):
             res = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inv), *args],

@@ -60,7 +60,7 @@ def project(ssh_lab, embedded_pair, tmp_path_factory):
 def start(project: Path, *args: str) -> subprocess.Popen:
     """The command as typed in the project folder (no flag, no environment variable for the files)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_OPS_")}
-    env.update(COLUMNS="80", OMP_NUM_THREADS="2")
+    env.update(COLUMNS="80")
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *args], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

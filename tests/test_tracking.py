@@ -135,8 +135,7 @@ def test_a_tracker_outage_after_a_finished_eval_is_one_line_saying_where_the_res
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]                      # nothing listens there once closed
     runs = tmp_path / "runs"
-    env = {**os.environ, "DFLASH_OPS_HOME": str(local_home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "200",
-           "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": f"http://alice:s3cret@127.0.0.1:{port}",
+    env = {**os.environ, "DFLASH_OPS_HOME": str(local_home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "200", "MLFLOW_TRACKING_URI": f"http://alice:s3cret@127.0.0.1:{port}",
            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"}
     env.pop("DFLASH_OPS_INVENTORY", None)
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--drafter", "embedded",

@@ -66,8 +66,7 @@ def eval_run(lab, drafter: str, *args, hosts=("local", "eval")) -> tuple[subproc
     """`dflash-ops eval` of ``drafter`` on ``hosts``; returns the process and the new run folder."""
     base = lab["base"]
     before = set(lab["runs"].iterdir()) if lab["runs"].exists() else set()
-    env = {**os.environ, "DFLASH_OPS_HOME": str(base / "local-home"), "DFLASH_OPS_RUNS": str(lab["runs"]),
-           "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+    env = {**os.environ, "DFLASH_OPS_HOME": str(base / "local-home"), "DFLASH_OPS_RUNS": str(lab["runs"]), "COLUMNS": "160"}
     argv = [sys.executable, "-m", "orchestrator.cli", "--inventory", str(lab["inventory"]), "eval",
             *(x for h in hosts for x in ("--host", h)), "--drafter", str(base / drafter), "--target",
             str(base / "target"), "--suite", str(base / "walks.jsonl"), "--prompts", "2", "--max-new-tokens",

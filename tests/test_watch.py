@@ -151,8 +151,7 @@ class Run:
         self.folder = self.runs / f"watch-{self.name}"
 
     def env(self) -> dict:
-        return {**os.environ, "DFLASH_OPS_CATALOG": str(self.catalog), "DFLASH_OPS_RUNS": str(self.runs),
-                "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+        return {**os.environ, "DFLASH_OPS_CATALOG": str(self.catalog), "DFLASH_OPS_RUNS": str(self.runs), "COLUMNS": "160"}
 
     def watch(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "-i", str(self.lab["inventory"]), "watch",

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def worker(*args, check=True, timeout=600):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "remote.worker", *map(str, args)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
