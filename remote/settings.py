@@ -66,6 +66,9 @@ FIELDS = (
 )
 
 
+CPU_WORKERS_ENV = "DFLASH_OPS_CPU_WORKERS"   # a CPU worker's environment: how many of its run's workers share the host
+
+
 class SettingsError(ValueError):
     """Settings that no worker would run; the message names the flag."""
 

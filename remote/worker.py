@@ -35,7 +35,7 @@ from pathlib import Path
 
 from remote import exits
 from remote.engine import EngineError
-from remote.settings import EvalSettings, add_arguments
+from remote.settings import CPU_WORKERS_ENV, EvalSettings, add_arguments
 
 
 class WorkerError(Exception):
@@ -162,6 +162,15 @@ def stop_ids(tokenizer, target) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
+def share_cores(torch) -> None:
+    """A CPU worker beside others of its run on one host takes its share of the cores as torch
+    threads (torch's default, a thread per core in every worker, oversubscribes them: several times
+    slower); an OMP_NUM_THREADS the user set wins."""
+    workers = int(os.environ.get(CPU_WORKERS_ENV) or 1)
+    if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def preflight(args, device: str) -> None:
     """The drafter/target check and the library self-test (:mod:`remote.preflight`), unless
     ``--checked`` says they just passed for this run."""
@@ -211,6 +220,8 @@ def run(args) -> dict:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if device == "cpu":
+        share_cores(torch)
     preflight(args, device)
     phase = start_engine(args, out, device, dtype) if args.engine else None
     try:
@@ -285,6 +296,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
 
     env = {"host": args.host_label or socket.gethostname(), "device": device,
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
            "target_devices": sorted({str(d) for d in getattr(target, "hf_device_map", {}).values()}) or [device],
            "drafter_device": str(next(drafter.parameters()).device), "memory_plan": plan.to_dict(),
            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,

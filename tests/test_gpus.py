@@ -48,9 +48,12 @@ def local_home(embedded_pair, tmp_path_factory):
     return home
 
 
-def start_local_eval(home: Path, runs: Path, *args) -> subprocess.Popen:
+def start_local_eval(home: Path, runs: Path, *args, own_threads: bool = False) -> subprocess.Popen:
+    """``own_threads``: without the suite's OMP_NUM_THREADS=1, so the workers choose their threads."""
     env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "160"}
     env.pop("DFLASH_OPS_INVENTORY", None)
+    if own_threads:
+        env.pop("OMP_NUM_THREADS", None)
     return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--prompts", "5",
                              "--max-new-tokens", "40", "--ddtree", "", *args], cwd=home, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -71,7 +74,7 @@ def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
                        ("capped", ("--gpus", "3", "--prompts", "2", "--max-blocks", "1"))):
         if procs:
             started(tmp_path / list(procs)[-1], list(procs.values())[-1], local_home / "code")
-        procs[name] = start_local_eval(local_home, tmp_path / name, *args)
+        procs[name] = start_local_eval(local_home, tmp_path / name, *args, own_threads=name == "two")
     one, two, capped = (finished(p) for p in procs.values())
     assert one.returncode == 0, one.stdout + one.stderr
     assert two.returncode == 0, two.stdout + two.stderr
@@ -87,12 +90,23 @@ def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
     assert env["placement"]["backend"] == "ssh" and env["placement"]["gpus"] == ["0", "1"]
     assert [(p["host"], p["gpu"]) for p in env["placement"]["shards"]] == [("local", "0"), ("local", "1")]
     assert [e["cuda_visible_devices"] for e in env["shards"]] == ["0", "1"]   # each worker saw its own GPU
+    share = max(1, (os.cpu_count() or 1) // 2)                        # two CPU workers: half the cores each
+    assert [e["cpu_threads"] for e in env["shards"]] == [share, share]
     assert json.loads((single / "env.json").read_text())["placement"]["gpus"] == []
     assert capped.returncode == 0, capped.stdout + capped.stderr          # 3 GPUs, 2 prompts: 2 workers
     placed = json.loads((only_run(tmp_path / "capped") / "env.json").read_text())["placement"]
     assert placed["gpus"] == ["0", "1"]
     record = json.loads((merged / "run.json").read_text())
     assert [s["gpu"] for s in record["shards"]] == ["0", "1"] and record["request"]["gpus"] == "0,1"
+
+
+def test_an_omp_num_threads_the_user_set_wins_over_the_cpu_share():
+    code = "import torch; from remote.worker import share_cores; share_cores(torch); print(torch.get_num_threads())"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    threads = [subprocess.run([sys.executable, "-c", code], env={**env, "DFLASH_OPS_CPU_WORKERS": "2", **omp},
+                              cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+               for omp in ({}, {"OMP_NUM_THREADS": str(os.cpu_count() or 1)})]
+    assert threads == [str(max(1, (os.cpu_count() or 1) // 2)), str(os.cpu_count() or 1)]
 
 
 def test_bad_gpus_is_one_red_line(local_home, tmp_path):

@@ -20,7 +20,7 @@ from typing import Callable
 
 from remote import exits
 from remote.prompts import BUILTIN
-from remote.settings import EvalSettings
+from remote.settings import CPU_WORKERS_ENV, EvalSettings
 from remote.sglang import AUTH_ENV, split_credentials
 from remote.states import State
 
@@ -444,6 +444,17 @@ def _abandon(placed: list, launched: list) -> int:
     return len(freed)
 
 
+def worker_env(shard: Shard, starting: list[Shard], cpu: bool) -> dict[str, str] | None:
+    """A worker's environment: its GPUs, or on CPU how many workers of the run start on its host
+    (each takes its share of the cores: remote/worker.py's share_cores)."""
+    if shard.gpu is not None and not cpu:
+        return {"CUDA_VISIBLE_DEVICES": shard.gpu}
+    env = {"CUDA_VISIBLE_DEVICES": shard.gpu} if shard.gpu is not None else {}
+    if cpu:
+        env[CPU_WORKERS_ENV] = str(sum(1 for s in starting if s.host == shard.host))
+    return env or None
+
+
 def _start(record: RunRecord, inventory: Inventory, resume: bool,
            on_phase: Callable[[str, str], None] | None) -> dict[int, HostJob]:
     req = record.request
@@ -487,7 +498,7 @@ def _start(record: RunRecord, inventory: Inventory, resume: bool,
                 _, auth = reference_sglang(req, host)
                 job.start(worker_args(req, s, host, resume=resume, suite=preps[s.host].suite),
                           secrets={AUTH_ENV: auth} if auth else None,
-                          env={"CUDA_VISIBLE_DEVICES": s.gpu} if s.gpu is not None else None, fresh=not resume)
+                          env=worker_env(s, todo, preps[s.host].cpu), fresh=not resume)
                 launched.append(job)
             record.started(shards=[s.index for s in todo])
     except BaseException as e:
