@@ -51,6 +51,7 @@ def test_hosts_json_and_hosts_check_json(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, code, message", [
     (["eval", "--mode", "sideways"], 2, "--mode must be one of offline, online"),
+    (["eval", "--engine", "--mode", "offline"], 2, "--engine decodes online"),
     (["attach", "no-such-run"], 2, "no run matches 'no-such-run'"),
     (["show", "nope"], 2, "no run matches 'nope'"),
     (["hosts", "check", "nohost"], 2, "unknown host 'nohost'"),

@@ -24,7 +24,7 @@ def _option(f):
 def with_settings(command):
     """``command`` gets every eval setting as an option, and one ``settings`` argument (an
     :class:`EvalSettings`) in their place; settings a worker would refuse are refused here, before any
-    host is touched."""
+    host is touched. ``command`` takes its click context as ``ctx`` (which options were typed)."""
     from ..errors import InputError
 
     signature = inspect.signature(command)
@@ -39,6 +39,11 @@ def with_settings(command):
     def run(*args, **kwargs):
         values = {f.name: kwargs.pop(PREFIX + f.name) for f in FIELDS}
         values["prompts"] = values["prompts"] or None           # 0 = all
+        ctx = kwargs["ctx"]
+        typed_mode = getattr(ctx.get_parameter_source(PREFIX + "mode"), "name", None) == "COMMANDLINE"
+        if values["engine"] and values["mode"] == "offline" and typed_mode:
+            raise InputError("--engine decodes online (the engine serves the prompts beside our own online "
+                             "decoding): leave out --mode offline")
         settings = EvalSettings(**values)
         problems = settings.problems()
         if problems:
