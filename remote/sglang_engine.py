@@ -104,7 +104,6 @@ class SGLangEngineClient:
         self.url, self.process = url.rstrip("/"), process
         self.http = HTTPClient(self.url, timeout, name="SGLang server", on_failure=process.failure if process else None)
 
-
     def healthy(self, timeout: float = 5.0) -> bool:
         return self.http.ok("/health", timeout)
 

@@ -138,7 +138,6 @@ class VLLMClient:
         self.url, self.process, self._model_id = url.rstrip("/"), process, None
         self.http = HTTPClient(self.url, timeout, name="vLLM server", on_failure=process.failure if process else None)
 
-
     # -- what the server is
 
     def healthy(self, timeout: float = 5.0) -> bool:

@@ -183,8 +183,8 @@ class ExtraSshd:
         d.mkdir(exist_ok=True)
         self.pidfile = d / "pid"
         cfg = d / "sshd_config"
-        cfg.write_text(SSHD_CONFIG.format(threads=os.environ.get("OMP_NUM_THREADS", "1"), port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
-                                          authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}")
+        cfg.write_text(sshd_config(port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
+                                   authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}")
                        + self.config)
         self.lab.exec_in(h, [SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
         _wait_listening(replace(h, port=self.port, log=d / "log"))
@@ -310,7 +310,6 @@ def _wait_listening(host: LabHost, timeout: float = 10.0) -> None:
     raise LabError(f"sshd for lab host {host.name} did not come up on {host.address}:{host.port}: {log[-500:]}")
 
 
-# SetEnv: a lab session's torch threads are this test process's (tests/conftest.py sets one).
 SSHD_CONFIG = """\
 Port {port}
 ListenAddress {address}
@@ -330,6 +329,12 @@ MaxSessions 50
 Subsystem sftp internal-sftp
 SetEnv OMP_NUM_THREADS={threads}
 """
+
+
+def sshd_config(**fields) -> str:
+    """A lab host's sshd_config; its sessions get this test process's torch threads (SetEnv;
+    tests/conftest.py sets one)."""
+    return SSHD_CONFIG.format(threads=os.environ.get("OMP_NUM_THREADS", "1"), **fields)
 
 
 def start_lab(base: str | os.PathLike) -> SSHLab:
@@ -389,8 +394,8 @@ def start_lab(base: str | os.PathLike) -> SSHLab:
                 _run(["ip", "-n", netns, "addr", "add", f"{address}/24", "dev", peer])
                 _run(["ip", "-n", netns, "link", "set", peer, "up"])
                 _run(["ip", "-n", netns, "link", "set", "lo", "up"])
-            host.config.write_text(SSHD_CONFIG.format(threads=os.environ.get("OMP_NUM_THREADS", "1"), port=port, address=address, host_key=key, pidfile=host.pidfile,
-                                                      authorized_keys=f"{authorized} {host.authorized_keys}"))
+            host.config.write_text(sshd_config(port=port, address=address, host_key=key, pidfile=host.pidfile,
+                                               authorized_keys=f"{authorized} {host.authorized_keys}"))
             _run([SSHD, "-t", "-f", str(host.config)])
             prefix = ["ip", "netns", "exec", netns] if netns else []
             _run([*prefix, SSHD, "-f", str(host.config), "-E", str(host.log)])

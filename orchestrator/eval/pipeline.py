@@ -447,8 +447,6 @@ def _abandon(placed: list, launched: list) -> int:
 def worker_env(shard: Shard, starting: list[Shard], cpu: bool) -> dict[str, str] | None:
     """A worker's environment: its GPUs, or on CPU how many workers of the run start on its host
     (each takes its share of the cores: remote/worker.py's share_cores)."""
-    if shard.gpu is not None and not cpu:
-        return {"CUDA_VISIBLE_DEVICES": shard.gpu}
     env = {"CUDA_VISIBLE_DEVICES": shard.gpu} if shard.gpu is not None else {}
     if cpu:
         env[CPU_WORKERS_ENV] = str(sum(1 for s in starting if s.host == shard.host))

@@ -26,7 +26,6 @@ class _LocalHandle(ExecHandle):
             pass
 
 
-
 def end_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
     """SIGTERM a child still running, SIGKILL it after ``grace`` seconds, and reap it."""
     if proc.poll() is None:
@@ -36,6 +35,7 @@ def end_process(proc: subprocess.Popen, grace: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
 
 class LocalRunner(Runner):
     """Runs argv as a local subprocess (no shell). Used for the built-in ``local`` host."""
