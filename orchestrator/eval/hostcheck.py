@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
@@ -146,9 +145,10 @@ def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = 
     return _reported(host, fill)
 
 
-def probe(host: Host, runner, timeout: float = 60.0) -> HostReport:
-    """The report of ``host`` through a connection already open (``host``'s paths expanded there)."""
-    return _reported(host, lambda report: _probe(report, host, runner, timeout))
+def probe(host: Host, runner, timeout: float = 60.0, cuda: bool = True) -> HostReport:
+    """The report of ``host`` through a connection already open (``host``'s paths expanded there);
+    ``cuda=False``: without the torch/CUDA check (its ``cuda`` None), for a run on CPU."""
+    return _reported(host, lambda report: _probe(report, host, runner, timeout, cuda))
 
 
 def _reported(host: Host, fill) -> HostReport:
@@ -167,9 +167,9 @@ def _reported(host: Host, fill) -> HostReport:
     return report
 
 
-def _probe(report: HostReport, host: Host, runner, timeout: float) -> None:
+def _probe(report: HostReport, host: Host, runner, timeout: float, cuda: bool = True) -> None:
     """Run remote/probe.py with the host's python and fill ``report`` from what it prints."""
-    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}"]
+    argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}", *([] if cuda else ["--no-cuda"])]
     engine = host.engine
     for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),
                         ("--sglang", host.sglang), ("--engine-kind", engine and engine.kind),
@@ -215,8 +215,25 @@ def _check_cluster(report: HostReport, host: Host, inventory: Inventory | None, 
 
 def check_hosts(hosts: list[Host], timeout: float = 60.0,
                 inventory: Inventory | None = None) -> list[HostReport]:
-    """Check hosts in parallel; the result keeps the order of ``hosts``."""
-    if not hosts:
-        return []
-    with ThreadPoolExecutor(max_workers=min(16, len(hosts))) as pool:
-        return list(pool.map(lambda h: check_host(h, timeout, inventory), hosts))
+    """Check hosts in parallel (16 at a time); the result keeps the order of ``hosts``. The checks
+    run in daemon threads: Ctrl-C (or SIGTERM) ends the command at once, not when the slowest
+    check gives up (a Ray Client connecting to a head that does not answer tries for 30 s); a check
+    only reads, and what it opened (a tunnel, a Ray connection) is closed at exit."""
+    slots = threading.Semaphore(16)
+    reports: list = [None] * len(hosts)
+
+    def check(i: int) -> None:
+        with slots:
+            try:
+                reports[i] = check_host(hosts[i], timeout, inventory)
+            except BaseException as e:  # noqa: BLE001 — raised again below, in the caller's thread
+                reports[i] = e
+    threads = [threading.Thread(target=check, args=(i,), daemon=True) for i in range(len(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in reports:
+        if isinstance(r, BaseException):
+            raise r
+    return reports
