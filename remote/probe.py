@@ -2,7 +2,7 @@
 
 Shipped by piping this file into the host's interpreter (``python - ARGS``), so nothing needs
 installing. Package versions come from ``importlib.metadata`` (no imports); CUDA availability needs
-``import torch``, done in a child process with a timeout. ``fla`` is never imported (it can crash on
+``import torch``, done in a child process with a timeout (skipped with ``--no-cuda``: a run on CPU). ``fla`` is never imported (it can crash on
 CPU-only hosts); its distribution version is enough.
 
 SGLang credentials never go on the command line (``ps`` shows it): `hosts check` writes them into
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-python")
     ap.add_argument("--engine-url")
     ap.add_argument("--timeout", type=float, default=60.0, help="bound for the torch/CUDA check")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the torch/CUDA check (for a run on CPU)")
     args = ap.parse_args(argv)
     report = {
         "python": platform.python_version(),
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine(args.engine_kind, args.engine_python, args.engine_url, min(args.timeout, 30.0)),
     }
     report.update(gpus(min(args.timeout, 20.0)))
-    report["torch_cuda"] = torch_cuda(args.timeout) if report["packages"]["torch"] else None
+    report["torch_cuda"] = torch_cuda(args.timeout) if report["packages"]["torch"] and not args.no_cuda else None
     print(json.dumps(report))
     return 0
 

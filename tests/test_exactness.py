@@ -116,6 +116,66 @@ def test_preflight_refuses_a_host_outside_the_range_naming_the_versions(embedded
                         f"tested: {', '.join(TRANSFORMERS_TESTED)})"]
 
 
+def preflight(drafter, target, *args: str, site: Path | None = None) -> tuple[int, dict]:
+    path = f"{site}{os.pathsep}{REPO}" if site else str(REPO)
+    proc = subprocess.run([sys.executable, "-m", "remote.preflight", str(drafter), "--target", str(target), "--device",
+                           "cpu", "--prompts", "2", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path}, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(embedded_pair, tmp_path):
+    """`--cache`: a pass (the checks and the self-test) is reused for the same inputs, the free
+    memory measured again; another transformers version, a touched or changed file, a failure or
+    --verify-hashes is checked afresh."""
+    pair = {k: shutil.copytree(v, tmp_path / k) for k, v in embedded_pair.items()}
+    cache = ("--cache", str(tmp_path / "cache"))
+    code, first = preflight(pair["drafter"], pair["target"], *cache)
+    assert code == 0 and not first["reused"] and first["memory"]["fits"]
+    code, again = preflight(pair["drafter"], pair["target"], *cache)
+    assert code == 0 and again["reused"] and again["inspect"] == first["inspect"]
+    assert {k: again["memory"][k] for k in ("need", "context_tokens")} == \
+        {k: first["memory"][k] for k in ("need", "context_tokens")}
+    code, tight = preflight(pair["drafter"], pair["target"], *cache, "--max-memory", "0.0001")
+    assert code == 1 and tight["reused"] and not tight["memory"]["fits"]        # the free memory is now's
+    code, other = preflight(pair["drafter"], pair["target"], *cache,
+                            site=fake_transformers_version(tmp_path / "site", "5.13.0"))
+    assert code == 1 and not other["reused"] and "outside the range" in other["inspect"]["problems"][0]
+    code, verified = preflight(pair["drafter"], pair["target"], *cache, "--verify-hashes")
+    assert code == 0 and not verified["reused"]
+    os.utime(pair["target"] / "config.json")                                   # touched: checked again
+    code, touched = preflight(pair["drafter"], pair["target"], *cache)
+    assert code == 0 and not touched["reused"]
+    config = json.loads((pair["drafter"] / "config.json").read_text())
+    config["num_target_layers"] = 9                                              # changed: refused, not kept
+    (pair["drafter"] / "config.json").write_text(json.dumps(config))
+    kept = sorted((tmp_path / "cache").iterdir())
+    code, changed = preflight(pair["drafter"], pair["target"], *cache)
+    assert code == 1 and not changed["reused"] and changed["inspect"]["problems"], changed
+    assert sorted((tmp_path / "cache").iterdir()) == kept
+
+
+def test_the_pass_key_is_every_input_and_none_when_a_pass_cannot_be_trusted_again(embedded_pair, tmp_path):
+    import argparse
+
+    from remote.preflight import folder_entries, pass_key
+
+    copy = shutil.copytree(embedded_pair["drafter"], tmp_path / "copy")     # keeps times: the same entries
+    assert folder_entries(str(copy)) == folder_entries(embedded_pair["drafter"])
+    args = argparse.Namespace(drafter=embedded_pair["drafter"], target=embedded_pair["target"], verify_hashes=False,
+                              suite="default", prompts=2, max_new_tokens=256, dtype=None)
+    versions = {"torch": "2.13.0", "transformers": "5.25.0"}
+    key = pass_key(args, "cpu", versions)
+    assert key == pass_key(args, "cpu", dict(versions)) and len(key) == 64
+    assert key != pass_key(args, "cpu", {**versions, "transformers": "5.14.1"})
+    assert key != pass_key(args, "cuda", versions)
+    for change in ({"prompts": 3}, {"max_new_tokens": 16}, {"dtype": "bfloat16"}, {"drafter": str(copy)}):
+        assert pass_key(argparse.Namespace(**{**vars(args), **change}), "cpu", versions) != key, change
+    for untrusted in ({"verify_hashes": True}, {"suite": "hf:gsm8k"}, {"target": "Qwen/Qwen3-8B"}):
+        assert pass_key(argparse.Namespace(**{**vars(args), **untrusted}), "cpu", versions) is None, untrusted
+
+
 # ----------------------------------------------------------------------------- a wrong result is an error
 
 def planted_python(tmp_path: Path, plant: str) -> Path:

@@ -68,6 +68,7 @@ def test_a_cancel_during_a_resumes_preflight_wins(local_home, tmp_path):
     assert cli(home, runs, "cancel", rid).returncode == 0
     assert run_json(runs, rid)["status"] == "cancelled"
     pid_before = (home / "runs" / rid / "pid").read_text()
+    os.utime(home / "embedded" / "drafter" / "config.json")    # a full pre-flight, not the pass kept from the start
     resume = cli(home, runs, "eval", "--resume", rid, popen=True)
     try:
         wait_for(lambda: any("remote.preflight" in p.read_bytes().decode(errors="replace")

@@ -138,7 +138,8 @@ def check_host_ready(host: Host, runner, req: EvalRequest):
     when wanted)."""
     from .hostcheck import probe
 
-    report = probe(host, runner)
+    wants_gpu = not wants_cpu(req, host)
+    report = probe(host, runner, cuda=wants_gpu)
     if not report.reachable:
         raise EvalError(f"host {host.name} is not reachable: {'; '.join(report.errors)}")
     if not report.torch or not report.transformers:
@@ -149,7 +150,6 @@ def check_host_ready(host: Host, runner, req: EvalRequest):
     if free is not None and free < req.min_free_gb * 2**30:
         raise EvalError(f"host {host.name}: only {free / 2**30:.1f} GiB free in {host.workdir} "
                         f"(need {req.min_free_gb:g} GiB for the worker and its results)")
-    wants_gpu = not wants_cpu(req, host)
     if wants_gpu and not (report.cuda or "").startswith("yes"):
         raise EvalError(f"host {host.name}: no CUDA GPU visible to torch (pass --device cpu to run on CPU, "
                         f"or set `gpus: 0` for it in the inventory)")
@@ -303,7 +303,7 @@ def check_models(host: Host, runner, code_dir: str, req: EvalRequest, suite: str
     planned against its memory (remote/preflight.py: one process, before any weights load)."""
     drafter_path, target_path = map(runner.expand_home, locate_models(host, runner, code_dir, req))
     settings = replace(req.settings, device="cpu" if wants_cpu(req, host) else "cuda", suite=suite)
-    args = [drafter_path, "--target", target_path, *settings.to_argv()]
+    args = [drafter_path, "--target", target_path, "--cache", f"{code_dir}/preflight", *settings.to_argv()]
     if req.verify_weights:
         args.append("--verify-hashes")
     found, err = _python_json(runner, host.python, code_dir, PREFLIGHT, *args, timeout=1800)
