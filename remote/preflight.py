@@ -26,8 +26,8 @@ from pathlib import Path
 
 from remote.inspect import inspect
 from remote.memory import MAX_HEADER, Plan, WeightsError, add_plan_arguments, free_memory, plan_for_suite
-from remote.prompts import HF_SUITES
-from remote.versions import TRANSFORMERS_TESTED, transformers_problem
+from remote.prompts import BUILTIN, HF_SUITES
+from remote.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
 
 # Distributions whose version can change what pre-flight finds (the decoding, the kernels, the
 # tokenizer that counts the suite's tokens, the humaneval suite's data).
@@ -48,12 +48,7 @@ def runtime_problems(target: str, device: str = "cpu") -> list[str]:
     """The installed transformers against :mod:`remote.versions`, then the target cache's rollback
     self-test (:func:`remote.target_cache.self_test`) on a tiny model of the target's own config
     class, on ``device``. Empty when the host can decode this target exactly."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("transformers")
-    except metadata.PackageNotFoundError:
-        version = None
+    version = installed_versions(["transformers"])["transformers"]
     problem = transformers_problem(version)
     if problem:
         return [problem]
@@ -98,15 +93,15 @@ def file_entry(path: Path) -> list | None:
     (``cp -p``, rsync, the lab's copies) has the same entry."""
     digest = hashlib.sha256()
     try:
-        size = path.stat().st_size
+        st = path.stat()
         with open(path, "rb") as fh:
-            if size <= HASHED_WHOLE:
+            if st.st_size <= HASHED_WHOLE:
                 digest.update(fh.read())
             elif path.suffix == ".safetensors":
                 head = fh.read(8)
                 length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
                 digest.update(head + fh.read(min(length, MAX_HEADER)))
-        return [size, path.stat().st_mtime_ns, digest.hexdigest()]
+        return [st.st_size, st.st_mtime_ns, digest.hexdigest()]
     except OSError:
         return None
 
@@ -130,15 +125,9 @@ def pass_key(args: argparse.Namespace, device: str, versions: dict[str, str | No
     if drafter is None or target is None:
         return None
     if versions is None:
-        from importlib import metadata
-
-        versions = {}
-        for dist in KEYED_DISTRIBUTIONS:
-            try:
-                versions[dist] = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                versions[dist] = None
-    suite = args.suite if args.suite in ("default", "humaneval") else [args.suite, file_entry(Path(args.suite).expanduser())]
+        versions = installed_versions(KEYED_DISTRIBUTIONS)
+    # a built-in suite ships with the code (or, humaneval, with its keyed package); a file is keyed by its entry
+    suite = args.suite if args.suite in BUILTIN else [args.suite, file_entry(Path(args.suite).expanduser())]
     fields = {"code": code_digest(), "python": [sys.executable, sys.version, sys.path], "versions": versions,
               "drafter": [args.drafter, drafter], "target": [args.target, target], "suite": suite,
               "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype}

@@ -30,6 +30,20 @@ def parse(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def installed_versions(distributions) -> dict[str, str | None]:
+    """``{distribution: version}`` of those installed for this interpreter (package metadata, no
+    import); None for one that is not installed."""
+    from importlib import metadata
+
+    out = {}
+    for dist in distributions:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
 def transformers_range() -> str:
     return f">={TRANSFORMERS_MIN},<{TRANSFORMERS_BELOW}"
 

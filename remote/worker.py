@@ -139,14 +139,10 @@ def weight_hashes(ckpt) -> dict[str, str]:
 
 
 def versions() -> dict:
-    from importlib import metadata
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "safetensors", "tokenizers", "flash-linear-attention", "triton"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
+    from remote.versions import installed_versions
+
+    return {"python": platform.python_version(), **installed_versions(
+        ("torch", "transformers", "safetensors", "tokenizers", "flash-linear-attention", "triton"))}
 
 
 # ----------------------------------------------------------------------------- the run

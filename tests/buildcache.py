@@ -20,9 +20,10 @@ import os
 import shutil
 import sys
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
+
+from remote.versions import installed_versions
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -49,13 +50,7 @@ def code_stamp() -> dict:
             if source.is_dir() else [source]
         for f in files:
             digest.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {"sources": digest.hexdigest(), "versions": versions, "python": sys.version.split()[0]}
+    return {"sources": digest.hexdigest(), "versions": installed_versions(PACKAGES), "python": sys.version.split()[0]}
 
 
 def folder(name: str, recipe: dict) -> Path:
