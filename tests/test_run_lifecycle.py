@@ -71,8 +71,10 @@ def test_a_cancel_during_a_resumes_preflight_wins(local_home, tmp_path):
     os.utime(home / "embedded" / "drafter" / "config.json")    # a full pre-flight, not the pass kept from the start
     resume = cli(home, runs, "eval", "--resume", rid, popen=True)
     try:
-        wait_for(lambda: any("remote.preflight" in p.read_bytes().decode(errors="replace")
-                             for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists() and _readable(p)),
+        def preflight_of_this_run(cmdline: bytes) -> bool:      # not another test's, running alongside
+            text = cmdline.decode(errors="replace")
+            return "remote.preflight" in text and str(home) in text
+        wait_for(lambda: any(preflight_of_this_run(_cmdline(p)) for p in Path("/proc").glob("[0-9]*/cmdline")),
                  what="the resume's pre-flight")
         cancel = cli(home, runs, "cancel", rid)
         out, _ = resume.communicate(timeout=600)
@@ -86,12 +88,11 @@ def test_a_cancel_during_a_resumes_preflight_wins(local_home, tmp_path):
     assert (home / "runs" / rid / "pid").read_text() == pid_before          # no worker was started again
 
 
-def _readable(p: Path) -> bool:
+def _cmdline(p: Path) -> bytes:
     try:
-        p.read_bytes()
-        return True
-    except OSError:
-        return False
+        return p.read_bytes()
+    except OSError:         # the process ended meanwhile
+        return b""
 
 
 def test_result_files_that_do_not_come_back_leave_the_shard_unfetched(local_home, tmp_path):
