@@ -125,12 +125,13 @@ def cluster_processes(group: int, temp_dir: str) -> list[int]:
     return sorted(found - {os.getpid()})
 
 
-def warm_up(address: str) -> None:
-    """One Ray Client connection before the tests' own: the head's first client server is the slow
-    one to start (imports), which the first test would otherwise pay on a busy machine."""
+def warm_up(address: str, prefix: tuple[str, ...] = ()) -> None:
+    """One Ray Client connection (run under ``prefix``) before the tests' own: the head's first
+    client server is the slow one to start (imports), which the first test would otherwise pay on
+    a busy machine."""
     code = f"import ray; ray.init({address!r}, logging_level='ERROR'); ray.shutdown()"
     for _ in range(3):
-        if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0:
+        if subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0:
             return
 
 
@@ -144,9 +145,10 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     shutil.copytree(Path(embedded_pair["target"]).parent, workdir / "embedded")
     client_port = free_port()
     # the head gives each Ray Client's server process 30 s to come up; a cold one on a loaded 2-core CI
-    # machine took longer (connect() also retries that once)
+    # machine took longer. 60 s here, and connect() tries three times: a server that never comes up
+    # costs a minute before the next try
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120"}
+           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "60"}
     start = subprocess.Popen([*prefix, sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2",
                               "--num-gpus", "2", "--port", str(free_port()), "--ray-client-server-port", str(client_port),
                               "--node-ip-address", "127.0.0.1", "--include-dashboard=false", "--temp-dir",
@@ -157,8 +159,7 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     try:
         out, _ = start.communicate(timeout=180)
         assert start.returncode == 0, out
-        if not prefix:
-            warm_up(f"ray://127.0.0.1:{client_port}")
+        warm_up(f"ray://127.0.0.1:{client_port}", prefix)
         yield {"address": f"ray://127.0.0.1:{client_port}", "workdir": workdir}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):

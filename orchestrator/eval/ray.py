@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 NAMESPACE = "dflash-ops"
 PLACE_TIMEOUT = float(os.environ.get("DFLASH_OPS_RAY_PLACE_TIMEOUT", "120"))   # s for Ray to place an actor
 CONNECT_TIMEOUT = 30.0
+CONNECT_ATTEMPTS = 3            # a Ray Client connection the head's server did not take up is tried again
 EXTRA = "pip install 'dflash-ops[ray]'"
 
 
@@ -156,15 +157,15 @@ def connect(host: "Host", inventory: "Inventory | None"):
         logging.getLogger("ray").setLevel(logging.WARNING)
         for name in ("ray._private.worker", "ray.util.client.logsclient"):   # said here, and echoed by the server
             logging.getLogger(name).addFilter(_not_main_thread_note)
-        for attempt in (1, 2):
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
             try:
                 ray.init(address, namespace=NAMESPACE, runtime_env=runtime_env(), logging_level=logging.WARNING)
                 break
             except Exception as e:  # noqa: BLE001 — grpc, timeouts, version mismatch: one line for the user
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                # A cold head starts a server process per client and gives it 30 s; on a slow node the
-                # first one can miss that (its imports are warm for the second)
-                if attempt == 1 and why.startswith("Initialization failure from server"):
+                why = init_failure(e)
+                # The head starts a server process per client and waits a while for it (Ray's
+                # RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S, 30 s); on a loaded node one can miss that
+                if attempt < CONNECT_ATTEMPTS and why.startswith("Initialization failure from server"):
                     disconnect_client(ray)
                     continue
                 if tunnel:
@@ -172,6 +173,15 @@ def connect(host: "Host", inventory: "Inventory | None"):
                 raise RayError(f"host {host.name}: cannot connect to the Ray cluster at {host.endpoint}: {why}") from None
         _connection.update(host=host.name, tunnel=tunnel)
         return ray
+
+
+def init_failure(e: Exception) -> str:
+    """One line for a failed ``ray.init``: its first line and, when the server sent its traceback
+    (``Initialization failure from server:`` then the traceback), the error that ended it."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(e).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
 
 
 def _not_main_thread_note(record: logging.LogRecord) -> bool:
