@@ -52,6 +52,17 @@ def test_ray_inventory_entries(tmp_path):
             parse_inventory({"hosts": {"lab": {"address": "10.0.0.1"}, "x": entry}}, tmp_path / "inventory.yaml")
 
 
+def test_a_failed_connection_is_one_line_with_the_servers_reason():
+    from orchestrator.eval.ray import init_failure
+
+    traceback = ("Initialization failure from server:\nTraceback (most recent call last):\n  File \"proxier.py\", "
+                 "line 777, in Datapath\n    raise RuntimeError(\nRuntimeError: Proxy failed to Connect to backend!\n")
+    assert init_failure(ConnectionError(traceback)) == ("Initialization failure from server: "
+                                                        "RuntimeError: Proxy failed to Connect to backend!")
+    assert init_failure(ConnectionError("  one line  ")) == "one line"
+    assert init_failure(TimeoutError()) == "TimeoutError"
+
+
 def test_ray_is_not_loaded_until_a_ray_host_is_used():
     code = ("import sys\nfrom orchestrator.eval import hostcheck, pipeline\nfrom orchestrator.cli import app\n"
             "assert 'ray' not in sys.modules and 'orchestrator.eval.ray' not in sys.modules\n"
