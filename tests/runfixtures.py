@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
-import io
 import json
 import re
 import zlib
@@ -231,8 +230,9 @@ class _Collect(HTMLParser):
 
 
 def check_self_contained_html(path: Path) -> list[dict]:
-    """Well-formed, no external URL in any attribute, all images embedded PNGs; returns the imgs."""
-    from PIL import Image
+    """Well-formed, no external URL in any attribute, all images embedded SVGs (well-formed, sized,
+    with something drawn); returns the imgs."""
+    import xml.etree.ElementTree as ET
 
     text = path.read_text(encoding="utf-8")
     p = _Collect()
@@ -249,12 +249,13 @@ def check_self_contained_html(path: Path) -> list[dict]:
     assert p.imgs
     for img in p.imgs:
         src = img["src"]
-        assert src.startswith("data:image/png;base64,")
-        data = base64.b64decode(src.split(",", 1)[1], validate=True)
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
-        im = Image.open(io.BytesIO(data))
-        im.load()
-        assert im.size[0] > 100 and im.size[1] > 100
+        assert src.startswith("data:image/svg+xml;base64,")
+        svg = ET.fromstring(base64.b64decode(src.split(",", 1)[1], validate=True))
+        assert svg.tag == "{http://www.w3.org/2000/svg}svg"
+        assert int(svg.get("width")) > 100 and int(svg.get("height")) > 100
+        assert not any("script" in e.tag or any(a.startswith("on") for a in e.attrib) for e in svg.iter())
+        drawn = [e for e in svg.iter() if e.tag.split("}")[1] in ("polyline", "rect", "circle", "path")]
+        assert len(drawn) > 3, f"nothing drawn in {img.get('alt')}"
     return p.imgs
 
 

@@ -4,7 +4,7 @@ Pairing requires the same prompt ids, the same prompts and (offline) the same re
 completions, and the same target, suite, mode, block size and decoding settings. Any mismatch is
 named and the comparison refused unless forced; forced comparisons use the common prompts.
 Statistics (orchestrator/reports/stats.py): paired bootstrap CIs over prompts, a paired permutation
-test, and win/tie/loss per prompt. numpy and matplotlib load only when a comparison runs.
+test, and win/tie/loss per prompt. numpy loads only when a comparison runs.
 """
 from __future__ import annotations
 
@@ -616,8 +616,8 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
              for d in result["other_differences"]]
     if other:
         doc.para("Other differences (do not change the numbers): " + "; ".join(other), cls="note")
-    for key, heading, png in compare_plots(result):
-        doc.plot(key, heading, png)
+    for key, heading, svg in compare_plots(result):
+        doc.plot(key, heading, svg)
     return doc.write(out_dir, "compare")
 
 

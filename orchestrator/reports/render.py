@@ -1,5 +1,5 @@
 """Formatting shared by documents and messages, and documents written to disk: Markdown plus a self-contained HTML page (inline CSS, plots as
-``data:`` PNGs) from one list of blocks. ``report.md/.html`` of a run and ``compare.md/.html``
+``data:`` SVG images) from one list of blocks. ``report.md/.html`` of a run and ``compare.md/.html``
 are both :class:`Document` s; terminal tables are the CLI's (orchestrator/cli/console.py).
 
 Inline markup in paragraphs: ``**bold**`` and ```code``` (rendered as <b>/<code> in HTML).
@@ -113,12 +113,12 @@ class Document:
             self.heading(heading, level)
         self.blocks.append(("table", list(header), [list(r) for r in rows], cls))
 
-    def plot(self, key: str, heading: str, png: Optional[bytes], missing: str | None = None) -> None:
-        """A plot under its own heading; without data, ``missing`` is said instead (or nothing)."""
-        if png is None and missing is None:
+    def plot(self, key: str, heading: str, svg: Optional[bytes], missing: str | None = None) -> None:
+        """A plot (SVG bytes) under its own heading; without data, ``missing`` is said instead (or nothing)."""
+        if svg is None and missing is None:
             return
         self.heading(heading)
-        self.blocks.append(("plot", key, heading, png, missing))
+        self.blocks.append(("plot", key, heading, svg, missing))
 
     def markdown(self, plot_dir: Path | None = None) -> str:
         md = [f"# {self.title}", ""]
@@ -134,14 +134,14 @@ class Document:
             elif kind == "table":
                 md += [md_table(b[0], b[1]), ""]
             elif kind == "plot":
-                key, heading, png, missing = b
-                if png is None:
+                key, heading, svg, missing = b
+                if svg is None:
                     md += [f"_({missing})_", ""]
                     continue
                 if plot_dir is not None:
                     plot_dir.mkdir(parents=True, exist_ok=True)
-                    (plot_dir / f"{key}.png").write_bytes(png)
-                md += [f"![{heading}](plots/{key}.png)", ""]
+                    (plot_dir / f"{key}.svg").write_bytes(svg)
+                md += [f"![{heading}](plots/{key}.svg)", ""]
         return "\n".join(md)
 
     def html(self) -> str:
@@ -160,18 +160,18 @@ class Document:
             elif kind == "table":
                 body.append(html_table(b[0], b[1], b[2]))
             elif kind == "plot":
-                key, heading, png, missing = b
-                if png is None:
+                key, heading, svg, missing = b
+                if svg is None:
                     body.append(f'<p class="note">({e(missing)})</p>')
                 else:
-                    data = base64.b64encode(png).decode("ascii")
-                    body.append(f'<img class="plot" alt="{e(heading)}" src="data:image/png;base64,{data}">')
+                    data = base64.b64encode(svg).decode("ascii")
+                    body.append(f'<img class="plot" alt="{e(heading)}" src="data:image/svg+xml;base64,{data}">')
         return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
                 f"<title>{e(self.title)}</title><style>{CSS}</style></head>\n<body>\n"
                 + "\n".join(body) + "\n</body></html>\n")
 
     def write(self, out_dir: Path, stem: str) -> tuple[Path, Path]:
-        """``out_dir/STEM.md`` (plots as ``out_dir/plots/KEY.png``) and ``out_dir/STEM.html``."""
+        """``out_dir/STEM.md`` (plots as ``out_dir/plots/KEY.svg``) and ``out_dir/STEM.html``."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         md_path, html_path = out_dir / f"{stem}.md", out_dir / f"{stem}.html"

@@ -247,8 +247,8 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
                  TAU_CONVENTIONS):
         if note:
             doc.para(note, cls="note")
-    for key, heading, png in report_plots(run):
-        doc.plot(key, heading, png)
+    for key, heading, svg in report_plots(run):
+        doc.plot(key, heading, svg)
     doc.table(*prompt_table(run.results), heading="Per prompt")
     engine_report.report_section(doc, run)
     doc.table(["field", "value"], run_rows(run, m), heading="The run")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..reports.plots import _figure, _png
+from ..reports.svg import Chart
 from ..reports.render import Document, fnum
 from .state import WatchState
 
@@ -31,57 +31,47 @@ def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, f
              train_tag: str | None) -> bytes | None:
     if not points:
         return None
-    fig, ax = _figure()
+    chart = Chart("τ vs training step", "training step", "τ (accepted tokens per block)")
     steps = [p["step"] for p in points]
     tau = [p["tau_macro"] for p in points]
     lo = [p["tau_macro"] - p["ci"][0][0] if p["ci"] else 0 for p in points]
     hi = [p["ci"][0][1] - p["tau_macro"] if p["ci"] else 0 for p in points]
-    ax.errorbar(steps, tau, yerr=[lo, hi], marker="o", ms=4, capsize=3, color="C0", label="eval τ (macro, 95% CI)")
-    pooled = [p["tau_pooled"] for p in points]
-    ax.plot(steps, pooled, marker=".", ls="--", color="C0", alpha=0.5, label="eval τ (pooled)")
+    if baseline:
+        if baseline.get("ci"):
+            chart.band(*baseline["ci"], "C7", f"baseline {baseline['label']} (95% CI)")
+        chart.hline(baseline["tau"], "C7", None if baseline.get("ci") else f"baseline {baseline['label']}")
+    chart.errorbars(steps, tau, lo, hi, "C0")
+    chart.line(steps, tau, "eval τ (macro, 95% CI)", "C0")
+    chart.line(steps, [p["tau_pooled"] for p in points], "eval τ (pooled)", "C0", dash="5 3", opacity=0.5)
     for i, b in enumerate(sorted({b for p in points for b in p["ddtree"]}, key=int)):
         ys = [(p["step"], p["ddtree"].get(b)) for p in points if p["ddtree"].get(b) is not None]
         if ys:
-            ax.plot(*zip(*ys), marker="^", ms=3, lw=1, color=f"C{i + 2}", label=f"DDTree-{b} τ")
-    if baseline:
-        ax.axhline(baseline["tau"], color="C7", lw=1)
-        if baseline.get("ci"):
-            ax.axhspan(*baseline["ci"], color="C7", alpha=0.2, label=f"baseline {baseline['label']} (95% CI)")
-        else:
-            ax.lines[-1].set_label(f"baseline {baseline['label']}")
+            chart.line(*zip(*ys), f"DDTree-{b} τ", f"C{i + 2}")
     if train:
-        ax.plot([s for s, _ in train], [v for _, v in train], color="C3", lw=1.2, label=f"training: {train_tag}")
-    return _png(fig, ax, "τ vs training step", "training step", "τ (accepted tokens per block)")
+        chart.line([s for s, _ in train], [v for _, v in train], f"training: {train_tag}", "C3", marker=False)
+    return chart.svg()
 
 
 def plot_acceptance(points: list[dict]) -> bytes | None:
     rows = [p for p in points if p["acceptance"]]
     if not rows:
         return None
-    import numpy as np
-
     k = max(len(p["acceptance"]) for p in rows)
-    grid = np.full((k, len(rows)), np.nan)
-    for j, p in enumerate(rows):
-        grid[:len(p["acceptance"]), j] = p["acceptance"]
-    fig, ax = _figure(8.0, 3.6)
-    ax.plot([], [], alpha=0, label=f"{len(rows)} checkpoints")  # _png draws a legend
-    im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis",
-                   extent=(-0.5, len(rows) - 0.5, 0.5, k + 0.5))
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([str(p["step"]) for p in rows], rotation=45, fontsize=7)
-    fig.colorbar(im, ax=ax, label="P(accepted at k)")
-    return _png(fig, ax, "per-position acceptance over training", "training step", "block position k", grid_axis="y")
+    chart = Chart("per-position acceptance over training", "training step", "block position k", grid="y")
+    chart.heatmap([p["acceptance"] for p in rows], k, "P(accepted at k)")
+    chart.set_xticks(range(len(rows)), [str(p["step"]) for p in rows], rotate=True)
+    chart.note(f"{len(rows)} checkpoints")
+    return chart.svg()
 
 
 def plot_training(series: dict[str, list[tuple[int, float]]], skip: str | None) -> bytes | None:
     others = {t: v for t, v in series.items() if t != skip and v}
     if not others:
         return None
-    fig, ax = _figure(8.0, 3.2)
+    chart = Chart("the training run's own metrics", "training step", "value", height=320)
     for i, (tag, vals) in enumerate(sorted(others.items())):
-        ax.plot([s for s, _ in vals], [v for _, v in vals], color=f"C{i}", label=tag)
-    return _png(fig, ax, "the training run's own metrics", "training step", "value")
+        chart.line([s for s, _ in vals], [v for _, v in vals], tag, f"C{i}", marker=False)
+    return chart.svg()
 
 
 def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
