@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CONNECT_RETRIES = 2
 WINDOW_SIZE = 16 << 20  # REFERENCE §5: big windows keep relays fast
+EXIT_QUIET = 2.0        # s without output, after the exit status, that ends a command's output without its EOF
 
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
@@ -215,13 +216,20 @@ class SSHRunner(Runner):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout + KILL_GRACE + 5
         out, err = bytearray(), bytearray()
+        last_data = start
         while True:
             select.select([chan], [], [], 0.2)
             while chan.recv_ready():
                 out += chan.recv(1 << 20)
+                last_data = time.monotonic()
             while chan.recv_stderr_ready():
                 err += chan.recv_stderr(1 << 20)
-            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                last_data = time.monotonic()
+            # sshd sends the exit status when the process exits, and output still queued behind the
+            # channel's window comes after it: read on to the end of the output (EOF), or, when
+            # something the command left running holds the output open, to a quiet moment
+            if (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()
+                    and (chan.eof_received or time.monotonic() - last_data > EXIT_QUIET)):
                 break
             if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
                 break
