@@ -56,7 +56,7 @@ class Chart:
         self.title, self.xlabel, self.ylabel = title, xlabel, ylabel
         self.width, self.height, self.xlog2, self.ylim, self.grid = width, height, xlog2, ylim, grid
         self.marks: list[tuple] = []          # (kind, data): drawn in order
-        self.legend: list[tuple[str, str, str]] = []    # (label, colour, kind: line|dash|dot|box)
+        self.legend: list[tuple[str, str, str]] = []    # (label, colour, kind: line|dash|box|none)
         self.xs: list[float] = []
         self.ys: list[float] = []
         self.xticks: tuple[list[float], list[str], bool] | None = None

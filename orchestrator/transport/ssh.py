@@ -216,7 +216,7 @@ class SSHRunner(Runner):
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout + KILL_GRACE + 5
         out, err = bytearray(), bytearray()
-        last_data = start
+        last_data, exit_seen = start, None
         while True:
             select.select([chan], [], [], 0.2)
             while chan.recv_ready():
@@ -225,12 +225,13 @@ class SSHRunner(Runner):
             while chan.recv_stderr_ready():
                 err += chan.recv_stderr(1 << 20)
                 last_data = time.monotonic()
-            # sshd sends the exit status when the process exits, and output still queued behind the
-            # channel's window comes after it: read on to the end of the output (EOF), or, when
-            # something the command left running holds the output open, to a quiet moment
-            if (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()
-                    and (chan.eof_received or time.monotonic() - last_data > EXIT_QUIET)):
-                break
+            # sshd sends the exit status when the process exits, and output it has not sent yet comes
+            # after it: read on to the end of the output (EOF), or, when something the command left
+            # running holds the output open, to EXIT_QUIET s without output after the exit status
+            if chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready():
+                exit_seen = exit_seen or time.monotonic()
+                if chan.eof_received or time.monotonic() - max(last_data, exit_seen) > EXIT_QUIET:
+                    break
             if chan.closed and not chan.recv_ready() and not chan.recv_stderr_ready():
                 break
             if deadline is not None and time.monotonic() > deadline:
