@@ -106,18 +106,32 @@ def kv_bytes_per_token(cfg: dict, dtype_bytes: int) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def longest_context(rows, tokenizer, max_new_tokens: int) -> int:
-    """Tokens of the longest conversation: its prompt turns, the answers before each next turn and
-    the last answer (``max_new_tokens`` each), plus the chat template's markers."""
-    longest = 0
+def prompt_tokens(rows, tokenizer) -> list[list[int | None]]:
+    """Per row, ``[its token ids' count or None, its turns' text tokens, its turns]``: what
+    :func:`context_tokens` needs of a prompt (characters bound the text's tokens without a tokenizer)."""
+    out = []
     for row in rows:
         if row.input_ids is not None:
-            n = len(row.input_ids) + max_new_tokens
+            out.append([len(row.input_ids), 0, 1])
         else:
-            text = sum(len(tokenizer(t)["input_ids"]) if tokenizer else len(t) for t in row.turns)
-            n = text + len(row.turns) * (max_new_tokens + TEMPLATE_TOKENS)
+            out.append([None, sum(len(tokenizer(t)["input_ids"]) if tokenizer else len(t) for t in row.turns),
+                        len(row.turns)])
+    return out
+
+
+def context_tokens(counts, max_new_tokens: int) -> int:
+    """Tokens of the longest conversation of ``counts`` (:func:`prompt_tokens`): its prompt turns,
+    the answers before each next turn and the last answer (``max_new_tokens`` each), plus the chat
+    template's markers."""
+    longest = 0
+    for ids, text, turns in counts:
+        n = ids + max_new_tokens if ids is not None else text + turns * (max_new_tokens + TEMPLATE_TOKENS)
         longest = max(longest, n)
     return longest
+
+
+def longest_context(rows, tokenizer, max_new_tokens: int) -> int:
+    return context_tokens(prompt_tokens(rows, tokenizer), max_new_tokens)
 
 
 def human_bytes(n: int) -> str:
@@ -223,21 +237,26 @@ def main(argv=None) -> int:
     return 0 if result.fits else 1
 
 
+def run_dtype(device: str, dtype: str | None) -> str:
+    """The worker's dtype: the one asked for, else bfloat16 on CUDA and float32 on CPU."""
+    return dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
+
 def plan_for_suite(target_dir, drafter_dir, suite: str, prompts: int | None, max_new_tokens: int,
                    device: str | None = None, dtype: str | None = None, target_devices=None,
                    max_memory_gb: float | None = None) -> Plan:
     """The plan of a worker run over a prompt suite, with the worker's device and dtype defaults."""
     from remote.prompts import load_suite
-    import torch
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = load_suite(suite, limit=prompts).rows
-    return check(target_dir, drafter_dir, rows, max_new_tokens, device, dtype, target_devices, max_memory_gb)
+    return check(target_dir, drafter_dir, rows, max_new_tokens, device, run_dtype(device, dtype), target_devices,
+                 max_memory_gb)
 
 
-def check(target_dir, drafter_dir, rows, max_new_tokens: int, device: str, dtype: str,
-          target_devices=None, max_memory_gb: float | None = None) -> Plan:
-    """The plan of a worker run (the tokenizer only, no weights, is loaded to count prompt tokens)."""
+def count_tokens(target_dir, rows) -> list[list[int | None]]:
+    """:func:`prompt_tokens` of ``rows`` with the target's tokenizer (loaded only when a row is text)."""
     tokenizer = None
     if any(r.input_ids is None for r in rows):
         try:
@@ -245,7 +264,13 @@ def check(target_dir, drafter_dir, rows, max_new_tokens: int, device: str, dtype
             tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         except Exception:  # noqa: BLE001 — characters then bound the tokens from above
             tokenizer = None
-    return plan(target_dir, drafter_dir, longest_context(rows, tokenizer, max_new_tokens), dtype,
+    return prompt_tokens(rows, tokenizer)
+
+
+def check(target_dir, drafter_dir, rows, max_new_tokens: int, device: str, dtype: str,
+          target_devices=None, max_memory_gb: float | None = None) -> Plan:
+    """The plan of a worker run (the tokenizer only, no weights, is loaded to count prompt tokens)."""
+    return plan(target_dir, drafter_dir, context_tokens(count_tokens(target_dir, rows), max_new_tokens), dtype,
                 free_memory(device, target_devices, max_memory_gb))
 
 

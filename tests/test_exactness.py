@@ -126,19 +126,36 @@ def preflight(drafter, target, *args: str, site: Path | None = None) -> tuple[in
 
 
 def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(embedded_pair, tmp_path):
-    """`--cache`: a pass (the checks and the self-test) is reused for the same inputs, the free
-    memory measured again; another transformers version, a touched or changed file, a failure or
-    --verify-hashes is checked afresh."""
+    """`--cache`: a pass (the checks, the self-test and the prompts' token counts) is reused for the
+    same inputs, the memory plan computed again (with the free memory measured now, and the run's
+    prompts and tokens); another transformers version, a touched or changed file, a failure or
+    --verify-hashes is checked afresh; a copy of the target elsewhere is checked again, its
+    self-test and token counts reused."""
     pair = {k: shutil.copytree(v, tmp_path / k) for k, v in embedded_pair.items()}
     cache = ("--cache", str(tmp_path / "cache"))
+
+    def kept() -> list[str]:
+        return sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+
     code, first = preflight(pair["drafter"], pair["target"], *cache)
     assert code == 0 and not first["reused"] and first["memory"]["fits"]
+    assert kept() == ["checks", "self", "tokens"]
     code, again = preflight(pair["drafter"], pair["target"], *cache)
     assert code == 0 and again["reused"] and again["inspect"] == first["inspect"]
     assert {k: again["memory"][k] for k in ("need", "context_tokens")} == \
         {k: first["memory"][k] for k in ("need", "context_tokens")}
+    other_run = ("--prompts", "7", "--max-new-tokens", "40", "--dtype", "bfloat16")
+    code, settings = preflight(pair["drafter"], pair["target"], *cache, *other_run)
+    code_fresh, fresh = preflight(pair["drafter"], pair["target"], *other_run)          # no cache: counted now
+    assert code == code_fresh == 0 and settings["reused"] and not fresh["reused"]
+    assert settings["memory"]["context_tokens"] != first["memory"]["context_tokens"]
+    sizes = ("target", "drafter", "kv_cache", "logits", "context_tokens", "need")
+    assert {k: settings["memory"][k] for k in sizes} == {k: fresh["memory"][k] for k in sizes}
     code, tight = preflight(pair["drafter"], pair["target"], *cache, "--max-memory", "0.0001")
     assert code == 1 and tight["reused"] and not tight["memory"]["fits"]        # the free memory is now's
+    elsewhere = shutil.copytree(pair["target"], tmp_path / "elsewhere")
+    code, moved = preflight(pair["drafter"], elsewhere, *cache)
+    assert code == 0 and not moved["reused"] and kept() == ["checks", "checks", "self", "tokens"]
     code, other = preflight(pair["drafter"], pair["target"], *cache,
                             site=fake_transformers_version(tmp_path / "site", "5.13.0"))
     assert code == 1 and not other["reused"] and "outside the range" in other["inspect"]["problems"][0]
@@ -150,30 +167,45 @@ def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(e
     config = json.loads((pair["drafter"] / "config.json").read_text())
     config["num_target_layers"] = 9                                              # changed: refused, not kept
     (pair["drafter"] / "config.json").write_text(json.dumps(config))
-    kept = sorted((tmp_path / "cache").iterdir())
+    before = sorted((tmp_path / "cache").iterdir())
     code, changed = preflight(pair["drafter"], pair["target"], *cache)
     assert code == 1 and not changed["reused"] and changed["inspect"]["problems"], changed
-    assert sorted((tmp_path / "cache").iterdir()) == kept
+    assert sorted((tmp_path / "cache").iterdir()) == before
 
 
-def test_the_pass_key_is_every_input_and_none_when_a_pass_cannot_be_trusted_again(embedded_pair, tmp_path):
+def test_each_kept_part_is_keyed_by_what_it_reads_and_none_when_a_pass_cannot_be_trusted_again(embedded_pair,
+                                                                                              tmp_path):
     import argparse
 
-    from remote.preflight import folder_entries, pass_key
+    from remote.preflight import folder_entries, pass_keys
 
     copy = shutil.copytree(embedded_pair["drafter"], tmp_path / "copy")     # keeps times: the same entries
     assert folder_entries(str(copy)) == folder_entries(embedded_pair["drafter"])
     args = argparse.Namespace(drafter=embedded_pair["drafter"], target=embedded_pair["target"], verify_hashes=False,
                               suite="default", prompts=2, max_new_tokens=256, dtype=None)
     versions = {"torch": "2.13.0", "transformers": "5.25.0"}
-    key = pass_key(args, "cpu", versions)
-    assert key == pass_key(args, "cpu", dict(versions)) and len(key) == 64
-    assert key != pass_key(args, "cpu", {**versions, "transformers": "5.14.1"})
-    assert key != pass_key(args, "cuda", versions)
-    for change in ({"prompts": 3}, {"max_new_tokens": 16}, {"dtype": "bfloat16"}, {"drafter": str(copy)}):
-        assert pass_key(argparse.Namespace(**{**vars(args), **change}), "cpu", versions) != key, change
+    keys = pass_keys(args, "cpu", versions)
+    assert keys == pass_keys(args, "cpu", dict(versions)) and sorted(keys) == ["checks", "self-test", "tokens"]
+    assert all(len(key) == 64 for key in keys.values()) and len(set(keys.values())) == 3
+
+    def changed(change: dict, device: str = "cpu", libraries: dict = versions) -> set[str]:
+        other = pass_keys(argparse.Namespace(**{**vars(args), **change}), device, libraries)
+        return {part for part in keys if other[part] != keys[part]}
+
+    assert changed({}, libraries={**versions, "transformers": "5.14.1"}) == set(keys)
+    assert changed({}, device="cuda") == {"self-test"}
+    assert changed({"drafter": str(copy)}) == {"checks"}
+    target = shutil.copytree(embedded_pair["target"], tmp_path / "target")
+    assert changed({"target": str(target)}) == {"checks"}                  # the same content elsewhere
+    os.utime(target / "config.json")
+    assert changed({"target": str(target)}) == {"checks"}                  # touched, not changed
+    (target / "tokenizer_config.json").write_text((target / "tokenizer_config.json").read_text() + "\n")
+    assert changed({"target": str(target)}) == set(keys)
+    assert changed({"suite": "humaneval"}) == {"tokens"}
+    for computed_anew in ({"prompts": 3}, {"max_new_tokens": 16}, {"dtype": "bfloat16"}):
+        assert changed(computed_anew) == set(), computed_anew
     for untrusted in ({"verify_hashes": True}, {"suite": "hf:gsm8k"}, {"target": "Qwen/Qwen3-8B"}):
-        assert pass_key(argparse.Namespace(**{**vars(args), **untrusted}), "cpu", versions) is None, untrusted
+        assert pass_keys(argparse.Namespace(**{**vars(args), **untrusted}), "cpu", versions) is None, untrusted
 
 
 # ----------------------------------------------------------------------------- a wrong result is an error

@@ -68,7 +68,8 @@ def test_a_cancel_during_a_resumes_preflight_wins(local_home, tmp_path):
     assert cli(home, runs, "cancel", rid).returncode == 0
     assert run_json(runs, rid)["status"] == "cancelled"
     pid_before = (home / "runs" / rid / "pid").read_text()
-    os.utime(home / "embedded" / "drafter" / "config.json")    # a full pre-flight, not the pass kept from the start
+    config = home / "embedded" / "target" / "config.json"       # a full pre-flight, nothing kept from the start:
+    config.write_text(config.read_text() + "\n")                 # the target's content differs (not its meaning)
     resume = cli(home, runs, "eval", "--resume", rid, popen=True)
     try:
         def preflight_of_this_run(cmdline: bytes) -> bool:      # not another test's, running alongside
