@@ -147,13 +147,17 @@ def pass_keys(args: argparse.Namespace, device: str, versions: dict[str, str | N
 
 
 def recall(cache: Path, keys: dict | None, part: str):
-    """The part kept under its key, or None."""
+    """The part kept under its key, or None (also for a file that is not such a part)."""
     if not keys:
         return None
     try:
-        return json.loads((cache / f"{part}-{keys[part]}.json").read_text())
+        value = json.loads((cache / f"{part}-{keys[part]}.json").read_text())
     except (OSError, ValueError):
         return None
+    shapes = {"checks": lambda v: isinstance(v, dict) and v.get("ok") is True and isinstance(v.get("problems"), list),
+              "self-test": lambda v: isinstance(v, list),
+              "tokens": lambda v: isinstance(v, dict) and isinstance(v.get("counts"), list)}
+    return value if shapes[part](value) else None
 
 
 def keep(cache: Path, keys: dict, parts: dict) -> None:

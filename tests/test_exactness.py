@@ -153,6 +153,10 @@ def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(e
     assert {k: settings["memory"][k] for k in sizes} == {k: fresh["memory"][k] for k in sizes}
     code, tight = preflight(pair["drafter"], pair["target"], *cache, "--max-memory", "0.0001")
     assert code == 1 and tight["reused"] and not tight["memory"]["fits"]        # the free memory is now's
+    (kept_test,) = (tmp_path / "cache").glob("self-test-*.json")
+    kept_test.write_text('{"not": "a self-test"}')                               # not a part: run again
+    code, garbled = preflight(pair["drafter"], pair["target"], *cache)
+    assert code == 0 and not garbled["reused"] and json.loads(kept_test.read_text()) == []
     elsewhere = shutil.copytree(pair["target"], tmp_path / "elsewhere")
     code, moved = preflight(pair["drafter"], elsewhere, *cache)
     assert code == 0 and not moved["reused"] and kept() == ["checks", "checks", "self", "tokens"]
