@@ -234,6 +234,55 @@ def worker_alive(run_dir: Path) -> bool:
     return fields[0] != "Z" and fields[19] == start
 
 
+@contextlib.contextmanager
+def held_until_signalled(groups: list[int]):
+    """Stop the process groups (SIGSTOP) so that they are still running whenever a `cancel` reaches
+    them, however long its Ray Client connection takes; each goes on (SIGCONT) as soon as its leader
+    has a SIGTERM pending, and so handles the cancel's signal as a running worker does. Yields the
+    list of the groups released that way."""
+    import threading
+
+    def sigterm_pending(pid: int) -> bool:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return True                 # gone: nothing left to hold
+        masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigPnd:", "ShdPnd:"))]
+        return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
+
+    def go_on(pid: int) -> None:
+        try:
+            os.killpg(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+    done, released = threading.Event(), []
+
+    def release() -> None:
+        held = list(groups)
+        while held and not done.is_set():
+            for pid in [p for p in held if sigterm_pending(p)]:
+                go_on(pid)
+                held.remove(pid)
+                released.append(pid)
+            time.sleep(0.05)
+
+    for pid in groups:
+        try:
+            os.killpg(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass                        # ended already: the test's own checks say so
+    watcher = threading.Thread(target=release, daemon=True)
+    watcher.start()
+    try:
+        yield released
+    finally:
+        done.set()
+        watcher.join(5)
+        for pid in groups:
+            go_on(pid)
+
+
 def free_gpus(inventory: Path, runs: Path) -> str:
     proc = cli(inventory, runs, "hosts", "check", "cluster", "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -292,7 +341,7 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"
-    # 12 prompts per worker: still running when `cancel` (a Ray client start of its own) reaches them
+    # 12 prompts per worker, held (stopped) until the cancel's SIGTERM reaches them: still running then
     started = cli(inventory, runs, *EVAL, "--host", "cluster", "--gpus", "2", "--suite", "humaneval", "--prompts", "24",
                   "--max-new-tokens", "256", "--detach")
     assert started.returncode == 0, started.stdout + started.stderr
@@ -300,7 +349,10 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
     shards = [ray_cluster["workdir"] / "runs" / run.name / f"shard-{k}" for k in (0, 1)]
     wait_for(lambda: all((d / "pid").exists() for d in shards), what="both workers")
     assert all(worker_alive(d) for d in shards)
-    cancelled = cli(inventory, runs, "cancel", run.name)
+    groups = [int((d / "pid").read_text().split()[0]) for d in shards]
+    with held_until_signalled(groups) as released:
+        cancelled = cli(inventory, runs, "cancel", run.name)
+    assert sorted(released) == sorted(groups)                              # each went on at the cancel's SIGTERM
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
     assert not any(worker_alive(d) for d in shards)                       # the workers are stopped
     record = json.loads((run / "run.json").read_text())
