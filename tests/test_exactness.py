@@ -131,6 +131,8 @@ def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(e
     prompts and tokens); another transformers version, a touched or changed file, a failure or
     --verify-hashes is checked afresh; a copy of the target elsewhere is checked again, its
     self-test and token counts reused."""
+    from remote.memory import plan_for_suite
+
     pair = {k: shutil.copytree(v, tmp_path / k) for k, v in embedded_pair.items()}
     cache = ("--cache", str(tmp_path / "cache"))
 
@@ -144,13 +146,12 @@ def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(e
     assert code == 0 and again["reused"] and again["inspect"] == first["inspect"]
     assert {k: again["memory"][k] for k in ("need", "context_tokens")} == \
         {k: first["memory"][k] for k in ("need", "context_tokens")}
-    other_run = ("--prompts", "7", "--max-new-tokens", "40", "--dtype", "bfloat16")
-    code, settings = preflight(pair["drafter"], pair["target"], *cache, *other_run)
-    code_fresh, fresh = preflight(pair["drafter"], pair["target"], *other_run)          # no cache: counted now
-    assert code == code_fresh == 0 and settings["reused"] and not fresh["reused"]
-    assert settings["memory"]["context_tokens"] != first["memory"]["context_tokens"]
+    code, settings = preflight(pair["drafter"], pair["target"], *cache, "--prompts", "7", "--max-new-tokens", "40",
+                               "--dtype", "bfloat16")
+    assert code == 0 and settings["reused"] and settings["memory"]["context_tokens"] != first["memory"]["context_tokens"]
+    fresh = plan_for_suite(pair["target"], pair["drafter"], "default", 7, 40, "cpu", "bfloat16").to_dict()  # counted now
     sizes = ("target", "drafter", "kv_cache", "logits", "context_tokens", "need")
-    assert {k: settings["memory"][k] for k in sizes} == {k: fresh["memory"][k] for k in sizes}
+    assert {k: settings["memory"][k] for k in sizes} == {k: fresh[k] for k in sizes}
     code, tight = preflight(pair["drafter"], pair["target"], *cache, "--max-memory", "0.0001")
     assert code == 1 and tight["reused"] and not tight["memory"]["fits"]        # the free memory is now's
     (kept_test,) = (tmp_path / "cache").glob("self-test-*.json")
