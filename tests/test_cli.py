@@ -3,6 +3,9 @@ documented exit code for each kind of failure (README, "Exit codes")."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -20,8 +23,13 @@ def test_version_and_completion():
     res = invoke("--version")
     assert res.exit_code == 0 and res.output.strip() == f"dflash-ops {version('dflash-ops')}"
     assert "--install-completion" in invoke("--help").output
-    res = invoke("--show-completion", "bash")
-    assert res.exit_code == 0 and "complete" in res.output
+    # the completion script is for the shell the command runs under (shellingham reads the process
+    # tree), so it is asked for from a bash (one that does not exec the command: a second statement),
+    # whatever started the tests
+    script = Path(sys.executable).with_name("dflash-ops")           # the installed command
+    proc = subprocess.run(["bash", "-c", '"$0" --show-completion; exit $?', str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "complete -o default -F _dflash_ops_completion dflash-ops" in proc.stdout, proc.stderr
 
 
 def test_show_json(tmp_path):
