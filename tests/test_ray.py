@@ -157,9 +157,11 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
     client_port = free_port()
     # the head gives each Ray Client's server process 30 s to come up; a cold one on a loaded 2-core CI
     # machine took longer. 60 s here, and connect() tries three times: a server that never comes up
-    # costs a minute before the next try
+    # costs a minute before the next try. gRPC's fork handlers off (README, "Ray"): with them, the
+    # head's proxy forking a client's server while its gRPC threads were busy killed that server at
+    # start in three of four runs of this file, and that connection waited the full minute
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "60"}
+           "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "60", "GRPC_ENABLE_FORK_SUPPORT": "false"}
     start = subprocess.Popen([*prefix, sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "2",
                               "--num-gpus", "2", "--port", str(free_port()), "--ray-client-server-port", str(client_port),
                               "--node-ip-address", "127.0.0.1", "--include-dashboard=false", "--temp-dir",
