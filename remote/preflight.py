@@ -11,9 +11,10 @@ REPORT's ``problems``); exit 0 when all pass.
 found, in three parts, each keyed by what it depends on (:func:`pass_keys`) besides this worker code,
 the interpreter, its import path and the versions of the libraries that decode:
 
-- the checks (the inspect report): what pre-flight reads of each file of the drafter and target
-  folders (:func:`file_entry`), and their paths;
-- the self-test: the target folder's content (wherever it is) and the device;
+- the checks (the inspect report): the drafter and target folders' content, what pre-flight reads of
+  each file (:func:`file_entry`'s size and sha256), wherever they are: the same checkpoint copied
+  elsewhere, or touched, is not checked again (its report names the paths of this pre-flight);
+- the self-test: the target folder's content and the device;
 - the prompts' token counts: the target folder's content and the suite.
 
 A pre-flight whose parts are all kept does not import torch or transformers; one with some kept
@@ -136,14 +137,30 @@ def pass_keys(args: argparse.Namespace, device: str, versions: dict[str, str | N
     if versions is None:
         versions = installed_versions(KEYED_DISTRIBUTIONS)
     common = {"code": code_digest(), "python": [sys.executable, sys.version, sys.path], "versions": versions}
-    content = [[name, entry and [entry[0], entry[2]]] for name, entry in target]     # size and sha256, not time
+    drafter, content = content_of(drafter), content_of(target)
     # a built-in suite ships with the code (or, humaneval, with its keyed package); a file is keyed by its entry
     suite = args.suite if args.suite in BUILTIN else [args.suite, file_entry(Path(args.suite).expanduser())]
-    parts = {"checks": {"drafter": [args.drafter, drafter], "target": [args.target, target]},
+    parts = {"checks": {"drafter": drafter, "target": content},
              "self-test": {"target": content, "device": device},
              "tokens": {"target": content, "suite": suite}}
     return {part: hashlib.sha256(json.dumps({**common, part: fields}, sort_keys=True).encode()).hexdigest()
             for part, fields in parts.items()}
+
+
+def content_of(entries: list[list]) -> list[list]:
+    """A folder's :func:`folder_entries` without the times: each file's name, size and sha256."""
+    return [[name, entry and [entry[0], entry[2]]] for name, entry in entries]
+
+
+def placed(report: dict, drafter: str, target: str) -> dict:
+    """A kept checks report naming this pre-flight's drafter and target paths (the kept one names
+    those of the pre-flight that wrote it: the same content, maybe elsewhere)."""
+    report = {**report, "drafter": drafter}
+    if isinstance(report.get("config"), dict):
+        report["config"] = {**report["config"], "path": str(Path(drafter).expanduser())}
+    if isinstance(report.get("target"), dict):
+        report["target"] = {**report["target"], "path": str(Path(target).expanduser())}
+    return report
 
 
 def recall(cache: Path, keys: dict | None, part: str):
@@ -195,7 +212,8 @@ def main(argv=None) -> int:
     device = run_device(args.device)
     keys = pass_keys(args, device) if args.cache else None
     kept = {part: recall(args.cache, keys, part) for part in ("checks", "self-test", "tokens")}
-    checked = kept["checks"] or inspect(args.drafter, args.target, verify_hashes=args.verify_hashes)
+    checked = (placed(kept["checks"], args.drafter, args.target) if kept["checks"]
+               else inspect(args.drafter, args.target, verify_hashes=args.verify_hashes))
     report = {**checked, "problems": list(checked["problems"])}
     self_test = counts = plan_ = None
     if report["ok"]:
@@ -214,8 +232,9 @@ def main(argv=None) -> int:
             report["ok"] = False
     reused = all(kept[part] is not None for part in kept) and counts is kept["tokens"]
     if keys and report["ok"]:
-        fresh = {"checks": checked, "self-test": self_test, "tokens": counts}
-        keep(args.cache, keys, {part: value for part, value in fresh.items() if value is not kept[part]})
+        fresh = {"checks": None if kept["checks"] else checked, "self-test": self_test, "tokens": counts}
+        keep(args.cache, keys, {part: value for part, value in fresh.items()
+                                if value is not None and value is not kept[part]})
     print(json.dumps({"inspect": report, "memory": plan_, "reused": reused}))
     return 0 if report["ok"] and plan_ and plan_["fits"] else 1
 

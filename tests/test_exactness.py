@@ -128,9 +128,9 @@ def preflight(drafter, target, *args: str, site: Path | None = None) -> tuple[in
 def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(embedded_pair, tmp_path):
     """`--cache`: a pass (the checks, the self-test and the prompts' token counts) is reused for the
     same inputs, the memory plan computed again (with the free memory measured now, and the run's
-    prompts and tokens); another transformers version, a touched or changed file, a failure or
-    --verify-hashes is checked afresh; a copy of the target elsewhere is checked again, its
-    self-test and token counts reused."""
+    prompts and tokens), also for the same files elsewhere or touched (the report naming the paths
+    of the pre-flight that reuses it); another transformers version, a changed file, a failure or
+    --verify-hashes is checked afresh."""
     from remote.memory import plan_for_suite
 
     pair = {k: shutil.copytree(v, tmp_path / k) for k, v in embedded_pair.items()}
@@ -158,17 +158,22 @@ def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(e
     kept_test.write_text('{"not": "a self-test"}')                               # not a part: run again
     code, garbled = preflight(pair["drafter"], pair["target"], *cache)
     assert code == 0 and not garbled["reused"] and json.loads(kept_test.read_text()) == []
-    elsewhere = shutil.copytree(pair["target"], tmp_path / "elsewhere")
-    code, moved = preflight(pair["drafter"], elsewhere, *cache)
-    assert code == 0 and not moved["reused"] and kept() == ["checks", "checks", "self", "tokens"]
+    elsewhere = {k: shutil.copytree(v, tmp_path / f"elsewhere-{k}") for k, v in pair.items()}
+    code, moved = preflight(elsewhere["drafter"], elsewhere["target"], *cache)
+    assert code == 0 and moved["reused"] and kept() == ["checks", "self", "tokens"]
+    assert moved["inspect"]["drafter"] == str(elsewhere["drafter"])
+    assert moved["inspect"]["config"]["path"] == str(elsewhere["drafter"])
+    assert moved["inspect"]["target"]["path"] == str(elsewhere["target"])
+    assert {k: v for k, v in moved["inspect"].items() if k not in ("drafter", "config", "target")} == \
+        {k: v for k, v in first["inspect"].items() if k not in ("drafter", "config", "target")}
     code, other = preflight(pair["drafter"], pair["target"], *cache,
                             site=fake_transformers_version(tmp_path / "site", "5.13.0"))
     assert code == 1 and not other["reused"] and "outside the range" in other["inspect"]["problems"][0]
     code, verified = preflight(pair["drafter"], pair["target"], *cache, "--verify-hashes")
     assert code == 0 and not verified["reused"]
-    os.utime(pair["target"] / "config.json")                                   # touched: checked again
+    os.utime(pair["target"] / "config.json")                                   # touched, not changed
     code, touched = preflight(pair["drafter"], pair["target"], *cache)
-    assert code == 0 and not touched["reused"]
+    assert code == 0 and touched["reused"]
     config = json.loads((pair["drafter"] / "config.json").read_text())
     config["num_target_layers"] = 9                                              # changed: refused, not kept
     (pair["drafter"] / "config.json").write_text(json.dumps(config))
@@ -199,11 +204,14 @@ def test_each_kept_part_is_keyed_by_what_it_reads_and_none_when_a_pass_cannot_be
 
     assert changed({}, libraries={**versions, "transformers": "5.14.1"}) == set(keys)
     assert changed({}, device="cuda") == {"self-test"}
-    assert changed({"drafter": str(copy)}) == {"checks"}
+    assert changed({"drafter": str(copy)}) == set()                       # the same content elsewhere
     target = shutil.copytree(embedded_pair["target"], tmp_path / "target")
-    assert changed({"target": str(target)}) == {"checks"}                  # the same content elsewhere
+    assert changed({"target": str(target)}) == set()
     os.utime(target / "config.json")
-    assert changed({"target": str(target)}) == {"checks"}                  # touched, not changed
+    assert changed({"target": str(target)}) == set()                      # touched, not changed
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes() + b" ")                      # a byte more: another file
+    assert changed({"drafter": str(copy)}) == {"checks"}
     (target / "tokenizer_config.json").write_text((target / "tokenizer_config.json").read_text() + "\n")
     assert changed({"target": str(target)}) == set(keys)
     assert changed({"suite": "humaneval"}) == {"tokens"}
