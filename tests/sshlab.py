@@ -199,43 +199,51 @@ def _stop_pidfile(pidfile: Path) -> None:
     pid = int(pidfile.read_text().split()[0])
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
 # --- teardown ------------------------------------------------------------------------------
 
 
-def _kill(pid: int) -> None:
+def _gone(pid: int) -> bool:
+    """Ended: no such process, or a zombie (a daemon's parent is init, which may reap it late)."""
     try:
-        os.kill(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    for _ in range(50):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _kill(pids: list[int]) -> None:
+    """SIGTERM to each, a second for all of them to end, then SIGKILL to those still running."""
+    for pid in pids:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + 1
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for pid in pids:
+        if not _gone(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _teardown(record: dict) -> None:
+    sshds = []
     for pf in record.get("pidfiles", []):
         try:
-            pid = int(Path(pf).read_text().split()[0])
+            sshds.append(int(Path(pf).read_text().split()[0]))
         except (OSError, ValueError, IndexError):
             continue
-        _kill(pid)
+    _kill(sshds)
     for ns in record.get("netns", []):
         # sessions forked by sshd are still in the namespace: end them, then remove it
         pids = _run(["ip", "netns", "pids", ns], check=False).stdout.split()
-        for pid in pids:
-            if pid.isdigit() and int(pid) != os.getpid():
-                _kill(int(pid))
+        _kill([int(pid) for pid in pids if pid.isdigit() and int(pid) != os.getpid()])
         _run(["ip", "netns", "del", ns], check=False)
     for dev in record.get("veth", []):
         _run(["ip", "link", "del", dev], check=False)  # normally gone with the namespace
