@@ -13,6 +13,7 @@ import sys
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -147,13 +148,14 @@ def warm_up(address: str, prefix: tuple[str, ...] = ()) -> None:
 
 
 @contextlib.contextmanager
-def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
+def local_cluster(embedded_pair: Callable[[], dict], prefix: tuple[str, ...] = ()):
     """``ray start --head --num-cpus 2 --num-gpus 2`` (run under ``prefix``, e.g. ``ip netns exec
     NS``) in its own temp dir and process group, stopped by killing exactly its processes;
-    yields ``{"address", "workdir"}`` (the address as seen where the cluster runs)."""
+    yields ``{"address", "workdir"}`` (the address as seen where the cluster runs), its workdir
+    holding the pair ``embedded_pair()`` returns, asked for once the head is up (a first build
+    of the pair, in the other pytest worker or here, goes on meanwhile)."""
     temp_dir = tempfile.mkdtemp(prefix="dfo-ray-", dir="/tmp")     # short: Ray's socket paths live under it
     workdir = Path(temp_dir) / "work"
-    shutil.copytree(Path(embedded_pair["target"]).parent, workdir / "embedded")
     client_port = free_port()
     # the head gives each Ray Client's server process 30 s to come up; a cold one on a loaded 2-core CI
     # machine took longer. 60 s here, and connect() tries three times: a server that never comes up
@@ -173,6 +175,7 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
         out, _ = start.communicate(timeout=180)
         assert start.returncode == 0, out
         warm_up(f"ray://127.0.0.1:{client_port}", prefix)
+        shutil.copytree(Path(embedded_pair()["target"]).parent, workdir / "embedded")
         yield {"address": f"ray://127.0.0.1:{client_port}", "workdir": workdir}
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -190,10 +193,10 @@ def local_cluster(embedded_pair, prefix: tuple[str, ...] = ()):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(embedded_pair):
+def ray_cluster(request):
     if not HAVE_RAY:
         pytest.skip("ray is not installed (pip install 'dflash-ops[ray]'; CI does)")
-    with local_cluster(embedded_pair) as cluster:
+    with local_cluster(lambda: request.getfixturevalue("embedded_pair")) as cluster:
         yield cluster
 
 
@@ -405,7 +408,7 @@ def test_a_cluster_reached_only_through_an_ssh_host(ssh_lab, embedded_pair, tmp_
     ours); the inventory says `via: eval`, and dflash-ops tunnels to it over that host's SSH."""
     if not ssh_lab.isolated:
         pytest.skip(f"needs the lab's network namespaces ({ssh_lab.fallback_reason})")
-    with local_cluster(embedded_pair, ("ip", "netns", "exec", ssh_lab.eval.netns)) as cluster:
+    with local_cluster(lambda: embedded_pair, ("ip", "netns", "exec", ssh_lab.eval.netns)) as cluster:
         with socket.socket() as s:                 # not reachable from here directly
             s.settimeout(2)
             assert s.connect_ex(("127.0.0.1", int(cluster["address"].rsplit(":", 1)[1]))) != 0
