@@ -3,7 +3,7 @@
 Shipped by piping this file into the host's interpreter (``python - ARGS``), so nothing needs
 installing. Package versions come from ``importlib.metadata`` (no imports); CUDA availability needs
 ``import torch``, done in a child process with a timeout (skipped with ``--no-cuda``: a run on
-CPU). ``fla`` is never imported (it can crash on CPU-only hosts); its distribution version is enough.
+CPU; and for a CPU build of torch, whose version says so: it has no CUDA to find). ``fla`` is never imported (it can crash on CPU-only hosts); its distribution version is enough.
 
 SGLang credentials never go on the command line (``ps`` shows it): `hosts check` writes them into
 the ``SGLANG_AUTH = None`` line of the source it pipes in (see ``orchestrator/eval/hostcheck.py``).
@@ -53,7 +53,11 @@ def package_versions() -> dict:
     return out
 
 
-def torch_cuda(timeout: float) -> dict:
+def torch_cuda(timeout: float, version: str | None = None) -> dict:
+    """What torch says of CUDA on this host. ``version``: torch's installed version; a CPU build
+    (PyTorch's CPU wheels are ``X.Y.Z+cpu``) is answered without the import (1-2 s of CPU)."""
+    if version and version.endswith("+cpu"):
+        return {"available": False, "cuda": None, "device_count": 0}
     try:
         proc = subprocess.run([sys.executable, "-c", TORCH_SNIPPET], capture_output=True, text=True,
                               timeout=timeout)
@@ -238,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine": engine(args.engine_kind, args.engine_python, args.engine_url, min(args.timeout, 30.0)),
     }
     report.update(gpus(min(args.timeout, 20.0)))
-    report["torch_cuda"] = torch_cuda(args.timeout) if report["packages"]["torch"] and not args.no_cuda else None
+    torch = report["packages"]["torch"]
+    report["torch_cuda"] = torch_cuda(args.timeout, torch) if torch and not args.no_cuda else None
     print(json.dumps(report))
     return 0
 

@@ -47,6 +47,14 @@ def test_hosts_check_local():
     assert platform.python_version() in res.output and TORCH in res.output
 
 
+def test_the_probe_answers_a_cpu_build_of_torch_as_its_import_would():
+    from remote.probe import torch_cuda
+
+    assert torch_cuda(60, TORCH) == torch_cuda(60)      # this machine's torch, with and without the import
+    assert torch_cuda(1e-6, "2.13.0+cpu") == {"available": False, "cuda": None, "device_count": 0}   # no import
+    assert "timed out" in torch_cuda(1e-6, "2.13.0")["error"]                                        # the import
+
+
 @pytest.fixture
 def fake_sglang(ssh_lab):
     """An HTTP server bound to 127.0.0.1 *inside the eval host* (unreachable from here when isolated)."""
