@@ -3,7 +3,8 @@
 Shipped by piping this file into the host's interpreter (``python - ARGS``), so nothing needs
 installing. Package versions come from ``importlib.metadata`` (no imports); CUDA availability needs
 ``import torch``, done in a child process with a timeout (skipped with ``--no-cuda``: a run on
-CPU; and for a CPU build of torch, whose version says so: it has no CUDA to find). ``fla`` is never imported (it can crash on CPU-only hosts); its distribution version is enough.
+CPU; and for a CPU build of torch, whose version says so: it has no CUDA to find). ``fla`` is never
+imported (it can crash on CPU-only hosts); its distribution version is enough.
 
 SGLang credentials never go on the command line (``ps`` shows it): `hosts check` writes them into
 the ``SGLANG_AUTH = None`` line of the source it pipes in (see ``orchestrator/eval/hostcheck.py``).
