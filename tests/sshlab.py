@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from remote.launch import _alive as live_process   # /proc's view: a zombie is not live
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 REGISTRY = Path(os.environ.get("DFLASH_OPS_LAB_REGISTRY", "/tmp/dflash-ops-sshlab"))
 HOST_NAMES = ("train", "eval")
@@ -208,10 +210,7 @@ def _stop_pidfile(pidfile: Path) -> None:
 
 def _gone(pid: int) -> bool:
     """Ended: no such process, or a zombie (a daemon's parent is init, which may reap it late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    return not live_process(pid)
 
 
 def _kill(pids: list[int]) -> None:
