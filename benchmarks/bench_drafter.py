@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from remote.drafter import DFlashDrafter, block_input_ids, init_weights
-from remote.drafter_config import DrafterConfig
+from remote.drafters.dflash import DFlashDrafter, block_input_ids, init_weights
+from remote.drafters.config import DrafterConfig
 
 
 def per_anchor_loop(model, target_hidden, noise):

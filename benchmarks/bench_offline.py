@@ -3,7 +3,7 @@
 Drafts for every completion position of reference sequences (prompt + ``--completion`` tokens),
 z-lab's drafter shape ratio (5 target layers, block 16, 2 drafter layers):
 
-* **ours**: what the worker runs (:class:`remote.offline.DraftTable`): the context K/V of the
+* **ours**: what the worker runs (:class:`remote.decode.offline.DraftTable`): the context K/V of the
   sequence projected once, anchors batched in chunks through the anchor-block mask;
 * **seed loop**: the seed harness, one anchor at a time, the context ``[:p]`` re-projected through
   ``fc`` and every layer's k/v for every anchor (``DFlashDrafter.draft`` without past K/V).
@@ -39,7 +39,7 @@ PROMPT = 64
 
 
 def build(args):
-    from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+    from remote.drafters.tiny import tiny_drafter, tiny_drafter_config, tiny_target
     L = args.layers
     target = tiny_target("qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=L, tie=False)
     ids = [1, L // 4, L // 2, 3 * L // 4, L - 2]                       # 5 target layers, as z-lab's drafters
@@ -51,7 +51,7 @@ def build(args):
 
 def inputs(args, target, drafter):
     """The reference sequence and its target features (one target forward, as the worker does)."""
-    from remote.target import target_features
+    from remote.target.model import target_features
     T = PROMPT + args.completion
     ids = torch.randint(0, args.vocab - 1, (T,), generator=torch.Generator().manual_seed(0)).to(args.device)
     with torch.no_grad():
@@ -75,7 +75,7 @@ def sync(device: str) -> None:
 @torch.no_grad()
 def run_ours(args, target, drafter, ids, th):
     """Every anchor of the completion through the worker's DraftTable; logits of the seed anchors."""
-    from remote.offline import DraftTable
+    from remote.decode.offline import DraftTable
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     sync(args.device)
     t0 = time.perf_counter()
@@ -101,7 +101,7 @@ def run_ours(args, target, drafter, ids, th):
 @torch.no_grad()
 def run_seed(args, target, drafter, ids, th):
     """The seed harness: one anchor at a time, context [:p] re-projected every time."""
-    from remote.drafter import block_input_ids
+    from remote.drafters.dflash import block_input_ids
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     picked = seed_anchors(args)
     drafts, logits = [], []
@@ -160,7 +160,7 @@ def child(args) -> None:
 def capture_child(args) -> None:
     """``--capture`` in a fresh process: one target forward over ``--mem-len`` tokens, hooks on the
     K drafter layers vs ``output_hidden_states=True`` (every layer kept); kept bytes and RSS growth."""
-    from remote.target import target_features
+    from remote.target.model import target_features
     torch.manual_seed(0)
     target, drafter = build(args)
     ids = torch.randint(0, args.vocab - 1, (1, args.mem_len))

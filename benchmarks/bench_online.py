@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build_pair(args):
-    from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+    from remote.drafters.tiny import tiny_drafter, tiny_drafter_config, tiny_target
     if args.train:
         from tests.models import trained_drafter, walk_target
         return walk_target("qwen3"), trained_drafter("qwen3")
@@ -84,9 +84,9 @@ def main():
 
     from dflash.model import DFlashDraftModel
 
-    from remote.checkpoint import load_drafter, save_drafter
-    from remote.online import speculative_generate, target_decode
-    from remote.target import guard_cpu_kernels
+    from remote.drafters.checkpoint import load_drafter, save_drafter
+    from remote.decode.online import speculative_generate, target_decode
+    from remote.target.model import guard_cpu_kernels
 
     guard_cpu_kernels("cpu")
     torch.manual_seed(0)

@@ -46,7 +46,7 @@ import sshlab  # noqa: E402
 from orchestrator.config.catalog import parse_catalog  # noqa: E402
 from orchestrator.config.inventory import load_inventory  # noqa: E402
 from orchestrator.sync import sync_checkpoint  # noqa: E402
-from remote.checkpoint import sha256_file as sha256  # noqa: E402
+from remote.drafters.checkpoint import sha256_file as sha256  # noqa: E402
 
 
 class CpuMeter:

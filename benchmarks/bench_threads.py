@@ -22,8 +22,8 @@ from pathlib import Path
 CHILD = """
 import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
-from remote.online import speculative_generate
-from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+from remote.decode.online import speculative_generate
+from remote.drafters.tiny import tiny_drafter, tiny_drafter_config, tiny_target
 target = tiny_target("qwen3_5").eval()
 drafter = tiny_drafter(tiny_drafter_config(target)).eval()
 prompt = torch.tensor([[1, 2, 3, 4, 5, 6]])

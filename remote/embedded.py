@@ -34,8 +34,8 @@ def corpus(tokenizer) -> list[tuple[list[int], list[int]]]:
     paragraph — a tiny language the target memorises, so its greedy answers are prompt dependent.
     Each prompt is rendered with thinking off (the worker's default: an empty think block) and with
     the template's own default, so the demo answers either way."""
-    from remote.prompts import format_chat, load_suite
-    from remote.tokenizer import PARAGRAPHS
+    from remote.suites.prompts import format_chat, load_suite
+    from remote.target.tokenizer import PARAGRAPHS
 
     prompts = [t for row in load_suite("default").rows for t in (row.turns or [])]
     prompts += ["Tell me something.", "Write some code.", "Solve this problem.", "Summarize the text above."]
@@ -52,7 +52,7 @@ def _bypass_linear_attention(model, on: bool) -> None:
     and are skipped: the pure-torch GDN backward is far too slow on CPU. Afterwards they are
     switched back on with small random output weights, so the demo target is really hybrid."""
     import torch
-    from remote.target import decoder_layers
+    from remote.target.model import decoder_layers
 
     for layer in decoder_layers(model):
         attn = getattr(layer, "linear_attn", None)
@@ -74,7 +74,7 @@ def teach_target(model, pairs: list[tuple[list[int], list[int]]], steps: int, se
     """Causal-LM training on the conversations, 8 padded rows a step (padding is not a label)."""
     import torch
 
-    from remote.tiny import teach_lm
+    from remote.drafters.tiny import teach_lm
 
     convs = [p + a for p, a in pairs]
     gen = torch.Generator().manual_seed(seed)
@@ -93,12 +93,12 @@ def teach_target(model, pairs: list[tuple[list[int], list[int]]], steps: int, se
 def build(out: Path, recipe: dict = RECIPE) -> dict:
     import torch
 
-    from remote.checkpoint import save_drafter
-    from remote.online import target_decode
-    from remote.target import target_features
-    from remote.tiny import tiny_drafter, tiny_drafter_config, tiny_target
-    from remote.tokenizer import build_tiny_tokenizer
-    from remote.train import Batch, teacher_forced_accuracy, train
+    from remote.drafters.checkpoint import save_drafter
+    from remote.decode.online import target_decode
+    from remote.target.model import target_features
+    from remote.drafters.tiny import tiny_drafter, tiny_drafter_config, tiny_target
+    from remote.target.tokenizer import build_tiny_tokenizer
+    from remote.drafters.train import Batch, teacher_forced_accuracy, train
 
     t0 = time.time()
     kind, head_dim = recipe.get("kind", "qwen3_5"), recipe.get("head_dim", 16)
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", choices=sorted(RECIPES), default="demo",
                    help="demo: the hybrid Qwen3.5-style target (default); qwen3: pure attention, head_dim 32")
     args = p.parse_args(argv)
-    from remote.target import guard_cpu_kernels
+    from remote.target.model import guard_cpu_kernels
     guard_cpu_kernels("cpu")
     print(json.dumps(ensure(Path(args.out).expanduser(), RECIPES[args.recipe])), flush=True)
     return 0

@@ -14,9 +14,10 @@ import json
 import sys
 from pathlib import Path
 
-from remote.checkpoint import CheckpointError, check_tensors, completeness_problems, open_checkpoint, read_tensors
-from remote.compat import compatibility_problems, read_target_config
-from remote.export import export_refusals
+from remote.drafters.checkpoint import (CheckpointError, check_tensors, completeness_problems, open_checkpoint,
+                                       read_tensors)
+from remote.drafters.compat import compatibility_problems, read_target_config
+from remote.drafters.export import export_refusals
 
 
 def inspect(drafter: str, target: str | None = None, block_size: int | None = None,

@@ -22,8 +22,8 @@ def _turns(row: dict) -> list[tuple[list[int], list[int]]]:
 def parity(drafter, target, pairs: list[tuple[list[int], list[int]]], max_anchors: int | None = None) -> dict:
     import torch
 
-    from remote.offline import DraftTable
-    from remote.target import target_features
+    from remote.decode.offline import DraftTable
+    from remote.target.model import target_features
 
     device = next(target.parameters()).device
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -78,7 +78,7 @@ def _draft_tokens(drafter, th, p, anchor_token, embed_weight, head, extra_contex
     positions as usual."""
     import torch
 
-    from remote.drafter import block_input_ids
+    from remote.drafters.dflash import block_input_ids
 
     B = drafter.block_size
     noise = drafter.embed(block_input_ids(anchor_token, B, drafter.config.mask_token_id)[None], embed_weight)
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from remote.checkpoint import load_drafter
-    from remote.target import load_target
+    from remote.drafters.checkpoint import load_drafter
+    from remote.target.model import load_target
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     target = load_target(args.target, device, dtype)

@@ -1,6 +1,6 @@
 """Pre-flight in one process: the drafter/target compatibility check (:mod:`remote.inspect`), then,
 when it passes, the host's libraries (:func:`runtime_problems`) and the memory plan
-(:mod:`remote.memory`). One interpreter pays the torch and transformers imports once.
+(:mod:`remote.target.memory`). One interpreter pays the torch and transformers imports once.
 
 ``python -m remote.preflight DRAFTER --target DIR [--verify-hashes] [--suite S --prompts N
 --max-new-tokens M --device cuda --dtype D --target-devices N|auto --max-memory GIB]`` prints
@@ -33,10 +33,11 @@ import sys
 from pathlib import Path
 
 from remote.inspect import inspect
-from remote.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens, free_memory,
-                           plan, run_dtype)
-from remote.prompts import BUILTIN, HF_SUITES
-from remote.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
+from remote.target.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens,
+                                  free_memory, plan, run_dtype)
+from remote.suites.prompts import BUILTIN, HF_SUITES
+from remote.contract.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
+from remote.host.proc import write_atomic
 
 # Distributions whose version can change what pre-flight finds (the decoding, the kernels, the
 # tokenizer that counts the suite's tokens, the humaneval suite's data).
@@ -55,8 +56,8 @@ def run_device(device: str | None) -> str:
 
 
 def runtime_problems(target: str, device: str = "cpu") -> list[str]:
-    """The installed transformers against :mod:`remote.versions`, then the target cache's rollback
-    self-test (:func:`remote.target_cache.self_test`) on a tiny model of the target's own config
+    """The installed transformers against :mod:`remote.contract.versions`, then the target cache's rollback
+    self-test (:func:`remote.target.cache.self_test`) on a tiny model of the target's own config
     class, on ``device``. Empty when the host can decode this target exactly."""
     version = installed_versions(["transformers"])["transformers"]
     problem = transformers_problem(version)
@@ -64,8 +65,8 @@ def runtime_problems(target: str, device: str = "cpu") -> list[str]:
         return [problem]
     from transformers import AutoConfig
 
-    from remote.target import guard_cpu_kernels
-    from remote.target_cache import self_test
+    from remote.target.model import guard_cpu_kernels
+    from remote.target.cache import self_test
 
     guard_cpu_kernels(device)
     try:
@@ -182,9 +183,7 @@ def keep(cache: Path, keys: dict, parts: dict) -> None:
     try:
         cache.mkdir(parents=True, exist_ok=True)
         for part, value in parts.items():
-            tmp = cache / f".{part}-{keys[part]}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(value))
-            os.replace(tmp, cache / f"{part}-{keys[part]}.json")
+            write_atomic(cache / f"{part}-{keys[part]}.json", json.dumps(value))
     except OSError:
         pass
 
@@ -194,7 +193,7 @@ def suite_counts(args: argparse.Namespace, kept: dict | None) -> dict:
     the kept counts when they cover ``--prompts``, else counted now (at least :data:`COUNTED`)."""
     if isinstance(kept, dict) and (kept.get("all") or (args.prompts and args.prompts <= len(kept.get("counts", [])))):
         return kept
-    from remote.prompts import load_suite
+    from remote.suites.prompts import load_suite
 
     limit = max(args.prompts, COUNTED) if args.prompts else None
     rows = load_suite(args.suite, limit=limit).rows

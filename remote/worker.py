@@ -6,7 +6,7 @@ decoding with the loaded target; greedy, or sampled with ``--temperature``), eva
 (``offline`` walk or real ``online`` speculative decoding) and writes ``results.jsonl`` (one line
 per prompt, flushed as it finishes), ``summary.json`` and ``env.json`` into ``--out`` (format:
 docs/run-format.md). With ``--engine`` each prompt is also served by the host's engine (vLLM or
-SGLang, with and without the drafter: :mod:`remote.engine_phase`), its own counters recorded in
+SGLang, with and without the drafter: :mod:`remote.engines.phase`), its own counters recorded in
 the prompt's row beside our online decoding. Progress: one JSON event per line on stdout; human-readable logs on stderr.
 
 Defaults follow z-lab's benchmark: thinking off (``--thinking on`` to enable), stop tokens
@@ -14,7 +14,7 @@ Defaults follow z-lab's benchmark: thinking off (``--thinking on`` to enable), s
 Sampled runs seed torch's generator per prompt from ``--seed`` and the prompt id, so a resumed or
 sharded run draws the same numbers for the same prompt.
 
-Exit status (:mod:`remote.exits`): 0 done, 1 a check failed (drafter/target mismatch, bad prompts,
+Exit status (:mod:`remote.contract.exits`): 0 done, 1 a check failed (drafter/target mismatch, bad prompts,
 a transformers the host must not decode with, SGLang down, the engine missing, refusing its
 settings or dying), 2 bad usage (missing folders, ...), 3 an
 unexpected error during the run (finished prompts kept), 4 invalid results: a greedy online output
@@ -33,9 +33,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from remote import exits
-from remote.engine import EngineError
-from remote.settings import CPU_WORKERS_ENV, EvalSettings, add_arguments
+from remote.contract import exits
+from remote.engines.server import EngineError
+from remote.contract.settings import CPU_WORKERS_ENV, EvalSettings, add_arguments
 
 
 class WorkerError(Exception):
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checked", action="store_true",
                    help="the drafter/target check and the library self-test already passed on this host for this "
                         "run (`python -m remote.preflight`, as dflash-ops runs it just before): not repeated")
-    from remote.engine_phase import add_arguments as add_engine_arguments, argument_problems
+    from remote.engines.phase import add_arguments as add_engine_arguments, argument_problems
     add_engine_arguments(p)
     args = p.parse_args(argv)
     args.settings = EvalSettings.from_args(args)
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         except (ValueError, AssertionError):
             p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
         args.shard_index, args.shard_count = k, n
-    from remote.sampling import Sampling
+    from remote.drafters.sampling import Sampling
     args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
     args.budgets = args.settings.budgets()
     return args
@@ -123,7 +123,7 @@ def read_finished(path: Path) -> list[dict]:
 def weight_hashes(ckpt) -> dict[str, str]:
     """sha256 per weight file, reused from a sync manifest in the folder when it covers the file
     with the same size."""
-    from remote.checkpoint import MANIFEST, sha256_file
+    from remote.drafters.checkpoint import MANIFEST, sha256_file
 
     manifest: dict = {}
     if (ckpt.path / MANIFEST).exists():
@@ -139,7 +139,7 @@ def weight_hashes(ckpt) -> dict[str, str]:
 
 
 def versions() -> dict:
-    from remote.versions import installed_versions
+    from remote.contract.versions import installed_versions
 
     return {"python": platform.python_version(), **installed_versions(
         ("torch", "transformers", "safetensors", "tokenizers", "flash-linear-attention", "triton"))}
@@ -185,8 +185,8 @@ def run(args) -> dict:
     for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
         if not Path(value).expanduser().is_dir():
             raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
-    from remote.prompts import load_suite
-    from remote.prompts import PromptError
+    from remote.suites.prompts import load_suite
+    from remote.suites.prompts import PromptError
     try:
         suite = load_suite(args.suite, limit=args.prompts)
     except PromptError as e:
@@ -196,7 +196,7 @@ def run(args) -> dict:
     rows_to_do = suite.rows[args.shard_index::args.shard_count]
     client = None
     if args.sglang:
-        from remote.sglang import AUTH_ENV, SGLangClient, SGLangError
+        from remote.engines.sglang_client import AUTH_ENV, SGLangClient, SGLangError
         client = SGLangClient(args.sglang, auth=os.environ.pop(AUTH_ENV, None))
         try:
             client.health()
@@ -233,8 +233,8 @@ def start_engine(args, out: Path, device: str, dtype: str):
     they run in process groups of their own, which the signal to the worker's group does not reach."""
     import signal
 
-    from remote.checkpoint import open_checkpoint
-    from remote.engine_phase import EnginePhase
+    from remote.drafters.checkpoint import open_checkpoint
+    from remote.engines.phase import EnginePhase
 
     phase = EnginePhase(args.engine_kind, args.target, args.drafter, out,
                         open_checkpoint(args.drafter).config.num_drafts, python=args.engine_python,
@@ -254,10 +254,10 @@ def start_engine(args, out: Path, device: str, dtype: str):
 
 def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase) -> dict:
     import torch
-    from remote.checkpoint import load_drafter
-    from remote.memory import check as memory_check
-    from remote.prompts import reference_turns
-    from remote.target import features_device, gdn_kernel_path, load_target
+    from remote.drafters.checkpoint import load_drafter
+    from remote.target.memory import check as memory_check
+    from remote.suites.prompts import reference_turns
+    from remote.target.model import features_device, gdn_kernel_path, load_target
     plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
                         args.target_devices, args.max_memory)
     if not plan.fits:
@@ -275,7 +275,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
                          max_memory={d: free for d, free in plan.devices} if devices else None)
     for p in target.parameters():
         p.requires_grad_(False)
-    from remote.checkpoint import open_checkpoint
+    from remote.drafters.checkpoint import open_checkpoint
     feature_device = features_device(target, open_checkpoint(args.drafter).config.target_layer_ids) if devices else device
     drafter, ckpt = load_drafter(args.drafter, device=feature_device, dtype=getattr(torch, dtype))
     tokenizer = None
@@ -348,7 +348,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
                 + f" ({time.perf_counter() - t0:.1f}s)")
             invalid = invalid_reason(result)
 
-    from remote.metrics import summarize
+    from remote.contract.metrics import summarize
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     summary = summarize(rows, drafter.block_size, args.mode, max_length=drafter.config.verify_block)
@@ -388,9 +388,9 @@ THINKING = {"default": None, "on": True, "off": False}
 def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns, phase=None) -> dict:
     """All turns of one prompt row -> one results row (docs/run-format.md)."""
     import torch
-    from remote.metrics import row_stats
-    from remote.offline import evaluate_offline
-    from remote.online import first_divergence, speculative_generate, target_decode
+    from remote.contract.metrics import row_stats
+    from remote.decode.offline import evaluate_offline
+    from remote.decode.online import first_divergence, speculative_generate, target_decode
 
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
@@ -454,14 +454,14 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
 
 
 def serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer, stops) -> dict:
-    """The row's ``engine`` object (remote/engine_phase.py): the prompt's turns served by the engine as
+    """The row's ``engine`` object (remote/engines/phase.py): the prompt's turns served by the engine as
     they were decoded by us, checked against our decoding; where the engine drafted other tokens
     from the same context, our decoding is redone with the drafter computed as vLLM's CPU kernel
-    computes it (remote/engine_quirks.py) to see whether that is why."""
+    computes it (remote/engines/quirks.py) to see whether that is why."""
     import torch
-    from remote.engine_phase import OurTurn, TurnRequest, chat_messages, serve_row
-    from remote.engine_quirks import first_layer_context_k_norm
-    from remote.online import speculative_generate
+    from remote.engines.phase import OurTurn, TurnRequest, chat_messages, serve_row
+    from remote.engines.quirks import first_layer_context_k_norm
+    from remote.decode.online import speculative_generate
 
     sampling = args.sampling
     thinking = THINKING[args.thinking]

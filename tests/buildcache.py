@@ -23,7 +23,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
-from remote.versions import installed_versions
+from remote.contract.versions import installed_versions
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from remote.vllm_engine import PYTHON_ENV
+from remote.engines.vllm import PYTHON_ENV
 
 
 def engine_python() -> str | None:

@@ -10,7 +10,7 @@ import torch
 
 from models import PROMPT_LEN
 from references import randomize, zlab_drafter
-from remote.drafter import block_input_ids
+from remote.drafters.dflash import block_input_ids
 
 TOL = 1e-4
 SLIDE = ("sliding_attention", "full_attention")
@@ -64,6 +64,6 @@ def reference_from(ours, folder: Path, target, *, dflash2=False, **variant):
 
 
 def prompts(target, n, seed=11):
-    from remote.tiny import walk_batch
+    from remote.drafters.tiny import walk_batch
     ids = walk_batch(n, PROMPT_LEN, target.config.vocab_size - 1, torch.Generator().manual_seed(seed))
     return [row[None] for row in ids]

@@ -7,8 +7,9 @@ from functools import lru_cache
 import torch
 
 import buildcache
-from remote.tiny import pretrain_target, tiny_drafter, tiny_drafter_config, tiny_target, training_batches, walk_batch
-from remote.train import Batch
+from remote.drafters.tiny import (pretrain_target, tiny_drafter, tiny_drafter_config, tiny_target, training_batches,
+                                  walk_batch)
+from remote.drafters.train import Batch
 
 PROMPT_LEN = 6
 
@@ -70,7 +71,7 @@ def random_drafter(target, **kw):
 def _walk_drafter(kind: str, steps: int, held_out: int) -> tuple[object, list[float]]:
     """A drafter trained with the reference training step on ``walk_target(kind)``'s greedy walks but
     the first ``held_out``, and its losses."""
-    from remote.train import train
+    from remote.drafters.train import train
 
     target = walk_target(kind)
     cfg = tiny_drafter_config(target)

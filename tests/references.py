@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3Config
 
-from remote.target import guard_cpu_kernels
+from remote.target.model import guard_cpu_kernels
 
 guard_cpu_kernels("cpu")
 
@@ -109,7 +109,7 @@ def train_speculators(model, target, sequences, prompt_len: int, steps: int = 30
     learns the target's next-token distribution. Returns the last loss."""
     from speculators.losses.eager import kl_div_loss, tv_loss
 
-    from remote.target import target_features
+    from remote.target.model import target_features
 
     layer_ids = [i - 1 for i in model.config.aux_hidden_state_layer_ids]      # z-lab convention
     data = []
@@ -192,7 +192,7 @@ class RollbackTarget:
     recurrent state, so ``dflash_generate`` is not lossless on hybrid targets (and from 5.25 its
     ``activate_past_recording()`` without a count of recurrent states to keep fails in Qwen3.5's
     forward). This shim keeps the reference's loop as it is and makes its crop exact: every forward
-    first takes a :func:`remote.target_cache.checkpoint`; a crop that removes tokens rewinds to it
+    first takes a :func:`remote.target.cache.checkpoint`; a crop that removes tokens rewinds to it
     and re-forwards the kept tokens. (The rollback itself is proven against a fresh forward in
     tests/test_online.py.)"""
 
@@ -203,7 +203,7 @@ class RollbackTarget:
         return getattr(self.target, name)
 
     def __call__(self, input_ids, position_ids=None, past_key_values=None, **kw):
-        from remote.target_cache import checkpoint
+        from remote.target.cache import checkpoint
 
         cache = past_key_values
         for layer in cache.layers:
@@ -214,7 +214,7 @@ class RollbackTarget:
 
     def crop_to(self, cache, length: int) -> None:
         """z-lab's ``_crop_to``, with the rollback described above when tokens are removed."""
-        from remote.target_cache import has_linear_layers, rewind
+        from remote.target.cache import has_linear_layers, rewind
 
         remove = cache.get_seq_length() - length
         if remove <= 0 or self.last is None or self.last[0] is not cache or not has_linear_layers(cache):

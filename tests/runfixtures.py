@@ -2,7 +2,7 @@
 
 `make_run(runs_dir, run_id, drafter, checkpoint, ...)` writes a consistent run: results.jsonl
 (acceptance lengths, reference completions, DDTree walks, all-anchors hits, online timings),
-summary.json (computed by the worker's own `remote.metrics.summarize`), env.json and run.json.
+summary.json (computed by the worker's own `remote.contract.metrics.summarize`), env.json and run.json.
 
 Reference completions depend only on the prompt id and `ref_seed`, so two runs over the same
 suite pair prompt by prompt like real offline runs against the same reference; per-prompt
@@ -170,7 +170,7 @@ def make_run(runs_dir: Union[str, Path], run_id: str, drafter: str = "zlab", che
     (run_dir / "env.json").write_text(json.dumps(env_doc, indent=2), encoding="utf-8")
 
     if summary is not False:
-        from remote.metrics import summarize
+        from remote.contract.metrics import summarize
 
         s = summarize(rows, B, mode)
         if isinstance(summary, dict):
@@ -178,8 +178,8 @@ def make_run(runs_dir: Union[str, Path], run_id: str, drafter: str = "zlab", che
         (run_dir / "summary.json").write_text(json.dumps(s, indent=2), encoding="utf-8")
 
     from orchestrator.runs.record import EvalRequest, RunRecord, Shard
-    from remote.settings import EvalSettings
-    from remote.states import State
+    from remote.contract.settings import EvalSettings
+    from remote.contract.states import State
 
     hosts = host.split(",")
     request = EvalRequest(hosts=hosts, settings=EvalSettings(suite=suite, mode=mode, prompts=len(ids)),

@@ -12,7 +12,7 @@
   a drafter ``speculative_algorithm: DFLASH``, ``speculative_draft_model_path``,
   ``speculative_num_draft_tokens`` = the drafter's block).
 
-With ``drafter`` the server decodes speculatively (``remote.online.speculative_generate``) and
+With ``drafter`` the server decodes speculatively (``remote.decode.online.speculative_generate``) and
 answers SGLang's counters in ``meta_info``: ``spec_verify_ct`` (cycles), ``spec_accept_token_num``
 (drafts accepted), ``spec_draft_token_num``, ``spec_accept_histogram`` (cycles by drafts accepted)
 and ``spec_accept_length`` = ``completion_tokens / spec_verify_ct``, SGLang's own formula.
@@ -43,7 +43,7 @@ def _stops(model, stop_token_ids: list[int] | None, ignore_eos: bool = False) ->
 
 
 def speculative(model, drafter, input_ids: list[int], max_new_tokens: int, stops: set[int]) -> tuple[list[int], dict]:
-    from remote.online import speculative_generate
+    from remote.decode.online import speculative_generate
 
     ids = torch.tensor([input_ids], dtype=torch.long, device=next(model.parameters()).device)
     res = speculative_generate(model, drafter, ids, max_new_tokens, sorted(stops))

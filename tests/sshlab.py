@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from remote.launch import _alive as live_process   # /proc's view: a zombie is not live
+from remote.host.proc import alive as live_process   # /proc's view: a zombie is not live
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 REGISTRY = Path(os.environ.get("DFLASH_OPS_LAB_REGISTRY", "/tmp/dflash-ops-sshlab"))

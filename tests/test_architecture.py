@@ -215,7 +215,7 @@ def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
     (wheel,) = tmp_path.glob("dflash_ops-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for f in ("orchestrator/config/drafters.yaml", "orchestrator/config/published.yaml", "remote/sync_host.py",
-              "remote/probe.py", "remote/launch.py", "remote/suites/default.jsonl", "orchestrator/cli/__main__.py",
+              "remote/host/probe.py", "remote/host/launch.py", "remote/suites/default.jsonl", "orchestrator/cli/__main__.py",
               "orchestrator/sync/relay.py", "orchestrator/transport/endpoint.py"):
         assert f in names, f
     metadata = next(zipfile.ZipFile(wheel).read(n).decode() for n in names if n.endswith("METADATA"))

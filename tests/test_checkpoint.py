@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from remote.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
-from remote.compat import IncompatibleError, check_compatible, read_target_config
-from remote.drafter import block_input_ids
-from remote.drafter_config import SLIDING
+from remote.drafters.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
+from remote.drafters.compat import IncompatibleError, check_compatible, read_target_config
+from remote.drafters.dflash import block_input_ids
+from remote.drafters.config import SLIDING
 from remote.inspect import inspect
-from remote.tiny import tiny_drafter, tiny_drafter_config
+from remote.drafters.tiny import tiny_drafter, tiny_drafter_config
 from models import random_target
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from remote.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
-from remote.drafter import anchor_layout, block_input_ids, dense_anchor_mask
-from remote.drafter_config import SPECULATORS, LayerRule
-from remote.online import speculative_generate, target_decode
-from remote.sampling import Sampling
-from remote.target import target_features
-from remote.tiny import tiny_target
+from remote.drafters.checkpoint import CheckpointError, load_drafter, open_checkpoint, save_drafter
+from remote.drafters.dflash import anchor_layout, block_input_ids, dense_anchor_mask
+from remote.drafters.config import SPECULATORS, LayerRule
+from remote.decode.online import speculative_generate, target_decode
+from remote.drafters.sampling import Sampling
+from remote.target.model import target_features
+from remote.drafters.tiny import tiny_target
 from models import freeze, trained_drafter, walk_target
 from references import (RollbackTarget, speculators_drafter, speculators_logits, zlab_drafter,
                               zlab_generate, zlab_logits)
@@ -235,8 +235,8 @@ def test_hybrid_target_decoding_equals_dflash_generate(embedded_pair):
     from dflash.model import DFlashDraftModel
     from transformers import AutoTokenizer
 
-    from remote.prompts import format_chat, load_suite
-    from remote.target import load_target
+    from remote.suites.prompts import format_chat, load_suite
+    from remote.target.model import load_target
 
     target = freeze(load_target(embedded_pair["target"], "cpu"))
     ours, _ = load_drafter(embedded_pair["drafter"])
@@ -344,7 +344,7 @@ def test_speculative_sampling_is_distributed_as_the_target(tmp_path, monkeypatch
     rejects a sampler that accepts every draft (p < 1e-6)."""
     import itertools
 
-    from remote import online
+    from remote.decode import online
 
     target = freeze(tiny_target("qwen3", vocab_size=4, init_std=0.3, seed=2))
     zlab_drafter(tmp_path, target, block_size=4, layer_ids=(0, 1, 2))
@@ -378,7 +378,7 @@ def test_offline_expected_acceptance_at_t1(dflash2, tmp_path, walk):
     offline estimate."""
     from dflash.model import _sampling_probs
 
-    from remote.offline import evaluate_offline
+    from remote.decode.offline import evaluate_offline
 
     target, trained = walk
     ref = reference_from(trained, tmp_path, target, dflash2=dflash2)
@@ -423,7 +423,7 @@ def test_dflash2_offline_walk_equals_online_and_grows_selector_trees(tmp_path, w
     """DFlash2 offline: the greedy walk equals online decoding cycle for cycle, and DDTree over the
     selector's chain distribution grows with the budget: one node accepts at most one draft, 64
     nodes (whose first-child chain is the greedy path) at least the greedy walk's τ here."""
-    from remote.offline import evaluate_offline
+    from remote.decode.offline import evaluate_offline
 
     target, trained = walk
     reference_from(trained, tmp_path, target, dflash2=True)
@@ -445,7 +445,7 @@ def test_speculators_variants_decode_losslessly_and_online_equals_offline(varian
     """No reference decoder exists for these (z-lab has neither), so: greedy output == the target's,
     and the online cycles equal the offline walk's. Acceptance with sample_from_anchor reaches
     B + 1 per cycle (B drafts verified with the anchor)."""
-    from remote.offline import evaluate_offline
+    from remote.decode.offline import evaluate_offline
 
     target, trained = walk
     V = target.config.vocab_size

@@ -14,8 +14,8 @@ from orchestrator.reports.compare import PUBLISHED_FILE, find_benchmark, load_pu
 from orchestrator.eval.pipeline import worker_args
 from orchestrator.config.inventory import builtin_local
 from orchestrator.runs.record import EvalRequest, Shard
-from remote.metrics import summarize
-from remote.settings import FIELDS, EvalSettings
+from remote.contract.metrics import summarize
+from remote.contract.settings import FIELDS, EvalSettings
 from runfixtures import make_run, md_table_values, read_rows
 from helpers import invoke
 

@@ -6,8 +6,8 @@ of the masked softmax differs). A one-position mistake changes logits by >= 1e-2
 import pytest
 import torch
 
-from remote.drafter import DFlashDrafter, anchor_layout, block_input_ids, dense_anchor_mask, init_weights
-from remote.drafter_config import FULL, SLIDING, SPECULATORS, DrafterConfig, LayerRule
+from remote.drafters.dflash import DFlashDrafter, anchor_layout, block_input_ids, dense_anchor_mask, init_weights
+from remote.drafters.config import FULL, SLIDING, SPECULATORS, DrafterConfig, LayerRule
 
 TOL = 1e-5
 

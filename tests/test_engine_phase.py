@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from remote.metrics import summarize
+from remote.contract.metrics import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 32
@@ -30,8 +30,8 @@ def stand_in(embedded_pair):
     from sglang_server import serve_sglang
     from transformers import AutoTokenizer
 
-    from remote.checkpoint import load_drafter
-    from remote.target import load_target
+    from remote.drafters.checkpoint import load_drafter
+    from remote.target.model import load_target
 
     target = load_target(embedded_pair["target"], "cpu")
     drafter, _ = load_drafter(embedded_pair["drafter"], "cpu")
@@ -116,7 +116,8 @@ def test_engine_refusals_are_one_line(case, embedded_pair, stand_in, tmp_path):
 def test_servers_an_earlier_worker_left_are_ended(tmp_path):
     """A worker killed with SIGKILL cannot stop its engine servers (their own process groups): the next
     worker of the run ends the recorded ones, and only those (a pid is checked with its start time)."""
-    from remote.engine import ServerProcess, kill_recorded, process_start
+    from remote.engines.server import ServerProcess, kill_recorded
+    from remote.host.proc import start_time as process_start
 
     left = ServerProcess([sys.executable, "-c", "import time; time.sleep(300)"], tmp_path / "left.log", name="left")
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
@@ -138,7 +139,7 @@ def test_hosts_check_reads_what_a_running_server_serves(stand_in, embedded_pair)
     """`hosts check` on a host whose engine is a `url:` server: the probe asks the server what it serves."""
     from orchestrator.config.inventory import EngineSpec, Host
     from orchestrator.eval.hostcheck import HostReport, _fill_engine
-    from remote.probe import engine
+    from remote.host.probe import engine
 
     for url, want in ((stand_in[0], "speculative, 7 drafts per step"), (stand_in[1], "no speculative decoding")):
         found = engine("sglang", None, url, 10.0)
@@ -155,8 +156,9 @@ def test_hosts_check_reads_what_a_running_server_serves(stand_in, embedded_pair)
 def test_servers_on_a_gpu_get_a_share_of_its_memory(tmp_path):
     """On a GPU the servers share the worker's GPU with its models: each is given a share of its memory,
     which the inventory's args (after it on the command line) can override; on a CPU nothing is added."""
-    from remote import sglang_engine, vllm_engine
-    from remote.engine_phase import EnginePhase
+    from remote.engines import sglang as sglang_engine
+    from remote.engines import vllm as vllm_engine
+    from remote.engines.phase import EnginePhase
 
     vllm = EnginePhase("vllm", "T", "D", tmp_path, 7, python="/p", extra_args=["--gpu-memory-utilization", "0.2"],
                        device="cuda:1")

@@ -16,8 +16,8 @@ import pytest
 
 from enginelab import ENGINE, SKIP, engine_pair
 
-from remote.engine import EngineError
-from remote.vllm_engine import VLLMServer, engine_python, engine_versions
+from remote.engines.server import EngineError
+from remote.engines.vllm import VLLMServer, engine_python, engine_versions
 
 MAX_NEW = 40          # tokens per prompt: several cycles, and a last cycle cut by the limit
 PROMPTS = 4
@@ -55,7 +55,7 @@ def models(pair):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from remote.checkpoint import load_drafter
+    from remote.drafters.checkpoint import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(pair["target"], dtype=torch.float32).eval()
     drafter, _ = load_drafter(pair["drafter"])
@@ -64,7 +64,7 @@ def models(pair):
 
 @pytest.fixture(scope="module")
 def prompts(models):
-    from remote.prompts import format_chat, load_suite
+    from remote.suites.prompts import format_chat, load_suite
 
     tokenizer = models[0]
     return [format_chat(tokenizer, [{"role": "user", "content": row.turns[0]}], False)
@@ -76,7 +76,7 @@ def runs(servers, models, prompts):
     """Per prompt: the target's greedy output, our online decoding, and both servers' answers."""
     import torch
 
-    from remote.online import speculative_generate, target_decode
+    from remote.decode.online import speculative_generate, target_decode
 
     _, target, drafter = models
     out = []
@@ -123,9 +123,9 @@ def test_engine_tau_beside_ours_is_explained(runs, models):
        where ours/z-lab cut the last blocks and count only committed tokens."""
     import torch
 
-    from remote.engine_accounting import reconcile
-    from remote.engine_quirks import first_layer_context_k_norm
-    from remote.online import speculative_generate
+    from remote.engines.accounting import reconcile
+    from remote.engines.quirks import first_layer_context_k_norm
+    from remote.decode.online import speculative_generate
 
     _, target, drafter = models
     differs_unchanged = 0

@@ -15,11 +15,12 @@ import transformers
 import yaml
 from hostpython import host_python
 
-from remote import exits, target_cache
-from remote.target_cache import CacheMark, self_test
-from remote.tiny import tiny_target
-from remote.versions import (TRANSFORMERS_TESTED, parse, transformers_problem, transformers_range,
-                             transformers_status)
+from remote.contract import exits
+from remote.target import cache as target_cache
+from remote.target.cache import CacheMark, self_test
+from remote.drafters.tiny import tiny_target
+from remote.contract.versions import (TRANSFORMERS_TESTED, parse, transformers_problem, transformers_range,
+                                      transformers_status)
 
 pytestmark = pytest.mark.exactness
 REPO = Path(__file__).resolve().parents[1]
@@ -131,7 +132,7 @@ def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(e
     prompts and tokens), also for the same files elsewhere or touched (the report naming the paths
     of the pre-flight that reuses it); another transformers version, a changed file, a failure or
     --verify-hashes is checked afresh."""
-    from remote.memory import plan_for_suite
+    from remote.target.memory import plan_for_suite
 
     pair = {k: shutil.copytree(v, tmp_path / k) for k, v in embedded_pair.items()}
     cache = ("--cache", str(tmp_path / "cache"))

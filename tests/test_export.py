@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from remote.checkpoint import load_drafter, open_checkpoint, read_tensors, save_drafter
-from remote.export import NOTE_NAME, ExportRefused, export, export_refusals
-from remote.online import speculative_generate
-from remote.target import target_features
-from remote.tiny import tiny_target
+from remote.drafters.checkpoint import load_drafter, open_checkpoint, read_tensors, save_drafter
+from remote.drafters.export import NOTE_NAME, ExportRefused, export, export_refusals
+from remote.decode.online import speculative_generate
+from remote.target.model import target_features
+from remote.drafters.tiny import tiny_target
 from golden import SPECULATORS_VARIANTS, TOL, ZLAB_VARIANTS, ours_logits_per_anchor, prompts, reference_from
 from models import freeze, random_drafter, trained_drafter, walk_target
 from references import randomize, speculators_drafter, speculators_logits, zlab_drafter, zlab_generate, zlab_logits
@@ -270,7 +270,7 @@ def test_command_writes_atomically_with_a_note_and_one_json_line(tmp_path, rando
     """``python -m remote.export``: one JSON line on stdout; the note records the source's files and
     the written files' hashes; an existing destination is refused (exit 2) unless --force; a refusal
     is one line naming the field (exit 1) and leaves nothing behind."""
-    from remote.checkpoint import sha256_file
+    from remote.drafters.checkpoint import sha256_file
     from remote.export import main
 
     src = tmp_path / "ckpt"
@@ -318,7 +318,7 @@ def test_command_writes_atomically_with_a_note_and_one_json_line(tmp_path, rando
 def test_a_failed_write_leaves_no_folder_and_keeps_the_old_one(tmp_path, random_target, monkeypatch):
     """A write that fails after the weights are on disk (a full disk while writing config.json)
     leaves neither a destination nor a temporary folder; with --force the old destination stays."""
-    import remote.export as export_module
+    import remote.drafters.export as export_module
 
     src = tmp_path / "ckpt"
     zlab_drafter(src, random_target)

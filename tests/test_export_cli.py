@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers import invoke, lab_cli
-from remote.checkpoint import open_checkpoint, read_tensors, sha256_file
-from remote.export import NOTE_NAME, behaviour
+from remote.drafters.checkpoint import open_checkpoint, read_tensors, sha256_file
+from remote.drafters.export import NOTE_NAME, behaviour
 
 
 def one_error_line(res: subprocess.CompletedProcess) -> str:

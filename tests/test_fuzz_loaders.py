@@ -143,7 +143,7 @@ ROW_FIELDS = [(i, k) for i, row in enumerate(ROWS) for k in row]
 @FUZZ
 @given(data=st.data())
 def test_prompt_suite_fuzz(tmp_path_factory, data):
-    from remote.prompts import PromptError, load_suite
+    from remote.suites.prompts import PromptError, load_suite
 
     rows, field = mutate({str(i): r for i, r in enumerate(ROWS)}, [(str(i), k) for i, k in ROW_FIELDS], data)
     path = tmp_path_factory.mktemp("suite") / "suite.jsonl"
@@ -167,7 +167,7 @@ CONFIG_FIELDS = [(k,) for k in DRAFTER_CONFIG] + [("dflash_config", k) for k in 
 
 
 def open_drafter(folder: Path, config: bytes):
-    from remote.checkpoint import open_checkpoint
+    from remote.drafters.checkpoint import open_checkpoint
 
     (folder / "config.json").write_bytes(config)
     (folder / "model.safetensors").write_bytes(b"")      # only listed, never read, by open_checkpoint
@@ -177,7 +177,7 @@ def open_drafter(folder: Path, config: bytes):
 @FUZZ
 @given(data=st.data())
 def test_drafter_config_fuzz(tmp_path_factory, data):
-    from remote.checkpoint import CheckpointError
+    from remote.drafters.checkpoint import CheckpointError
 
     doc, field = mutate(DRAFTER_CONFIG, CONFIG_FIELDS, data)
     folder = tmp_path_factory.mktemp("drafter")
@@ -194,8 +194,8 @@ def test_drafter_config_fuzz(tmp_path_factory, data):
 def test_any_bytes_is_loaded_or_refused_with_the_file_named(tmp_path_factory, raw):
     from orchestrator.config.catalog import load_catalog
     from orchestrator.errors import InputError
-    from remote.checkpoint import CheckpointError
-    from remote.prompts import PromptError, load_suite
+    from remote.drafters.checkpoint import CheckpointError
+    from remote.suites.prompts import PromptError, load_suite
 
     base = tmp_path_factory.mktemp("raw")
     for name, load, error in (("inventory.yaml", load_inventory_file, InputError),

@@ -14,7 +14,7 @@ _FEATURES = """
 import sys, json, torch
 if sys.argv[2] == "torch":
     sys.modules["fla"] = None           # force the pure-torch Gated DeltaNet path
-from remote.target import load_target, target_features, gdn_kernel_path
+from remote.target.model import load_target, target_features, gdn_kernel_path
 model = load_target(sys.argv[1], "cuda", "bfloat16")
 ids = torch.arange(1, 200, device="cuda")[None] % 250
 _, th = target_features(model, ids, [0, 1, 2])
@@ -49,8 +49,8 @@ def test_rollback_self_test_on_cuda():
     import torch
     import transformers
 
-    from remote.target_cache import self_test
-    from remote.tiny import tiny_target
+    from remote.target.cache import self_test
+    from remote.drafters.tiny import tiny_target
 
     for config in (tiny_target("qwen3_5").config, transformers.Qwen3_5Config()):
         assert self_test(config, "cuda") is None

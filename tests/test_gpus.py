@@ -173,8 +173,8 @@ def test_memory_preflight_refuses_with_the_numbers(local_home, tmp_path):
 
 def test_memory_plan_numbers():
     """The plan's terms from configs and safetensors headers, checked against their formulas."""
-    from remote.memory import kv_bytes_per_token, longest_context
-    from remote.prompts import PromptRow
+    from remote.target.memory import kv_bytes_per_token, longest_context
+    from remote.suites.prompts import PromptRow
 
     cfg = {"num_hidden_layers": 8, "layer_types": ["linear_attention"] * 6 + ["full_attention"] * 2,
            "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256}

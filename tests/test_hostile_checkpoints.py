@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from remote.checkpoint import CheckpointError, open_checkpoint
-from remote.memory import WeightsError, parameter_count
+from remote.drafters.checkpoint import CheckpointError, open_checkpoint
+from remote.target.memory import WeightsError, parameter_count
 
 REPO = Path(__file__).resolve().parents[1]
 HUGE = 1_000_000_000

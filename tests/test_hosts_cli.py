@@ -48,7 +48,7 @@ def test_hosts_check_local():
 
 
 def test_the_probe_answers_a_cpu_build_of_torch_as_its_import_would():
-    from remote.probe import torch_cuda
+    from remote.host.probe import torch_cuda
 
     assert torch_cuda(60, TORCH) == torch_cuda(60)      # this machine's torch, with and without the import
     assert torch_cuda(1e-6, "2.13.0+cpu") == {"available": False, "cuda": None, "device_count": 0}   # no import

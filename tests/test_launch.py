@@ -1,4 +1,4 @@
-"""remote/launch.py on this machine with real processes: a pid file is only trusted when the process
+"""remote/host/launch.py on this machine with real processes: a pid file is only trusted when the process
 behind it is provably the job (start time + boot id), cancel signals the job's whole process group,
 and follow always ends once the job has ended."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "remote.launch", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "remote.host.launch", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -56,7 +56,7 @@ def wait_until(predicate, timeout: float = 10, what: str = "condition") -> None:
 
 
 def test_hand_written_pid_file_does_not_let_cancel_kill_a_bystander(tmp_path, bystander):
-    """The review's repro: `sleep 300 & echo "$! 999999" > $d/pid; python -m remote.launch cancel $d`."""
+    """The review's repro: `sleep 300 & echo "$! 999999" > $d/pid; python -m remote.host.launch cancel $d`."""
     (tmp_path / "pid").write_text(f"{bystander.pid} 999999\n")
     res = launch("cancel", str(tmp_path))
     assert res.returncode == 0, res.stderr
@@ -129,7 +129,7 @@ def test_follow_ends_on_a_torn_last_line_and_reports_it(tmp_path):
     (tmp_path / "events.jsonl").write_text(whole + '{"event":"pro')
     (tmp_path / "exit_code").write_text("0\n")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen([sys.executable, "-m", "remote.launch", "follow", str(tmp_path)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "remote.host.launch", "follow", str(tmp_path)], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     try:
         out, _ = proc.communicate(timeout=10)
@@ -156,7 +156,7 @@ def test_concurrent_starts_in_one_folder_give_one_live_worker(tmp_path):
     job = [sys.executable, "-c", f"import os, time; open(os.path.join({str(marks)!r}, str(os.getpid())), 'w'); "
                                  f"time.sleep(120)"]
     run_dir = tmp_path / "run"
-    procs = [subprocess.Popen([sys.executable, "-m", "remote.launch", "start", str(run_dir), "--", *job], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-m", "remote.host.launch", "start", str(run_dir), "--", *job], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
     results = [p.communicate(timeout=60) + (p.returncode,) for p in procs]
     ok = [json.loads(out)["pid"] for out, _, rc in results if rc == 0]
@@ -198,7 +198,7 @@ def test_follow_reads_a_huge_unterminated_line_once_and_drops_it(tmp_path):
     assert launch("start", str(tmp_path), "--", *job).returncode == 0
     wait_until(lambda: (tmp_path / "events.jsonl").exists() and (tmp_path / "events.jsonl").stat().st_size >= size,
                what="the long line")
-    proc = subprocess.Popen([sys.executable, "-m", "remote.launch", "follow", str(tmp_path)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "remote.host.launch", "follow", str(tmp_path)], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(6)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from remote.metrics import per_position_acceptance, summarize, tau_summary
-from remote.offline import DraftTable, ddtree_depth, evaluate_offline, greedy_walk, slot_children
-from remote.target import target_features
+from remote.contract.metrics import per_position_acceptance, summarize, tau_summary
+from remote.decode.offline import DraftTable, ddtree_depth, evaluate_offline, greedy_walk, slot_children
+from remote.target.model import target_features
 from models import held_out_drafter, walk_sequences, walk_target
 
 
@@ -56,7 +56,7 @@ def test_batched_drafts_equal_per_anchor_drafts_along_a_reference(trained):
     _, th = target_features(target, seq[:, :-1], drafter.config.target_layer_ids)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     table = DraftTable(drafter, th, ids, embed.weight, head, chunk=7)
-    from remote.drafter import block_input_ids
+    from remote.drafters.dflash import block_input_ids
     for p in range(6, ids.numel() - 1):
         n = min(drafter.block_size, ids.numel() - p)      # the last blocks are cut to what is verified
         noise = embed(block_input_ids(ids[p:p + 1], n, drafter.config.mask_token_id))[None]

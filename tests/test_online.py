@@ -5,11 +5,11 @@ from functools import lru_cache
 import pytest
 import torch
 
-from remote import online
-from remote import target_cache
-from remote.online import speculative_generate, target_decode
-from remote.target_cache import checkpoint, crop_attention, forward, new_cache, rewind
-from remote.tiny import tiny_target, walk_batch
+from remote.decode import online
+from remote.target import cache as target_cache
+from remote.decode.online import speculative_generate, target_decode
+from remote.target.cache import checkpoint, crop_attention, forward, new_cache, rewind
+from remote.drafters.tiny import tiny_target, walk_batch
 from models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
 
 pytestmark = pytest.mark.exactness

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from remote.prompts import (BUILTIN, PromptError, PromptRow, format_chat, load_suite, reference_turns,
-                            suite_sha256, write_hf_snapshot)
-from remote.tokenizer import build_tiny_tokenizer
+from remote.suites.prompts import (BUILTIN, PromptError, PromptRow, format_chat, load_suite, reference_turns,
+                                   suite_sha256, write_hf_snapshot)
+from remote.target.tokenizer import build_tiny_tokenizer
 
 DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 needs_datasets = pytest.mark.skipif(not DATASETS.is_dir(), reason="no shared/datasets copies here")

@@ -67,7 +67,7 @@ def test_a_failed_connection_is_one_line_with_the_servers_reason():
 def test_ray_is_not_loaded_until_a_ray_host_is_used():
     code = ("import sys\nfrom orchestrator.eval import hostcheck, pipeline\nfrom orchestrator.cli import app\n"
             "assert 'ray' not in sys.modules and 'orchestrator.eval.ray' not in sys.modules\n"
-            "import remote.ray_task\nassert 'ray' not in sys.modules\n")
+            "import remote.host.ray_task\nassert 'ray' not in sys.modules\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 

@@ -1,5 +1,5 @@
 """orchestrator/runs/metrics.py: an eval run's metrics recomputed from its rows (through
-remote.metrics, the worker's own implementation) and the summary.json consistency check."""
+remote.contract.metrics, the worker's own implementation) and the summary.json consistency check."""
 from __future__ import annotations
 
 import pytest
@@ -34,7 +34,7 @@ def test_summary_disagreement_is_named():
 
 def test_the_report_extends_the_worker_summary_exactly(tmp_path):
     """One implementation: summary.json's fields in a report are the worker's summarize() output."""
-    from remote.metrics import summarize
+    from remote.contract.metrics import summarize
     from runfixtures import make_run, read_rows
 
     for mode in ("offline", "online"):

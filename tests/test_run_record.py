@@ -14,8 +14,8 @@ import pytest
 
 from orchestrator.runs.folders import load_run, run_rows
 from orchestrator.runs.record import EvalRequest, RunRecord, RunRecordError, run_id
-from remote.settings import EvalSettings
-from remote.states import State
+from remote.contract.settings import EvalSettings
+from remote.contract.states import State
 
 
 def record(tmp_path: Path, hosts=("ct129",), **settings) -> RunRecord:
@@ -191,10 +191,11 @@ def test_a_foreign_run_folder_never_runs_its_interpreter_or_code(tmp_path):
     must be a shipped one under the host's workdir)."""
     home = tmp_path / "home"
     evil = tmp_path / "evil"
-    (evil / "remote").mkdir(parents=True)
+    (evil / "remote" / "host").mkdir(parents=True)
     marker = tmp_path / "ran"
     (evil / "remote" / "__init__.py").write_text("")
-    (evil / "remote" / "launch.py").write_text(f"open({str(marker)!r}, 'a').write('launch\\n')\n")
+    (evil / "remote" / "host" / "__init__.py").write_text("")
+    (evil / "remote" / "host" / "launch.py").write_text(f"open({str(marker)!r}, 'a').write('launch\\n')\n")
     (evil / "python").write_text(f"#!/bin/sh\necho python >> {marker}\n")
     (evil / "python").chmod(0o755)
     folder = write_run(tmp_path / "runs", home, shard={"python": str(evil / "python"), "code_dir": str(evil)})

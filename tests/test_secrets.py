@@ -53,7 +53,7 @@ def files_holding(root: Path, needle: str) -> list[str]:
 
 
 def test_sglang_credentials_never_leave_the_inventory(ssh_lab, embedded_pair, tmp_path):
-    from remote.target import load_target
+    from remote.target.model import load_target
     from sglang_server import serve_sglang
     from transformers import AutoTokenizer
 

@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from remote.prompts import PromptRow, reference_turns
-from remote.sglang import SGLangClient, SGLangError, redact
-from remote.tokenizer import build_tiny_tokenizer
+from remote.suites.prompts import PromptRow, reference_turns
+from remote.engines.sglang_client import SGLangClient, SGLangError, redact
+from remote.target.tokenizer import build_tiny_tokenizer
 from models import random_target
 from sglang_server import serve_sglang
 
@@ -26,7 +26,7 @@ def target():
 def lively():
     """A random tiny target whose greedy output does not collapse into one repeated token."""
     from models import freeze
-    from remote.tiny import tiny_target
+    from remote.drafters.tiny import tiny_target
 
     return freeze(tiny_target(seed=1, init_std=0.5))
 

@@ -21,7 +21,7 @@ def test_evals_shipping_the_same_code_at_once_share_one_folder_never_replaced(tm
         barrier.wait()
         try:
             code_dir = ship(LocalRunner(), __import__("sys").executable, str(workdir))
-            st = os.stat(os.path.join(code_dir, "remote", "launch.py"))
+            st = os.stat(os.path.join(code_dir, "remote", "host", "launch.py"))
             seen.append((os.stat(code_dir).st_ino, st.st_ino))
             results.append(code_dir)
         except Exception as e:  # noqa: BLE001 — collected for the assertion
@@ -34,7 +34,7 @@ def test_evals_shipping_the_same_code_at_once_share_one_folder_never_replaced(tm
     assert errors == [], errors
     assert len(set(results)) == 1
     code_dir = results[0]
-    final = (os.stat(code_dir).st_ino, os.stat(os.path.join(code_dir, "remote", "launch.py")).st_ino)
+    final = (os.stat(code_dir).st_ino, os.stat(os.path.join(code_dir, "remote", "host", "launch.py")).st_ino)
     assert set(seen) == {final}, "a shipped code folder was replaced while in use"
     assert os.path.exists(os.path.join(code_dir, ".complete"))
     assert sorted(os.listdir(workdir / "code")) == [os.path.basename(code_dir)]

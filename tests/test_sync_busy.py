@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_a_busy_lock_is_waited_for_by_watch_and_named_without_a_missing_option(ssh_lab, tmp_path):
     from orchestrator.names import Resolver
     from orchestrator.watch.loop import Watcher, WatchOptions
-    from remote.settings import EvalSettings
+    from remote.contract.settings import EvalSettings
 
     run = f"r{uuid.uuid4().hex[:8]}"
     src = ssh_lab.train.root / "checkpoints" / run / "step_1"

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from remote.target import capture, decoder_layers, features, gdn_kernel_path
+from remote.target.model import capture, decoder_layers, features, gdn_kernel_path
 from models import random_target
 
 

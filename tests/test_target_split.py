@@ -4,7 +4,7 @@ per forward through accelerate's hooks); the real split over two GPUs is gpu-mar
 import pytest
 import torch
 
-from remote.target import decoder_layers, features_device, load_target, target_features
+from remote.target.model import decoder_layers, features_device, load_target, target_features
 from models import random_target
 
 LAYERS = [0, 2, 3]
@@ -63,8 +63,8 @@ def test_two_gpu_split_captures_the_same_features(target_dir):
 
 def decoded(target, drafter, prompt) -> tuple:
     """Online greedy output and acceptance, then the offline walk and a DDTree walk over it."""
-    from remote.offline import evaluate_offline
-    from remote.online import speculative_generate
+    from remote.decode.offline import evaluate_offline
+    from remote.decode.online import speculative_generate
 
     spec = speculative_generate(target, drafter, prompt, 24)
     off = evaluate_offline(drafter, target, prompt[0].tolist(), spec.output_ids, budgets=[4])

@@ -1,9 +1,9 @@
 """The reference training step produces a drafter that really predicts the target."""
 import torch
 
-from remote.tiny import tiny_drafter
+from remote.drafters.tiny import tiny_drafter
 from models import HELD_OUT, held_out_drafter, walk_batches, walk_target
-from remote.train import Batch, block_labels, position_weights, sample_anchors, teacher_forced_accuracy
+from remote.drafters.train import Batch, block_labels, position_weights, sample_anchors, teacher_forced_accuracy
 
 
 def test_loss_weights_and_supervision():
@@ -20,7 +20,7 @@ def test_training_lifts_teacher_forced_accuracy_far_above_chance():
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     held_out = batches[:HELD_OUT]
     before = teacher_forced_accuracy(tiny_drafter(cfg, seed=0), held_out, embed, lm_head)
-    drafter, losses = held_out_drafter("qwen3", steps=400)     # remote.train.train from the same start
+    drafter, losses = held_out_drafter("qwen3", steps=400)     # remote.drafters.train.train from the same start
     after = teacher_forced_accuracy(drafter, held_out, embed, lm_head)
     chance = 1 / cfg.vocab_size
     assert max(before["per_position"]) < 0.05

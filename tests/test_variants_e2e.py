@@ -4,7 +4,7 @@ training step on a tiny target (tests/references.py), evaluated through `dflash-
 subprocess on the built-in `local` host and on an SSH lab eval host at once (two shards), greedy
 and at T = 1, online and offline; then `compare` refuses to pair runs at different temperatures.
 
-remote/train.py is z-lab's DFlash loss (slot k against token p + k through the target's head): it
+remote/drafters/train.py is z-lab's DFlash loss (slot k against token p + k through the target's head): it
 cannot train a reduced vocabulary, sample_from_anchor or the DFlash2 selector, so these drafters
 are trained the way their authors train them.
 """
@@ -37,7 +37,7 @@ def lab(ssh_lab, tmp_path_factory):
     import buildcache
     from models import PROMPT_LEN, walk_sequences, walk_target
     from references import speculators_drafter, train_speculators
-    from remote.tiny import walk_batch
+    from remote.drafters.tiny import walk_batch
 
     base = tmp_path_factory.mktemp("variants")
     target = copy.deepcopy(walk_target("qwen3"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from remote.metrics import summarize
+from remote.contract.metrics import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def test_multi_turn_rows_are_answered_turn_by_turn(embedded_pair, tmp_path):
 
 
 def test_sglang_reference_path(embedded_pair, tmp_path):
-    from remote.target import load_target
+    from remote.target.model import load_target
     from sglang_server import serve_sglang
     from transformers import AutoTokenizer
 

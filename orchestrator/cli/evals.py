@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from remote.settings import EvalSettings
-from remote.states import State
+from remote.contract.settings import EvalSettings
+from remote.contract.states import State
 
 from . import console
 from .console import safe

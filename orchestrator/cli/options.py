@@ -1,4 +1,4 @@
-"""The eval settings (remote/settings.py) as command-line options, for every command that runs evals."""
+"""The eval settings (remote/contract/settings.py) as command-line options, for every command that runs evals."""
 from __future__ import annotations
 
 import functools
@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from remote.settings import FIELDS, EvalSettings
+from remote.contract.settings import FIELDS, EvalSettings
 
 PREFIX = "setting_"
 

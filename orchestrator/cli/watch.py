@@ -5,7 +5,7 @@ from typing import List, Optional
 
 import typer
 
-from remote.settings import EvalSettings
+from remote.contract.settings import EvalSettings
 
 from . import console
 from .console import safe

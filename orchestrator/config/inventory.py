@@ -315,7 +315,7 @@ def _host_from_entry(
     if "engine" in values:
         values["engine"] = _engine(where, values["engine"])
     if "sglang" in values:
-        from remote.sglang import split_credentials
+        from remote.engines.sglang_client import split_credentials
         try:
             values["sglang"], values["sglang_auth"] = split_credentials(values["sglang"])
         except ValueError as e:

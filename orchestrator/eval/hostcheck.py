@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 from importlib import resources
 
-from remote.versions import TRANSFORMERS_TESTED, transformers_problem, transformers_status
+from remote.contract.versions import TRANSFORMERS_TESTED, transformers_problem, transformers_status
 
 from ..errors import DflashOpsError, OperationFailed
 from ..config.inventory import Host, Inventory
@@ -25,9 +25,9 @@ AUTH_LINE = "\nSGLANG_AUTH = None "
 
 def probe_source(sglang_auth: str | None = None) -> str:
     """The probe's source, piped to the host's python; SGLang credentials ride in it (stdin), not argv."""
-    source = resources.files("remote").joinpath("probe.py").read_text()
+    source = resources.files("remote.host").joinpath("probe.py").read_text()
     if sglang_auth:
-        assert AUTH_LINE in source, "remote/probe.py lost its SGLANG_AUTH line"
+        assert AUTH_LINE in source, "remote/host/probe.py lost its SGLANG_AUTH line"
         source = source.replace(AUTH_LINE, f"\nSGLANG_AUTH = {sglang_auth!r} ", 1)
     return source
 
@@ -120,8 +120,8 @@ def _fill_engine(report: HostReport, host: Host, found: dict | None) -> None:
         report.engine = f"{engine.kind} (not usable)"
         hint = ""
         if engine.python:
-            from remote.sglang_engine import INSTALL as SGLANG_INSTALL
-            from remote.vllm_engine import INSTALL as VLLM_INSTALL
+            from remote.engines.sglang import INSTALL as SGLANG_INSTALL
+            from remote.engines.vllm import INSTALL as VLLM_INSTALL
             hint = f"; install it: {VLLM_INSTALL if engine.kind == 'vllm' else SGLANG_INSTALL}"
         report.warnings.append(f"engine: {found['error']}{hint}")
         return
@@ -168,7 +168,7 @@ def _reported(host: Host, fill) -> HostReport:
 
 
 def _probe(report: HostReport, host: Host, runner, timeout: float, cuda: bool = True) -> None:
-    """Run remote/probe.py with the host's python and fill ``report`` from what it prints."""
+    """Run remote/host/probe.py with the host's python and fill ``report`` from what it prints."""
     argv = [host.python, "-", "--timeout", f"{max(timeout - 10, 5):g}", *([] if cuda else ["--no-cuda"])]
     engine = host.engine
     for flag, value in (("--workdir", host.workdir), ("--checkpoints", host.checkpoints),

@@ -1,6 +1,6 @@
 """A worker job on a host: start detached, follow its events, status, cancel, fetch results.
 
-All host-side work goes through ``python -m remote.launch`` (stdlib, shipped with the worker),
+All host-side work goes through ``python -m remote.host.launch`` (stdlib, shipped with the worker),
 so no shell command is ever composed here; argv lists are quoted by the transport.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from remote.engine_phase import LOGS as ENGINE_LOGS
+from remote.engines.phase import LOGS as ENGINE_LOGS
 
 from ..transport import Runner, TransportError
 
@@ -58,7 +58,7 @@ class HostJob:
 
     def _launch(self, *args: str, timeout: float | None = 60, input: str | None = None,
                 env: dict[str, str] | None = None):
-        return self.runner.run([self.python, "-m", "remote.launch", *args], timeout=timeout, input=input,
+        return self.runner.run([self.python, "-m", "remote.host.launch", *args], timeout=timeout, input=input,
                                env={"PYTHONPATH": self.code_dir, **(env or {})}, cwd=self.code_dir)
 
     def start(self, worker_args: list[str], secrets: dict[str, str] | None = None,
@@ -87,7 +87,7 @@ class HostJob:
     def follow(self, offset: int = 0, read_timeout: float = 60.0) -> Iterator[dict]:
         """Events as the worker writes them; the last one is ``{"event": "exit", ...}``.
         Closing the iterator (or Ctrl-C) only closes the connection; the job keeps running."""
-        handle = self.runner.open_exec([self.python, "-m", "remote.launch", "follow", self.run_dir,
+        handle = self.runner.open_exec([self.python, "-m", "remote.host.launch", "follow", self.run_dir,
                                         "--offset", str(offset)], env={"PYTHONPATH": self.code_dir},
                                        cwd=self.code_dir)
         chan = getattr(handle, "chan", None)

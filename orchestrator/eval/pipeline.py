@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from remote import exits
-from remote.prompts import BUILTIN
-from remote.settings import CPU_WORKERS_ENV, EvalSettings
-from remote.sglang import AUTH_ENV, split_credentials
-from remote.states import State
+from remote.contract import exits
+from remote.suites.prompts import BUILTIN
+from remote.contract.settings import CPU_WORKERS_ENV, EvalSettings
+from remote.engines.sglang_client import AUTH_ENV, split_credentials
+from remote.contract.states import State
 
 from ..config.catalog import EMBEDDED
 from ..config.inventory import Host, Inventory
@@ -243,9 +243,9 @@ def check_engine(host: Host, runner) -> dict | None:
     """An engine the worker starts (``python:``) is installed on the host: its version from package
     metadata, or the one line that says it is not and how to install it. A running server
     (``url:``) is checked by the worker, which talks to it."""
-    from remote.probe import ENGINE_DISTRIBUTIONS, ENGINE_SNIPPET
-    from remote.sglang_engine import INSTALL as SGLANG_INSTALL
-    from remote.vllm_engine import INSTALL as VLLM_INSTALL
+    from remote.host.probe import ENGINE_DISTRIBUTIONS, ENGINE_SNIPPET
+    from remote.engines.sglang import INSTALL as SGLANG_INSTALL
+    from remote.engines.vllm import INSTALL as VLLM_INSTALL
 
     engine = host.engine
     if engine.python is None:
@@ -569,7 +569,7 @@ def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int,
 def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
     """Merge shard folders (``run_dir/shard-k``, or the run folder itself for one shard) into
     ``run_dir``'s results.jsonl / summary.json / env.json, in suite order."""
-    from remote.metrics import summarize
+    from remote.contract.metrics import summarize
 
     if len(shards) == 1:
         record_placement(run_dir, shards)

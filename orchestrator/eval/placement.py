@@ -56,7 +56,7 @@ def host_gpu_ids(spec: str | int | list[str] | None, host: str, visible: int, in
 
 
 def visible_gpus(raw_probe: dict | None) -> int:
-    """CUDA devices torch sees on a probed host (remote/probe.py's report)."""
+    """CUDA devices torch sees on a probed host (remote/host/probe.py's report)."""
     tc = (raw_probe or {}).get("torch_cuda") or {}
     return int(tc.get("device_count") or 0) if tc.get("available") else 0
 

@@ -2,8 +2,8 @@
 
 ``connect`` joins the cluster as a Ray Client (``ray://HOST:PORT``; with ``via: HOST`` through an
 ``ssh -N -L`` tunnel that dflash-ops opens over that inventory host's OpenSSH endpoint, host keys
-pinned as for sync). Each shard of a run is a *detached, named* actor (remote/ray_task.py's
-:class:`~remote.ray_task.ShardNode`) holding the shard's GPUs (``num_gpus``); ``remote/`` travels
+pinned as for sync). Each shard of a run is a *detached, named* actor (remote/host/ray_task.py's
+:class:`~remote.host.ray_task.ShardNode`) holding the shard's GPUs (``num_gpus``); ``remote/`` travels
 in its runtime environment (``py_modules``). :class:`ActorRunner` makes that actor a
 :class:`~orchestrator.transport.Runner` on its node, so :class:`RayJob` is a
 :class:`~orchestrator.eval.jobs.HostJob`: the worker starts detached in ``<workdir>/runs/<run id>``
@@ -335,7 +335,7 @@ def place(host: "Host", inventory: "Inventory | None", name: str | None, num_gpu
     found again by that name if it exists; None: a short-lived pre-flight actor), on ``node_id``
     when given (a resumed shard goes back to the node whose disk holds its run folder)."""
     ray = connect(host, inventory)
-    from remote.ray_task import ShardNode
+    from remote.host.ray_task import ShardNode
 
     if name is not None:
         try:

@@ -20,7 +20,7 @@ import remote
 from ..transport import Runner, TransportError
 
 PACKAGE = Path(remote.__file__).resolve().parent
-SHIPPED = ("*.py", "suites/*.jsonl")
+SHIPPED = ("**/*.py", "suites/*.jsonl")
 
 # Runs on the host: extract the tar next to the final folder, mark it complete, rename it into
 # place. A folder marked complete is never replaced (another eval may be running from it): when

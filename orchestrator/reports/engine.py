@@ -1,7 +1,7 @@
 """The serving engine's own τ beside ours (`eval --engine`), for every report: the per-prompt
 columns, the verdict's clause, the report's section, and the words for each cause of a difference.
 
-A cause is named only where the worker's checks showed it (remote/engine_phase.py ``explain``:
+A cause is named only where the worker's checks showed it (remote/engines/phase.py ``explain``:
 the prompt the engine rendered, its output, its draft length, sampling, dtype, how it counts the
 prefill's token and the drafts past the end, the cut last blocks, its drafter recomputed as vLLM's
 CPU kernel computes it); the numbers in the sentences come from the same checks.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from remote.engine_phase import CAUSES
+from remote.engines.phase import CAUSES
 
 from ..runs.folders import EvalRun
 from .render import Document, fnum

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from remote.states import State
+from remote.contract.states import State
 
 from . import engine as engine_report
 from .render import Document, fnum

@@ -1,5 +1,5 @@
 """Paired statistics for comparing two eval runs prompt by prompt (the metrics themselves are
-:mod:`remote.metrics`).
+:mod:`remote.contract.metrics`).
 
 The *prompt* is the unit (REFERENCE §2): a bootstrap resamples prompts (the same prompts for both
 runs) and the significance test swaps the two runs' values within prompts. Inputs are per-prompt

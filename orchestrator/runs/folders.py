@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from remote.drafter_config import MAX_BLOCK_SIZE
-from remote.states import State
+from remote.drafters.config import MAX_BLOCK_SIZE
+from remote.contract.states import State
 
 from ..config.catalog import parse_step, same_checkpoint
 from ..errors import InputError, did_you_mean
@@ -184,7 +184,7 @@ class EvalRun:
 
     @property
     def metrics(self) -> dict:
-        """Recomputed from results.jsonl (remote.metrics, like the worker's summary.json)."""
+        """Recomputed from results.jsonl (remote.contract.metrics, like the worker's summary.json)."""
         if self._metrics is None:
             from .metrics import compute_metrics
 

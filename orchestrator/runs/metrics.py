@@ -1,7 +1,7 @@
 """An eval run's metrics, recomputed from its ``results.jsonl`` rows, and where the worker's
 ``summary.json`` disagrees with them.
 
-All arithmetic is :mod:`remote.metrics` (the worker's own implementation, stdlib only); this
+All arithmetic is :mod:`remote.contract.metrics` (the worker's own implementation, stdlib only); this
 module adds what a report needs on top: per-prompt stored-vs-recomputed values, τ per category,
 and lengths outside 1..B. The consistency check catches a damaged or hand-edited run folder
 (the two files are written by one function, so on a healthy run they always agree).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from remote.metrics import category_summary, out_of_range, row_stats, summarize
+from remote.contract.metrics import category_summary, out_of_range, row_stats, summarize
 
 TAU_CONVENTIONS = ("τ counts the tokens one draft–verify cycle commits, bonus token included. tau_macro: mean of "
                    "per-prompt τ; tau_macro_turns: mean over responses, one per turn of a multi-turn prompt (how "

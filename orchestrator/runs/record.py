@@ -5,7 +5,7 @@ commands (eval, attach, cancel) call them and never set fields themselves. From 
 the workers on, each transition writes run.json (atomically), so an interrupted command leaves
 a record another can pick up; a run whose pre-flight failed leaves nothing.
 
-Run status:   preparing -> running -> done | failed | cancelled     (remote/states.py: State)
+Run status:   preparing -> running -> done | failed | cancelled     (remote/contract/states.py: State)
               (running stays running when the user detaches or contact is lost: `attach`; a
               cancel stays: a save or settle of a record read before it keeps the run cancelled)
 Shard state:  pending -> running -> the worker's exit state (done, failed, lost, ...) | cancelled;
@@ -25,8 +25,8 @@ from datetime import datetime, timezone
 from itertools import count
 from pathlib import Path
 
-from remote.settings import EvalSettings
-from remote.states import State
+from remote.contract.settings import EvalSettings
+from remote.contract.states import State
 
 from ..config.catalog import parse_step, step_name
 from ..errors import InputError
@@ -47,7 +47,7 @@ class EvalRequest:
     repeats it without the catalog): the drafter is ``drafter_path`` on every host, or checkpoint
     folder ``checkpoint`` of training run ``drafter_run`` under each host's ``checkpoints`` root,
     or the embedded demo; the target is ``target_path`` (or the embedded demo's). How the worker
-    decodes is ``settings`` (remote/settings.py); the rest is where and how the run is placed."""
+    decodes is ``settings`` (remote/contract/settings.py); the rest is where and how the run is placed."""
     hosts: list[str]
     settings: EvalSettings = field(default_factory=EvalSettings)
     drafter_ref: str | None = None  # what the drafter resolved to, as a user would type it (v5:step_20000)

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 from ..config.catalog import Catalog, CatalogError, TrainingRun
 from ..errors import DflashOpsError, OperationFailed
-from remote.settings import EvalSettings
-from remote.states import State
+from remote.contract.settings import EvalSettings
+from remote.contract.states import State
 
 from ..runs.record import RunRecord
 from .state import MAX_ATTEMPTS, Point, RunLock, WatchState

@@ -1,4 +1,4 @@
-"""See tests/plants/README.md: `remote.online.rewind` is replaced, once remote.online is loaded, by
+"""See tests/plants/README.md: `remote.decode.online.rewind` is replaced, once remote.decode.online is loaded, by
 one that leaves the cache as the verify left it."""
 import importlib.abc
 import importlib.util
@@ -7,7 +7,7 @@ import sys
 
 class _Plant(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "remote.online":
+        if name != "remote.decode.online":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -1,0 +1,201 @@
+"""Acceptance metrics: the one implementation, used by the worker (summary.json) and by every
+report, listing and comparison of the orchestrator. Stdlib only.
+
+Definitions (docs/run-format.md, REFERENCE §2): an acceptance length is the number of tokens one
+draft–verify cycle commits, **bonus token included** (1..B). ``tau_macro`` = mean over prompts of
+each prompt's tokens / cycles (z-lab); ``tau_pooled`` = Σ tokens / Σ cycles (Spec-Bench, SGLang,
+vLLM); ``per_position_acceptance[k-1]`` = share of cycles whose length is ≥ k+1, k = 1..B-1, so
+``tau_pooled = 1 + Σ per_position_acceptance``. A length outside 1..B (a damaged results file)
+falls in no histogram bin and is counted by :func:`out_of_range`.
+"""
+from __future__ import annotations
+
+
+def row_stats(acceptance_lengths: list[int]) -> dict:
+    cycles, tokens = len(acceptance_lengths), sum(acceptance_lengths)
+    return {"cycles": cycles, "tokens": tokens, "tau": tokens / cycles if cycles else None}
+
+
+def tau_summary(per_prompt: list[list[int]]) -> dict:
+    """``tau_macro`` (mean of per-prompt means, z-lab) and ``tau_pooled`` (Σ tokens / Σ cycles)
+    over the prompts that have at least one cycle (``prompts`` counts them)."""
+    rows = [row_stats(a) for a in per_prompt if a]
+    cycles = sum(r["cycles"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {"tau_macro": sum(r["tau"] for r in rows) / len(rows) if rows else None,
+            "tau_pooled": tokens / cycles if cycles else None, "cycles": cycles, "tokens": tokens,
+            "prompts": len(rows)}
+
+
+def histogram(per_prompt: list[list[int]], block_size: int) -> dict[str, int]:
+    hist = {str(k): 0 for k in range(1, block_size + 1)}
+    for lengths in per_prompt:
+        for n in lengths:
+            if 1 <= n <= block_size:
+                hist[str(int(n))] += 1
+    return hist
+
+
+def out_of_range(per_prompt: list[list[int]], block_size: int) -> int:
+    """How many acceptance lengths fall outside 1..B (none in a healthy run)."""
+    return sum(not 1 <= n <= block_size for lengths in per_prompt for n in lengths)
+
+
+def per_position_acceptance(per_prompt: list[list[int]], block_size: int) -> list[float]:
+    """acc_k = (cycles with length >= k + 1) / cycles, k = 1..B-1; τ_pooled = 1 + Σ acc_k."""
+    lengths = [n for a in per_prompt for n in a]
+    if not lengths:
+        return [0.0] * (block_size - 1)
+    return [sum(n >= k + 1 for n in lengths) / len(lengths) for k in range(1, block_size)]
+
+
+def responses(rows: list[dict]) -> list[dict]:
+    """One entry per response: each turn of a multi-turn row, else the row itself."""
+    return [t for r in rows for t in (r.get("turns") or [r])]
+
+
+def tau_sglang(rows: list[dict]) -> float | None:
+    """τ as SGLang reports it, ``Σ completion_tokens / Σ spec_verify_ct``: every response's first
+    token (from the prefill) counts as a completion token, verify cycles are the cycles."""
+    per_response = [t.get("acceptance_lengths") or [] for t in responses(rows)]
+    cycles = sum(len(a) for a in per_response)
+    return sum(1 + sum(a) for a in per_response) / cycles if cycles else None
+
+
+def expected_summary(rows: list[dict]) -> dict:
+    """T > 0 offline: the expected acceptance along the reference completions (an estimate)."""
+    parts = [r["expected"] for r in rows if r.get("expected")]
+    alpha = [sum(v) for v in zip(*(p["alpha_sum"] for p in parts))]
+    count = [sum(v) for v in zip(*(p["count"] for p in parts))]
+    anchors = sum(p["anchors"] for p in parts)
+    return {"label": "estimate: α_k = Σ_x min(p_k(x), q_k(x)) along the reference completion, "
+                     "expected τ = 1 + Σ_k Π_{j≤k} α_j, averaged over anchors",
+            "alpha": [a / n if n else None for a, n in zip(alpha, count)],
+            "tau": sum(p["tau_sum"] for p in parts) / anchors if anchors else None, "anchors": anchors}
+
+
+def category_summary(rows: list[dict]) -> dict[str, dict]:
+    """:func:`tau_summary` per prompt category (rows without a category are left out)."""
+    groups: dict[str, list] = {}
+    for r in rows:
+        if r.get("category") is not None:
+            groups.setdefault(str(r["category"]), []).append(r.get("acceptance_lengths") or [])
+    return {c: tau_summary(v) for c, v in sorted(groups.items())}
+
+
+def all_anchors_accuracy(rows: list[dict], slots: int) -> tuple[list[float], list[float]]:
+    """Teacher-forced per-slot accuracy with every completion position an anchor (rows'
+    ``all_anchors`` hit counts for the ``slots`` drafted slots: B-1, or B for a sample_from_anchor
+    drafter; longer lists in a damaged file are cut), and its cumulative product."""
+    correct, count = [0] * slots, [0] * slots
+    for r in rows:
+        hits = r.get("all_anchors") or {}
+        for k, (c, n) in enumerate(zip(list(hits.get("correct") or [])[:slots], list(hits.get("count") or [])[:slots])):
+            correct[k] += c
+            count[k] += n
+    acc = [c / n if n else 0.0 for c, n in zip(correct, count)]
+    cum, running = [], 1.0
+    for a in acc:
+        running *= a
+        cum.append(running)
+    return acc, cum
+
+
+def online_summary(rows: list[dict]) -> dict:
+    """Speed of an online run: output tokens (every turn's completion) per second of speculative
+    decoding and of plain target decoding, and whether every row was lossless (``None`` when no row
+    could be checked, e.g. sampled decoding)."""
+    wall = sum(r["wall_s"] for r in rows)
+    target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
+    tokens = sum(len(t.get("output_ids") or []) for t in responses(rows))
+    online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
+    if target_wall:
+        online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
+                      speedup=target_wall / wall if wall else None)
+    if any("lossless" in r for r in rows):   # a row that does not record it is not lossless;
+        checked = [r.get("lossless") for r in rows if "lossless" not in r or r["lossless"] is not None]
+        online["lossless"] = all(c is True for c in checked) if checked else None   # None: sampled
+        near_ties = sum(bool((r.get("divergence") or {}).get("near_tie")) for r in rows)
+        if near_ties:
+            online["near_tie_divergences"] = near_ties
+    return online
+
+
+def engine_summary(rows: list[dict]) -> dict | None:
+    """The serving engine's own counts over the rows that have them (``eval --engine``), beside ours
+    on the same prompts: τ exactly as the engine counts it per prompt (``tokens / cycles`` of each
+    row's ``engine``), macro (mean over prompts) and pooled (Σ / Σ, how the engine's own /metrics
+    pool it); drafts and accepted drafts, per-position acceptance (steps that accepted more than k
+    drafts / steps), the histogram of drafts accepted per step (0..K); its speed with the drafter and
+    without (``speedup`` = Σ time without / Σ time with); prompts whose output equals ours; and per
+    cause (remote/engines/phase.py ``CAUSES``) the prompts it explains. None without engine rows."""
+    pairs = [(r, r["engine"]) for r in rows if r.get("engine")]
+    if not pairs:
+        return None
+    counted = [(r, e) for r, e in pairs if e.get("cycles")]
+    cycles = sum(e["cycles"] for _, e in counted)
+    tokens = sum(e["tokens"] for _, e in counted)
+    ours = tau_summary([r.get("acceptance_lengths") or [] for r, _ in counted])
+    out = {"kind": pairs[0][1].get("kind"), "prompts": len(pairs),
+           "tau_macro": sum(e["tokens"] / e["cycles"] for _, e in counted) / len(counted) if counted else None,
+           "tau_pooled": tokens / cycles if cycles else None, "cycles": cycles, "tokens": tokens,
+           "our_tau_macro": ours["tau_macro"], "our_tau_pooled": ours["tau_pooled"],
+           "drafts": sum(e.get("drafts") or 0 for _, e in pairs),
+           "accepted": sum(e.get("accepted") or 0 for _, e in pairs),
+           "same_output": sum(bool((e.get("checks") or {}).get("same_output")) for _, e in pairs)}
+    per_pos = [e.get("accepted_per_pos") for _, e in pairs]
+    if out["drafts"] and all(p is not None for p in per_pos):
+        width = max(len(p) for p in per_pos)
+        out["per_position_acceptance"] = [sum((p + [0] * width)[k] for p in per_pos) / out["drafts"]
+                                          for k in range(width)]
+    hists = [e.get("histogram") for _, e in pairs]
+    if all(h is not None for h in hists):
+        width = max(len(h) for h in hists)
+        out["histogram"] = [sum((h + [0] * width)[k] for h in hists) for k in range(width)]
+    wall = sum(e.get("wall_s") or 0.0 for _, e in pairs)
+    out_tokens = sum(sum(len(t.get("output_ids") or []) for t in e["turns"]) if e.get("turns")
+                     else len(e.get("output_ids") or []) for _, e in pairs)
+    out["wall_s"], out["tokens_per_s"] = wall, out_tokens / wall if wall else None
+    plain = [e["plain"] for _, e in pairs if e.get("plain")]
+    if len(plain) == len(pairs):
+        plain_wall = sum(p["wall_s"] for p in plain)
+        out["plain_tokens_per_s"] = out_tokens / plain_wall if plain_wall else None
+        out["speedup"] = plain_wall / wall if wall else None
+    causes: dict[str, int] = {}
+    for _, e in pairs:
+        for cause in e.get("causes") or []:
+            causes[cause] = causes.get(cause, 0) + 1
+    out["causes"] = causes
+    return out
+
+
+def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: int | None = None) -> dict:
+    """``max_length``: the most tokens a cycle can commit (default ``block_size``; ``B + 1`` for a
+    sample_from_anchor drafter)."""
+    per_prompt = [r.get("acceptance_lengths") or [] for r in rows]
+    longest = max_length or block_size
+    t = tau_summary(per_prompt)
+    summary = {"mode": mode, "block_size": block_size, "prompts": len(rows), "tau_macro": t["tau_macro"],
+               "tau_pooled": t["tau_pooled"], "cycles": t["cycles"], "tokens": t["tokens"],
+               "tau_macro_turns": tau_summary([r.get("acceptance_lengths") or [] for r in responses(rows)])["tau_macro"],
+               "tau_sglang": tau_sglang(rows), "responses": len(responses(rows)),
+               "acceptance_histogram": histogram(per_prompt, longest),
+               "per_position_acceptance": per_position_acceptance(per_prompt, longest)}
+    if any(r.get("expected") for r in rows):
+        summary["expected"] = expected_summary(rows)
+    budgets = sorted({str(b) for r in rows for b in (r.get("ddtree") or {})}, key=int)
+    if budgets:
+        summary["ddtree"] = {}
+        for b in budgets:
+            d = tau_summary([r["ddtree"][b].get("acceptance_lengths") or [] for r in rows
+                             if b in (r.get("ddtree") or {})])
+            summary["ddtree"][b] = {"tau_macro": d["tau_macro"], "tau_pooled": d["tau_pooled"],
+                                    "prompts": d["prompts"]}
+    if any("all_anchors" in r for r in rows):
+        summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows, longest - 1)
+    if rows and all(r.get("wall_s") is not None for r in rows):
+        summary["online"] = online_summary(rows)
+    engine = engine_summary(rows)
+    if engine:
+        summary["engine"] = engine
+    return summary

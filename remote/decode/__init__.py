@@ -1,0 +1,2 @@
+"""Decoding with a drafter: the offline walk over a reference completion (``offline``) and online
+speculative decoding against the target (``online``)."""

@@ -1,0 +1,219 @@
+"""Online (real) DFlash speculative decoding against a Hugging Face target, greedy or sampled, and
+the plain decoding baseline it must reproduce.
+
+Batch size 1, ``torch.inference_mode``; device and dtype are the target's. Both functions time
+themselves (prefill included) with ``time.perf_counter`` after a CUDA synchronize.
+
+The cycle is z-lab's ``dflash_generate`` (``dflash/model.py``), step for step: ``start`` is the
+position of the last committed token, which the target has not processed yet; at the top of every
+cycle the target cache holds exactly positions ``< start`` and the drafter's context K/V the target
+features of the same positions. Each cycle verifies ``verify_size = min(verify_block, max_length -
+start)`` tokens (``verify_block = B``, or ``B + 1`` with speculators' sample_from_anchor) and drafts
+only the ``verify_size - 1`` tokens it verifies: the drafter's block is cut to match, as z-lab's
+last, shorter block is. The target verifies ``[token_at_start, drafts]`` in one forward; greedy
+accepts the longest prefix of drafts equal to the target's argmax and adds the target's next token
+(the bonus); sampling accepts by rejection sampling (:mod:`remote.drafters.sampling`). The cycle commits
+``produced = min(accepted + 1, max_length - start - 1)`` tokens, fewer at a stop token.
+
+Target cache (:mod:`remote.target.cache`, which also passes it to the forward). Attention layers are
+cropped; Gated DeltaNet ``linear_attention`` layers (Qwen3.5/3.6) hold one state for the whole
+prefix, so on a hybrid target every verify is preceded by a :func:`checkpoint` of the linear layers,
+and a partial accept (fewer tokens kept than verified) is undone by :func:`rewind` and one
+re-forward of the kept tokens, which advances both kinds of layer exactly over the committed tokens. Full
+accepts need no rollback; pure-attention targets only crop, never re-forward. transformers' own
+``crop`` with past recording, which z-lab's ``dflash_generate`` relies on, rolls back only the conv
+state (before 5.25; on 5.25 it fails on Qwen3.5), so the reference is not lossless on hybrid targets.
+
+So a hybrid target costs one extra target forward per partial-accept cycle (counted in
+``target_forwards``). The cycle that ends generation skips the rollback: nothing runs after it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from remote.drafters.dflash import block_input_ids
+from remote.drafters.sampling import GREEDY, Sampling, rejection_sample
+from remote.target.model import capture, features
+from remote.target.cache import checkpoint, crop_attention, forward, has_linear_layers, new_cache, rewind
+
+
+@dataclass
+class DecodeResult:
+    output_ids: list[int]      # completion only (the stop token included when one was produced)
+    wall_s: float
+    margins: list[float] | None = None   # greedy: each chosen token's :func:`margin`
+
+
+# the largest relative top-2 gap (:func:`margin`) that a forward over several tokens may flip
+# against a forward over one in this dtype: a divergence there is a near-tie, not a decoding error
+NEAR_TIE = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 2e-2}
+
+
+def margin(logits: torch.Tensor) -> float:
+    """How decisively greedy picks its token: (top-1 - top-2 logit) / max(1, |top-1 logit|)."""
+    top = logits.float().topk(2, dim=-1).values.reshape(-1)
+    return float((top[0] - top[1]) / max(1.0, abs(float(top[0]))))
+
+
+@dataclass
+class Divergence:
+    """Where a greedy speculative output first differs from the target's own greedy output."""
+    position: int              # index into the completion
+    ours: int | None           # None: ours ended first
+    target: int | None         # None: the target's ended first
+    margin: float | None       # the target's relative top-2 gap there (:func:`margin`)
+    near_tie: bool             # within NEAR_TIE of a tie for the dtype: numerics, not a decoding error
+
+    def describe(self) -> str:
+        what = f"token {self.position}: ours {self.ours}, target {self.target}"
+        if self.margin is None:
+            return what
+        return what + f" (target's relative top-2 logit gap {self.margin:.3g}{', a near-tie' if self.near_tie else ''})"
+
+
+def first_divergence(ours: list[int], base: DecodeResult, dtype: str) -> Divergence | None:
+    """``None`` when ``ours`` equals the target's greedy output, else the first difference; a
+    divergence where the target's top-2 gap is within ``NEAR_TIE[dtype]`` of its top logit is a
+    near-tie (batched and one-token forwards round differently)."""
+    want = base.output_ids
+    i = next((k for k, (a, b) in enumerate(zip(ours, want)) if a != b), min(len(ours), len(want)))
+    if i == len(ours) == len(want):
+        return None
+    gap = base.margins[i] if base.margins is not None and i < len(base.margins) else None
+    near = gap is not None and i < len(ours) and i < len(want) and gap <= NEAR_TIE.get(dtype, 0.0)
+    return Divergence(i, ours[i] if i < len(ours) else None, want[i] if i < len(want) else None, gap, near)
+
+
+@dataclass
+class SpecResult:
+    output_ids: list[int]          # completion only; greedy: equals the target's greedy completion
+    acceptance_lengths: list[int]  # tokens committed per cycle, bonus included (1..verify_block)
+    wall_s: float
+    target_forwards: int           # prefill + verifies + hybrid rollback re-forwards
+
+
+# ----------------------------------------------------------------------------- decoding
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: list[int] | None = None,
+                  sampling: Sampling = GREEDY) -> DecodeResult:
+    """Plain decoding (z-lab's ``dflash_generate`` with ``block_size=1``): prefill, then one token
+    per forward with a KV cache (lm_head on the last position only). Greedy, it is the
+    losslessness reference; either way, the speedup baseline."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    stop = set(stop_token_ids or ())
+    device = _device(target)
+    prompt_ids = prompt_ids.to(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = new_cache(target)
+    logits = forward(target, prompt_ids, cache, logits_to_keep=1).logits
+    token = sampling.choose(logits[:, -1])[:, None]                      # [1, 1]
+    output_ids = [int(token)]
+    margins = [margin(logits[0, -1])] if sampling.greedy else None
+    while len(output_ids) < max_new_tokens and output_ids[-1] not in stop:
+        logits = forward(target, token, cache, logits_to_keep=1).logits
+        token = sampling.choose(logits[:, -1])[:, None]
+        output_ids.append(int(token))
+        if margins is not None:
+            margins.append(margin(logits[0, -1]))
+    _sync(device)
+    return DecodeResult(output_ids=output_ids, wall_s=time.perf_counter() - t0, margins=margins)
+
+
+@torch.inference_mode()
+def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
+                         stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY) -> SpecResult:
+    """DFlash speculative decoding, cycle for cycle as z-lab's ``dflash_generate`` (module
+    docstring). Greedy output equals ``target_decode(...)``; sampled output is distributed as it."""
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    stop = set(stop_token_ids or ())
+    device = _device(target)
+    prompt_ids = prompt_ids.to(device)
+    cfg = drafter.config
+    layer_ids, mask_id = cfg.target_layer_ids, cfg.mask_token_id
+    embed_weight, head = target.get_input_embeddings().weight, target.get_output_embeddings()
+    dtype = next(drafter.parameters()).dtype
+    slot0 = 0 if cfg.sample_from_anchor else 1          # block slots before the first draft slot
+    max_length = prompt_ids.shape[1] + max_new_tokens
+
+    with capture(target, layer_ids) as store:
+        _sync(device)
+        t0 = time.perf_counter()
+        cache = new_cache(target)
+        hybrid = has_linear_layers(cache)
+
+        # prefill: the prompt -> first token, and the drafter's context for positions 0..P-1
+        logits = forward(target, prompt_ids, cache, logits_to_keep=1).logits
+        target_forwards = 1
+        token = sampling.choose(logits[:, -1])                           # [1], the token at `start`
+        new_context, ctx_kv = features(store, layer_ids), None
+        output_ids = [int(token)]
+        acceptance_lengths: list[int] = []
+        start = prompt_ids.shape[1]
+        stopped = output_ids[-1] in stop
+
+        while start + 1 < max_length and not stopped:
+            # draft: the block anchored at `start`, cut to the tokens this cycle verifies
+            verify_size = min(cfg.verify_block, max_length - start)
+            block = block_input_ids(token, slot0 + verify_size - 1, mask_id)[None]   # [1, n]
+            hidden, ctx_kv = drafter.draft(drafter.embed(block, embed_weight).to(dtype), start,
+                                           new_context.to(dtype), ctx_kv)
+            proposal = drafter.propose(drafter.draft_slots(hidden), token, head, sampling)
+            drafts = proposal.tokens.to(token.device)                      # [1, verify_size - 1]
+
+            # verify: the token at `start` and the drafts, positions start..start+verify_size-1
+            mark = checkpoint(cache) if hybrid else None
+            verify_ids = torch.cat([token[:, None], drafts], 1)
+            logits = forward(target, verify_ids, cache).logits
+            target_forwards += 1
+            if sampling.greedy:
+                posterior = logits[0].argmax(-1)                           # [verify_size]
+                accepted = int((drafts[0] == posterior[:-1]).cumprod(0).sum())
+                bonus = int(posterior[accepted])
+            else:
+                accepted, bonus = rejection_sample(drafts, sampling.probs(logits), *proposal.on(logits.device))
+
+            # commit the accepted drafts and the bonus token
+            produced = min(accepted + 1, max_length - start - 1)
+            new_tokens = (drafts[0, :accepted].tolist() + [bonus])[:produced]
+            stopped_at = next((i for i, t in enumerate(new_tokens) if t in stop), None)
+            if stopped_at is not None:
+                produced, stopped = stopped_at + 1, True
+                new_tokens = new_tokens[:produced]
+            output_ids += new_tokens
+            acceptance_lengths.append(produced)
+            # features of the kept positions start..start+produced-1, from this verify (causal: the
+            # rejected drafts after them do not affect them; a re-forward would recompute the same)
+            new_context = features(store, layer_ids)[:, :produced]
+            start += produced
+            token = verify_ids.new_tensor([new_tokens[-1]])
+            if start + 1 >= max_length or stopped:
+                break                                                    # nothing runs after this cycle
+
+            # cache: keep exactly positions < start (verify_ids[:, :produced] of this verify)
+            if hybrid and produced < verify_size:
+                rewind(cache, mark, verify_size)                         # back to the cycle's start ...
+                forward(target, verify_ids[:, :produced], cache, logits_to_keep=1)
+                target_forwards += 1                                     # ... and re-forward the kept tokens
+            else:
+                crop_attention(cache, verify_size - produced)
+
+        _sync(device)
+        wall_s = time.perf_counter() - t0
+    return SpecResult(output_ids=output_ids, acceptance_lengths=acceptance_lengths, wall_s=wall_s,
+                      target_forwards=target_forwards)
