@@ -29,6 +29,11 @@ Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...
 
 Arguments are positional first, then flags: a file may well be called ``--sha256``. A global
 ``--idle S`` may come before the command.
+
+Layout (it travels as one file, hence its length): the pieces several commands share, then one
+section per command in the order above, each holding what only that command uses in the order it
+runs it, then ``main`` (the dispatch). ``serve`` answers ``LIST``/``MANIFEST``/``STATE`` with the
+``list``/``manifest``/``state`` sections' functions; its own requests' sections follow it.
 """
 from __future__ import annotations
 
@@ -45,92 +50,19 @@ import stat
 import sys
 import time
 
+
+# ----------------------------------------------------------------------- shared by several commands
+
 MANIFEST = ".dflash-manifest.json"
 VERIFIED = ".dflash-verified"
 OWNER = ".dflash-owner"
 CHUNK = 1 << 20
-TRAILER_LEN = 4 + 64 + 1
 NO_HASH = "-" * 64
 IDLE_TIMEOUT = 20.0  # stdin silent this long: give up (the link is dead); --idle S overrides
-CHECK_EVERY = 0.5  # recv: how often to check it still belongs to the lock holder
-PROGRESS_EVERY = 0.25
-ALIGN = 4096  # direct writes: offsets and lengths in whole blocks
-RECV_BUF, FLUSH_AT = 8 << 20, 4 << 20  # recv reads into RECV_BUF, writes once FLUSH_AT arrived
-PARK = 0.2  # recv: a stream silent this long has what arrived written out (then IDLE_TIMEOUT)
 
 
 class ToolError(Exception):
     pass
-
-
-def _grow_pipe(fd: int) -> None:
-    try:
-        fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ (Linux; fewer wake-ups per MiB)
-    except OSError:
-        pass
-
-
-class Appender:
-    """Appends what ``recv`` received to the ``.part`` (fd) from position ``pos``. O_DIRECT where
-    the file system takes it: the bytes go from our buffer to the disk, never copied into the page
-    cache (on this project's 2-core machines that copy was the costliest and least steady part of
-    recv). Direct writes must start and end on ALIGN boundaries, so ``write`` keeps an unaligned
-    tail for the next call unless ``final``; elsewhere (or once unaligned) writes are buffered, and
-    writeback starts as they go (sync_file_range), so the final fsync waits only for the tail."""
-
-    def __init__(self, fd: int, pos: int):
-        self.fd, self.pos, self.flushed = fd, pos, pos
-        self.sync_range = _writeback()
-        self.direct = pos % ALIGN == 0 and self._set_direct(True)
-
-    def _set_direct(self, on: bool) -> bool:
-        flag = getattr(os, "O_DIRECT", 0)
-        try:
-            fl = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, (fl | flag) if on else (fl & ~flag))
-        except OSError:
-            return False
-        return on and bool(flag)
-
-    def write(self, view: memoryview, n: int, final: bool = False) -> int:
-        """Write ``view[:n]`` (without ``final``, only its whole blocks when direct); move what
-        is left to the front of ``view``; return its length."""
-        w = n if final or not self.direct else n - n % ALIGN
-        done = 0
-        while done < w:
-            end = done + (w - done) // ALIGN * ALIGN if self.direct else w
-            if end == done:  # less than a block left (final): buffered from here
-                self.direct = self._set_direct(False)
-                continue
-            try:
-                m = os.write(self.fd, view[done:end])
-            except OSError as e:
-                if not (self.direct and e.errno == errno.EINVAL):
-                    raise
-                self.direct = self._set_direct(False)  # the file system refused after all
-                continue
-            done += m
-            self.pos += m
-            if self.direct and m % ALIGN:
-                self.direct = self._set_direct(False)
-        if not self.direct and self.sync_range is not None and self.pos - self.flushed >= (16 << 20):
-            self.sync_range(self.fd, self.flushed, self.pos - self.flushed)
-            self.flushed = self.pos
-        if w < n:
-            view[:n - w] = view[w:n]
-        return n - w
-
-
-def _writeback():
-    """sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE), or None where unavailable."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
-        return lambda fd, off, n: fn(fd, off, n, 2)
-    except (OSError, AttributeError):
-        return None
 
 
 def out(line: str) -> None:
@@ -138,7 +70,25 @@ def out(line: str) -> None:
     sys.stdout.flush()
 
 
-# --- source side -----------------------------------------------------------------------------
+def parse(args: list, names: tuple, flags: dict) -> tuple[list, dict]:
+    """The positional arguments ``names`` (all required), then flags (``flags``: flag -> how many
+    values it takes). Positionals are never read as flags, so any file name is safe there."""
+    if len(args) < len(names):
+        raise ToolError(f"missing {' '.join(names[len(args):])}")
+    pos, rest, opts = list(args[:len(names)]), list(args[len(names):]), {}
+    while rest:
+        flag = rest.pop(0)
+        if flag not in flags or len(rest) < flags[flag]:
+            raise ToolError(f"unexpected argument {flag!r}")
+        opts[flag] = rest.pop(0) if flags[flag] else True
+    return pos, opts
+
+
+def _grow_pipe(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, 1031, 1 << 20)  # F_SETPIPE_SZ (Linux; fewer wake-ups per MiB)
+    except OSError:
+        pass
 
 
 class Walk:
@@ -190,70 +140,6 @@ def _ident(st) -> dict:
 def _matches(entry: dict, st, keys=("size", "mtime_ns", "ino", "ctime_ns")) -> bool:
     ident = _ident(st)
     return all(entry.get(k) == ident[k] for k in keys)
-
-
-def pattern_regex(pattern: str):
-    parts = re.split(r"\{step(?::0?(\d+)d)?\}", pattern)
-    if len(parts) != 3:
-        raise ToolError(f"pattern {pattern!r} must contain {{step}} once")
-    return re.compile("^" + re.escape(parts[0]) + r"(\d+)" + re.escape(parts[2]) + "$")
-
-
-def cmd_list(args: list) -> None:
-    out(json.dumps(listing(args)))
-
-
-def listing(args: list) -> dict:
-    if not args:
-        raise ToolError("list: missing ROOT")
-    root, rest = args[0], args[1:]
-    runs = {}
-    while rest:
-        if rest[0] != "--run" or len(rest) < 4:
-            raise ToolError("list: expected --run NAME DIR PATTERN")
-        name, d, pattern = rest[1:4]
-        rest = rest[4:]
-        rdir = d if os.path.isabs(d) else os.path.join(root, d)
-        rx = pattern_regex(pattern)
-        items = []
-        try:
-            names = sorted(os.listdir(rdir))
-        except FileNotFoundError:
-            runs[name] = {"dir": rdir, "exists": False, "checkpoints": [], "staging": []}
-            continue
-        staging = []
-        for n in names:
-            full = os.path.join(rdir, n)
-            if n.startswith(".staging-") and os.path.isdir(full):
-                staging.append(n[len(".staging-"):])
-                continue
-            if n.startswith(".") or not os.path.isdir(full):
-                continue
-            m = rx.match(n)
-            files = Walk(full).files
-            complete = os.path.exists(os.path.join(full, MANIFEST))
-            items.append({
-                "name": n, "step": int(m.group(1)) if m else None,
-                "size": sum(st.st_size for _, st in files), "files": len(files),
-                "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
-                "complete": complete,
-                "paths": [rel for rel, _ in files if "/" not in rel],   # the completeness rule's: top level, all
-                "ident": ident([(rel, st.st_size, st.st_mtime_ns) for rel, st in files]),
-                "manifest_ident": ident([(e.get("path"), e.get("size"), e.get("mtime_ns"))
-                                         for e in _load_cache(full).values()]) if complete else None,
-            })
-        runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
-    return {"runs": runs, "now": time.time()}
-
-
-def ident(entries: list) -> str:
-    """What a checkpoint folder holds, in short: a digest of its files' (path, size, mtime_ns).
-    Equal on the training host (its files now) and the eval host (the synced copy's manifest,
-    which keeps the source's sizes and mtimes) when the copy is of the files as they are."""
-    h = hashlib.sha256()
-    for path, size, mtime_ns in sorted(entries, key=lambda e: str(e[0])):
-        h.update(f"{path}\0{size}\0{mtime_ns}\n".encode())
-    return h.hexdigest()[:32]
 
 
 def sha256_file(path: str, limit: int | None = None, h=None):
@@ -318,6 +204,112 @@ def _cache_update(d: str, entries: list) -> None:
         os.close(dfd)
 
 
+def safe_rel(rel: str) -> str:
+    """A relative path from a manifest, checked before it names anything in the staging folder."""
+    if not rel or rel.startswith("/") or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
+        raise ToolError(f"refusing unsafe path {rel!r}")
+    if any(p.startswith(".dflash-") for p in rel.split("/")):
+        raise ToolError(f"refusing reserved name {rel!r}: .dflash-* is the sync's own bookkeeping")
+    if rel.endswith(".part"):
+        raise ToolError(f"refusing reserved name {rel!r}: .part marks a file still arriving")
+    return rel
+
+
+def safe_name(name: str) -> str:
+    if not name or "/" in name or name in (".", "..") or name.startswith(".") or "\0" in name:
+        raise ToolError(f"refusing unsafe checkpoint name {name!r}")
+    return name
+
+
+def paths(rundir: str, ckpt: str) -> dict:
+    safe_name(ckpt)
+    staging = os.path.join(rundir, f".staging-{ckpt}")
+    return {"final": os.path.join(rundir, ckpt), "staging": staging,
+            "lock": os.path.join(rundir, f".lock-{ckpt}"), "owner": os.path.join(staging, OWNER),
+            "verified": os.path.join(staging, VERIFIED)}
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------- list
+
+def cmd_list(args: list) -> None:
+    out(json.dumps(listing(args)))
+
+
+def listing(args: list) -> dict:
+    if not args:
+        raise ToolError("list: missing ROOT")
+    root, rest = args[0], args[1:]
+    runs = {}
+    while rest:
+        if rest[0] != "--run" or len(rest) < 4:
+            raise ToolError("list: expected --run NAME DIR PATTERN")
+        name, d, pattern = rest[1:4]
+        rest = rest[4:]
+        rdir = d if os.path.isabs(d) else os.path.join(root, d)
+        rx = pattern_regex(pattern)
+        items = []
+        try:
+            names = sorted(os.listdir(rdir))
+        except FileNotFoundError:
+            runs[name] = {"dir": rdir, "exists": False, "checkpoints": [], "staging": []}
+            continue
+        staging = []
+        for n in names:
+            full = os.path.join(rdir, n)
+            if n.startswith(".staging-") and os.path.isdir(full):
+                staging.append(n[len(".staging-"):])
+                continue
+            if n.startswith(".") or not os.path.isdir(full):
+                continue
+            m = rx.match(n)
+            files = Walk(full).files
+            complete = os.path.exists(os.path.join(full, MANIFEST))
+            items.append({
+                "name": n, "step": int(m.group(1)) if m else None,
+                "size": sum(st.st_size for _, st in files), "files": len(files),
+                "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
+                "complete": complete,
+                "paths": [rel for rel, _ in files if "/" not in rel],   # the completeness rule's: top level, all
+                "ident": ident([(rel, st.st_size, st.st_mtime_ns) for rel, st in files]),
+                "manifest_ident": ident([(e.get("path"), e.get("size"), e.get("mtime_ns"))
+                                         for e in _load_cache(full).values()]) if complete else None,
+            })
+        runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
+    return {"runs": runs, "now": time.time()}
+
+
+def pattern_regex(pattern: str):
+    parts = re.split(r"\{step(?::0?(\d+)d)?\}", pattern)
+    if len(parts) != 3:
+        raise ToolError(f"pattern {pattern!r} must contain {{step}} once")
+    return re.compile("^" + re.escape(parts[0]) + r"(\d+)" + re.escape(parts[2]) + "$")
+
+
+def ident(entries: list) -> str:
+    """What a checkpoint folder holds, in short: a digest of its files' (path, size, mtime_ns).
+    Equal on the training host (its files now) and the eval host (the synced copy's manifest,
+    which keeps the source's sizes and mtimes) when the copy is of the files as they are."""
+    h = hashlib.sha256()
+    for path, size, mtime_ns in sorted(entries, key=lambda e: str(e[0])):
+        h.update(f"{path}\0{size}\0{mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------------------------- manifest
+
+def cmd_manifest(args: list) -> None:
+    (d,), opts = parse(args, ("DIR",), {"--hash": 0})
+    out(json.dumps(manifest(d, "--hash" in opts)))
+
+
 def manifest(d: str, compute: bool) -> dict:
     if os.path.islink(d.rstrip("/")):
         raise ToolError(f"{d} is a symbolic link (-> {os.readlink(d.rstrip('/'))}), which sync-ckpt does not follow "
@@ -346,10 +338,52 @@ def manifest(d: str, compute: bool) -> dict:
     return dict(data, hashed=hashed, now=time.time())
 
 
-def cmd_manifest(args: list) -> None:
-    (d,), opts = parse(args, ("DIR",), {"--hash": 0})
-    out(json.dumps(manifest(d, "--hash" in opts)))
+# -------------------------------------------------------------------------------------------- state
 
+def cmd_state(args: list) -> None:
+    (rundir, ckpt), _ = parse(args, ("RUNDIR", "CKPT"), {})
+    out(json.dumps(state(rundir, ckpt)))
+
+
+def state(rundir: str, ckpt: str) -> dict:
+    p = paths(rundir, ckpt)
+    res = {"final": p["final"], "final_exists": os.path.exists(p["final"]), "final_manifest": None,
+           "staging_exists": os.path.isdir(p["staging"]), "parts": {}, "verified": {},
+           "free_bytes": _free_bytes(rundir)}
+    if res["final_exists"]:
+        res["final_manifest"] = list(_load_cache(p["final"]).values()) or None
+    if res["staging_exists"]:
+        for dirpath, dirnames, filenames in os.walk(p["staging"]):
+            dirnames[:] = [d for d in dirnames if d != VERIFIED]
+            for n in filenames:
+                if n.endswith(".part"):
+                    full = os.path.join(dirpath, n)
+                    res["parts"][os.path.relpath(full, p["staging"])[:-5]] = os.path.getsize(full)
+        for dirpath, _, filenames in os.walk(p["verified"]):
+            for n in filenames:
+                if not n.endswith(".json"):
+                    continue
+                try:
+                    with open(os.path.join(dirpath, n)) as f:
+                        rec = json.load(f)
+                except (OSError, ValueError):
+                    continue
+                rel = rec.get("path")
+                if rel and os.path.isfile(os.path.join(p["staging"], rel)) and \
+                        os.path.getsize(os.path.join(p["staging"], rel)) == rec.get("size"):
+                    res["verified"][rel] = rec
+    return res
+
+
+def _free_bytes(path: str) -> int:
+    p = path
+    while not os.path.exists(p):
+        p = os.path.dirname(p) or "/"
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+# --------------------------------------------------------------------------------------------- send
 
 def cmd_send(args: list) -> None:
     (path, size, mtime_ns, offset), opts = parse(args, ("FILE", "SIZE", "MTIME_NS", "OFFSET"),
@@ -411,106 +445,69 @@ def cmd_send(args: list) -> None:
             _cache_update(cache_dir, [{"path": rel, **_ident(st), "sha256": h.hexdigest()}])
 
 
-# --- destination side ------------------------------------------------------------------------
+# --------------------------------------------- send-from (--tunnel's forced command, training host)
+
+def cmd_send_from(args: list) -> None:
+    """The forced command of a one-time key (``--tunnel``): ``send-from DIR send REL SIZE MTIME_NS
+    OFFSET [--hash]``, the words after DIR being what the eval host asked for. Only ``send`` of a
+    file under DIR, with DIR's manifest cache as ``--cache``: whoever holds the key reads that
+    checkpoint's files, and nothing else, on this host."""
+    if len(args) < 6 or args[1] != "send":
+        raise ToolError("this key only sends a checkpoint's files")
+    root, rel, flags = args[0], args[2], args[6:]
+    parts = rel.split("/")
+    if rel.startswith("/") or any(not x or x in (".", "..") or x.startswith(".") for x in parts):
+        raise ToolError(f"refusing path {rel!r}")
+    if flags not in ([], ["--hash"]):
+        raise ToolError(f"unexpected arguments {flags!r}")
+    path = os.path.join(root, rel)
+    parent, top = os.path.realpath(os.path.dirname(path)), os.path.realpath(root)
+    if parent != top and not parent.startswith(top.rstrip("/") + "/"):
+        raise ToolError(f"{rel} is not under {root}")
+    cmd_send([path, *args[3:6], *(["--hash", "--cache", root] if flags else [])])
 
 
-def safe_rel(rel: str) -> str:
-    """A relative path from a manifest, checked before it names anything in the staging folder."""
-    if not rel or rel.startswith("/") or "\0" in rel or any(p in ("", ".", "..") for p in rel.split("/")):
-        raise ToolError(f"refusing unsafe path {rel!r}")
-    if any(p.startswith(".dflash-") for p in rel.split("/")):
-        raise ToolError(f"refusing reserved name {rel!r}: .dflash-* is the sync's own bookkeeping")
-    if rel.endswith(".part"):
-        raise ToolError(f"refusing reserved name {rel!r}: .part marks a file still arriving")
-    return rel
-
-
-def safe_name(name: str) -> str:
-    if not name or "/" in name or name in (".", "..") or name.startswith(".") or "\0" in name:
-        raise ToolError(f"refusing unsafe checkpoint name {name!r}")
-    return name
-
-
-def paths(rundir: str, ckpt: str) -> dict:
-    safe_name(ckpt)
-    staging = os.path.join(rundir, f".staging-{ckpt}")
-    return {"final": os.path.join(rundir, ckpt), "staging": staging,
-            "lock": os.path.join(rundir, f".lock-{ckpt}"), "owner": os.path.join(staging, OWNER),
-            "verified": os.path.join(staging, VERIFIED)}
-
-
-def _free_bytes(path: str) -> int:
-    p = path
-    while not os.path.exists(p):
-        p = os.path.dirname(p) or "/"
-    st = os.statvfs(p)
-    return st.f_bavail * st.f_frsize
-
-
-def state(rundir: str, ckpt: str) -> dict:
-    p = paths(rundir, ckpt)
-    res = {"final": p["final"], "final_exists": os.path.exists(p["final"]), "final_manifest": None,
-           "staging_exists": os.path.isdir(p["staging"]), "parts": {}, "verified": {},
-           "free_bytes": _free_bytes(rundir)}
-    if res["final_exists"]:
-        res["final_manifest"] = list(_load_cache(p["final"]).values()) or None
-    if res["staging_exists"]:
-        for dirpath, dirnames, filenames in os.walk(p["staging"]):
-            dirnames[:] = [d for d in dirnames if d != VERIFIED]
-            for n in filenames:
-                if n.endswith(".part"):
-                    full = os.path.join(dirpath, n)
-                    res["parts"][os.path.relpath(full, p["staging"])[:-5]] = os.path.getsize(full)
-        for dirpath, _, filenames in os.walk(p["verified"]):
-            for n in filenames:
-                if not n.endswith(".json"):
-                    continue
-                try:
-                    with open(os.path.join(dirpath, n)) as f:
-                        rec = json.load(f)
-                except (OSError, ValueError):
-                    continue
-                rel = rec.get("path")
-                if rel and os.path.isfile(os.path.join(p["staging"], rel)) and \
-                        os.path.getsize(os.path.join(p["staging"], rel)) == rec.get("size"):
-                    res["verified"][rel] = rec
-    return res
-
-
-def cmd_state(args: list) -> None:
-    (rundir, ckpt), _ = parse(args, ("RUNDIR", "CKPT"), {})
-    out(json.dumps(state(rundir, ckpt)))
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _still_owner(p: dict, token: str) -> bool:
-    """Does the sync that started us still hold the lock? (the holder is alive and is ours)"""
-    try:
-        with open(p["owner"]) as f:
-            if f.read().strip() != token:
-                return False
-    except OSError:
-        return False
-    fd = os.open(p["lock"], os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return True  # held exclusively: by our holder (the token says so)
-    finally:
-        os.close(fd)
-    return False  # nobody holds it: our holder is gone
-
+# --------------------------------------------------------------------------------------------- recv
 
 RECV_ARGS = ("RUNDIR", "CKPT", "REL", "SIZE", "OFFSET", "MTIME_NS", "TOKEN")
 RECV_FLAGS = {"--sha256": 1, "--pull": 1}
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+TRAILER_LEN = 4 + 64 + 1
+CHECK_EVERY = 0.5  # recv: how often to check it still belongs to the lock holder
+PROGRESS_EVERY = 0.25
+ALIGN = 4096  # direct writes: offsets and lengths in whole blocks
+RECV_BUF, FLUSH_AT = 8 << 20, 4 << 20  # recv reads into RECV_BUF, writes once FLUSH_AT arrived
+PARK = 0.2  # recv: a stream silent this long has what arrived written out (then IDLE_TIMEOUT)
+
+
+def cmd_recv(args: list) -> int:
+    """Receive one file; a full disk is answered ``NOSPACE ARRIVED`` (the bytes of the file now in
+    its .part, kept for the resume), not left to surface as the sender's broken pipe."""
+    try:
+        return _recv(args)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        (rundir, ckpt, rel, *_), _ = parse(args, RECV_ARGS, RECV_FLAGS)
+        part = os.path.join(paths(rundir, ckpt)["staging"], safe_rel(rel)) + ".part"
+        try:
+            arrived = os.stat(part).st_size
+        except OSError:
+            arrived = 0
+        out(f"NOSPACE {arrived}")
+        return 7
+
+
+def _recv(args: list) -> int:
+    pos, opts = parse(args, RECV_ARGS, RECV_FLAGS)
+    pull = Pull(json.loads(opts["--pull"])) if "--pull" in opts else None
+    rc = 1
+    try:
+        rc = _receive(pos, opts, pull.fd if pull else sys.stdin.fileno())
+        return rc
+    finally:
+        if pull is not None:
+            pull.close(grace=5.0 if rc == 0 else 0.0)  # a failed stream's sender is stopped now
 
 
 class Pull:
@@ -547,36 +544,6 @@ class Pull:
             self.proc.kill()
             self.proc.wait()
         self.relay.join(2)
-
-
-def cmd_recv(args: list) -> int:
-    """Receive one file; a full disk is answered ``NOSPACE ARRIVED`` (the bytes of the file now in
-    its .part, kept for the resume), not left to surface as the sender's broken pipe."""
-    try:
-        return _recv(args)
-    except OSError as e:
-        if e.errno not in NO_SPACE:
-            raise
-        (rundir, ckpt, rel, *_), _ = parse(args, RECV_ARGS, RECV_FLAGS)
-        part = os.path.join(paths(rundir, ckpt)["staging"], safe_rel(rel)) + ".part"
-        try:
-            arrived = os.stat(part).st_size
-        except OSError:
-            arrived = 0
-        out(f"NOSPACE {arrived}")
-        return 7
-
-
-def _recv(args: list) -> int:
-    pos, opts = parse(args, RECV_ARGS, RECV_FLAGS)
-    pull = Pull(json.loads(opts["--pull"])) if "--pull" in opts else None
-    rc = 1
-    try:
-        rc = _receive(pos, opts, pull.fd if pull else sys.stdin.fileno())
-        return rc
-    finally:
-        if pull is not None:
-            pull.close(grace=5.0 if rc == 0 else 0.0)  # a failed stream's sender is stopped now
 
 
 def _receive(pos: list, opts: dict, inp: int) -> int:
@@ -678,6 +645,207 @@ def _receive(pos: list, opts: dict, inp: int) -> int:
     return 0
 
 
+def _still_owner(p: dict, token: str) -> bool:
+    """Does the sync that started us still hold the lock? (the holder is alive and is ours)"""
+    try:
+        with open(p["owner"]) as f:
+            if f.read().strip() != token:
+                return False
+    except OSError:
+        return False
+    fd = os.open(p["lock"], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held exclusively: by our holder (the token says so)
+    finally:
+        os.close(fd)
+    return False  # nobody holds it: our holder is gone
+
+
+class Appender:
+    """Appends what ``recv`` received to the ``.part`` (fd) from position ``pos``. O_DIRECT where
+    the file system takes it: the bytes go from our buffer to the disk, never copied into the page
+    cache (on this project's 2-core machines that copy was the costliest and least steady part of
+    recv). Direct writes must start and end on ALIGN boundaries, so ``write`` keeps an unaligned
+    tail for the next call unless ``final``; elsewhere (or once unaligned) writes are buffered, and
+    writeback starts as they go (sync_file_range), so the final fsync waits only for the tail."""
+
+    def __init__(self, fd: int, pos: int):
+        self.fd, self.pos, self.flushed = fd, pos, pos
+        self.sync_range = _writeback()
+        self.direct = pos % ALIGN == 0 and self._set_direct(True)
+
+    def _set_direct(self, on: bool) -> bool:
+        flag = getattr(os, "O_DIRECT", 0)
+        try:
+            fl = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, (fl | flag) if on else (fl & ~flag))
+        except OSError:
+            return False
+        return on and bool(flag)
+
+    def write(self, view: memoryview, n: int, final: bool = False) -> int:
+        """Write ``view[:n]`` (without ``final``, only its whole blocks when direct); move what
+        is left to the front of ``view``; return its length."""
+        w = n if final or not self.direct else n - n % ALIGN
+        done = 0
+        while done < w:
+            end = done + (w - done) // ALIGN * ALIGN if self.direct else w
+            if end == done:  # less than a block left (final): buffered from here
+                self.direct = self._set_direct(False)
+                continue
+            try:
+                m = os.write(self.fd, view[done:end])
+            except OSError as e:
+                if not (self.direct and e.errno == errno.EINVAL):
+                    raise
+                self.direct = self._set_direct(False)  # the file system refused after all
+                continue
+            done += m
+            self.pos += m
+            if self.direct and m % ALIGN:
+                self.direct = self._set_direct(False)
+        if not self.direct and self.sync_range is not None and self.pos - self.flushed >= (16 << 20):
+            self.sync_range(self.fd, self.flushed, self.pos - self.flushed)
+            self.flushed = self.pos
+        if w < n:
+            view[:n - w] = view[w:n]
+        return n - w
+
+
+def _writeback():
+    """sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE), or None where unavailable."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        return lambda fd, off, n: fn(fd, off, n, 2)
+    except (OSError, AttributeError):
+        return None
+
+
+# -------------------------------------------------------- serve: the session, one per host per sync
+
+class Busy(ToolError):
+    """Another sync holds the lock (after waiting for it)."""
+
+
+def cmd_serve(args: list) -> int:
+    """Answer one request per line on stdin (``VERB [JSON]``) with one line on stdout (``VERB
+    [ANSWER]``, ``BUSY ...`` or ``ERROR ...``; ``PING`` gets none) until stdin closes or stays silent for
+    IDLE_TIMEOUT; then undo what the session set up (:class:`Serve`)."""
+    parse(args, (), {})
+    import signal
+
+    session = Serve()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop)
+    reader = LineReader()
+    try:
+        while True:
+            line = reader.readline(IDLE_TIMEOUT)
+            if line is None:
+                return 5  # the orchestrator went silent (dead link): give everything back
+            if not line:
+                return 0
+            verb, _, rest = line.strip().partition(" ")
+            if verb == "PING":
+                continue
+            try:
+                out(f"{verb} {session.handle(verb, rest)}".rstrip())
+            except Busy as e:
+                out(f"BUSY {e}")
+            except (ToolError, OSError, ValueError, KeyError, TypeError) as e:
+                out(f"ERROR {e}")
+    finally:
+        session.close()
+
+
+class Serve:
+    """What one ``serve`` process holds for a sync, and gives back when it ends however it ends
+    (stdin closed, silent for IDLE_TIMEOUT, SIGTERM/SIGHUP): the destination lock (eval host), the
+    one-time key (training host), the tunnel (eval host)."""
+
+    def __init__(self):
+        self.p = self.token = None
+        self.lock_fd = -1
+        self.grant: Grant | None = None
+        self.tunnel: Tunnel | None = None
+
+    def handle(self, verb: str, arg: str) -> str:
+        """What follows ``VERB`` in the answer to a request."""
+        a = json.loads(arg) if arg else {}
+        if verb == "LIST":
+            return json.dumps(listing(a))
+        if verb == "MANIFEST":
+            return json.dumps(manifest(a["dir"], bool(a.get("hash"))))
+        if verb == "STATE":
+            return json.dumps(state(a["rundir"], a["ckpt"]))
+        if verb == "LOCK":
+            if self.p is not None:
+                raise ToolError("already locked")
+            p = paths(a["rundir"], a["ckpt"])
+            os.makedirs(a["rundir"], exist_ok=True)
+            fd = _lock(p, float(a["wait"]))
+            if fd < 0:
+                raise Busy(f"another sync of {a['ckpt']} holds {p['lock']} (waited {float(a['wait']):g}s)")
+            self.p, self.token, self.lock_fd = p, a["token"], fd
+            _drain_writers(p, self.token)
+            _tidy_final(p)  # a crash right after an earlier final rename
+            return ""
+        if verb in ("BEGIN", "FINALIZE") and self.p is None:
+            raise ToolError(f"{verb} without the lock")
+        if verb == "BEGIN":
+            os.makedirs(self.p["staging"], exist_ok=True)
+            with open(self.p["owner"], "w") as f:
+                f.write(self.token)
+            return ""
+        if verb == "FINALIZE":
+            return finalize(self.p, a)
+        if verb == "GRANT":
+            if self.grant is not None:
+                raise ToolError("a key is already granted")
+            self.grant = Grant(a["file"], a["key"], a["command"], a["token"])
+            return json.dumps(self.grant.add())
+        if verb == "REVOKE":
+            if self.grant is not None:
+                self.grant.remove()
+                self.grant = None
+            return ""
+        if verb == "TUNNEL":
+            if self.tunnel is not None:
+                raise ToolError("a tunnel is already set up")
+            self.tunnel = Tunnel(a["token"])
+            return json.dumps(self.tunnel.describe())
+        if verb == "PULL":
+            if self.tunnel is None:
+                raise ToolError("PULL without TUNNEL")
+            self.tunnel.pull(a["argv"], a["known_hosts"], float(a.get("timeout", 30)))
+            return ""
+        if verb == "UNTUNNEL":
+            if self.tunnel is not None:
+                self.tunnel.close()
+                self.tunnel = None
+            return ""
+        raise ToolError(f"unknown request {verb}")
+
+    def close(self) -> None:
+        for undo in (self.tunnel, self.grant):
+            if undo is None:
+                continue
+            try:
+                undo.close() if isinstance(undo, Tunnel) else undo.remove()
+            except Exception as e:  # noqa: BLE001 - the other one is still undone
+                sys.stderr.write(f"ERROR cleaning up: {e}\n")
+        self.tunnel = self.grant = None
+
+
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 class LineReader:
     """Lines from fd 0 with a timeout (no hidden buffering behind select())."""
 
@@ -698,6 +866,8 @@ class LineReader:
         line, _, self.buf = self.buf.partition(b"\n")
         return line.decode() + "\n"
 
+
+# ---------------------------------------------------- serve: LOCK (the destination lock, eval host)
 
 def _lock(p: dict, wait: float) -> int:
     fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
@@ -737,6 +907,8 @@ def _drain_writers(p: dict, token: str) -> None:
             finally:
                 os.close(fd)
 
+
+# ---------------------------------------------------------------------- serve: FINALIZE (eval host)
 
 def finalize(p: dict, manifest_data: dict) -> str:
     """Rename the staging folder to the checkpoint's name once every file in the manifest was
@@ -785,29 +957,10 @@ def _tidy_final(p: dict) -> None:
             pass
 
 
-# --- one-time key on the training host (--tunnel) ------------------------------------------------
+# --------------------------- serve: GRANT, REVOKE (the one-time key on the training host, --tunnel)
 
 KEY_TAG = "dflash-ops-sync-"  # the comment of every one-time key line this tool writes
 KEY_TTL = 300.0  # backstop: sshd refuses the key after this long even if nothing removed the line
-
-
-def _host_stamp(t: float) -> str:
-    """``t`` as sshd reads an ``expiry-time`` without a zone: the system's time zone (the login
-    session's TZ, which sshd does not see, is dropped)."""
-    os.environ.pop("TZ", None)
-    time.tzset()
-    return time.strftime("%Y%m%d%H%M%S", time.localtime(t))
-
-
-def _expired(line: str, now: float) -> bool:
-    """A one-time key line of this tool whose ``expiry-time`` has passed (left by a killed sync)."""
-    words = line.split()
-    m = re.search(r'expiry-time="(\d{14})"', line)
-    if not words or not words[-1].startswith(KEY_TAG) or not m:
-        return False
-    os.environ.pop("TZ", None)
-    time.tzset()
-    return time.mktime(time.strptime(m.group(1), "%Y%m%d%H%M%S")) < now
 
 
 class Grant:
@@ -909,60 +1062,28 @@ class Grant:
                 pass
 
 
-def cmd_send_from(args: list) -> None:
-    """The forced command of a one-time key (``--tunnel``): ``send-from DIR send REL SIZE MTIME_NS
-    OFFSET [--hash]``, the words after DIR being what the eval host asked for. Only ``send`` of a
-    file under DIR, with DIR's manifest cache as ``--cache``: whoever holds the key reads that
-    checkpoint's files, and nothing else, on this host."""
-    if len(args) < 6 or args[1] != "send":
-        raise ToolError("this key only sends a checkpoint's files")
-    root, rel, flags = args[0], args[2], args[6:]
-    parts = rel.split("/")
-    if rel.startswith("/") or any(not x or x in (".", "..") or x.startswith(".") for x in parts):
-        raise ToolError(f"refusing path {rel!r}")
-    if flags not in ([], ["--hash"]):
-        raise ToolError(f"unexpected arguments {flags!r}")
-    path = os.path.join(root, rel)
-    parent, top = os.path.realpath(os.path.dirname(path)), os.path.realpath(root)
-    if parent != top and not parent.startswith(top.rstrip("/") + "/"):
-        raise ToolError(f"{rel} is not under {root}")
-    cmd_send([path, *args[3:6], *(["--hash", "--cache", root] if flags else [])])
+def _host_stamp(t: float) -> str:
+    """``t`` as sshd reads an ``expiry-time`` without a zone: the system's time zone (the login
+    session's TZ, which sshd does not see, is dropped)."""
+    os.environ.pop("TZ", None)
+    time.tzset()
+    return time.strftime("%Y%m%d%H%M%S", time.localtime(t))
 
 
-# --- the tunnel's end on the eval host ---------------------------------------------------------
+def _expired(line: str, now: float) -> bool:
+    """A one-time key line of this tool whose ``expiry-time`` has passed (left by a killed sync)."""
+    words = line.split()
+    m = re.search(r'expiry-time="(\d{14})"', line)
+    if not words or not words[-1].startswith(KEY_TAG) or not m:
+        return False
+    os.environ.pop("TZ", None)
+    time.tzset()
+    return time.mktime(time.strptime(m.group(1), "%Y%m%d%H%M%S")) < now
+
+
+# -------------------------------- serve: TUNNEL, PULL, UNTUNNEL (the tunnel's end on the eval host)
 
 TUNNEL_PREFIX = "dflash-t-"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _sweep_tunnels(tmp: str) -> None:
-    """Remove tunnel folders of this user whose ``serve`` process is gone (killed with SIGKILL)."""
-    try:
-        names = os.listdir(tmp)
-    except OSError:
-        return
-    for n in names:
-        d = os.path.join(tmp, n)
-        if not n.startswith(TUNNEL_PREFIX):
-            continue
-        try:
-            if os.lstat(d).st_uid != os.getuid():
-                continue
-            with open(os.path.join(d, "pid")) as f:
-                pid = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if not _pid_alive(pid):
-            shutil.rmtree(d, ignore_errors=True)
 
 
 class Tunnel:
@@ -1045,140 +1166,38 @@ class Tunnel:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-# --- the session: one per host per sync ---------------------------------------------------------
-
-
-class Busy(ToolError):
-    """Another sync holds the lock (after waiting for it)."""
-
-
-class Serve:
-    """What one ``serve`` process holds for a sync, and gives back when it ends however it ends
-    (stdin closed, silent for IDLE_TIMEOUT, SIGTERM/SIGHUP): the destination lock (eval host), the
-    one-time key (training host), the tunnel (eval host)."""
-
-    def __init__(self):
-        self.p = self.token = None
-        self.lock_fd = -1
-        self.grant: Grant | None = None
-        self.tunnel: Tunnel | None = None
-
-    def handle(self, verb: str, arg: str) -> str:
-        """What follows ``VERB`` in the answer to a request."""
-        a = json.loads(arg) if arg else {}
-        if verb == "LIST":
-            return json.dumps(listing(a))
-        if verb == "MANIFEST":
-            return json.dumps(manifest(a["dir"], bool(a.get("hash"))))
-        if verb == "STATE":
-            return json.dumps(state(a["rundir"], a["ckpt"]))
-        if verb == "LOCK":
-            if self.p is not None:
-                raise ToolError("already locked")
-            p = paths(a["rundir"], a["ckpt"])
-            os.makedirs(a["rundir"], exist_ok=True)
-            fd = _lock(p, float(a["wait"]))
-            if fd < 0:
-                raise Busy(f"another sync of {a['ckpt']} holds {p['lock']} (waited {float(a['wait']):g}s)")
-            self.p, self.token, self.lock_fd = p, a["token"], fd
-            _drain_writers(p, self.token)
-            _tidy_final(p)  # a crash right after an earlier final rename
-            return ""
-        if verb in ("BEGIN", "FINALIZE") and self.p is None:
-            raise ToolError(f"{verb} without the lock")
-        if verb == "BEGIN":
-            os.makedirs(self.p["staging"], exist_ok=True)
-            with open(self.p["owner"], "w") as f:
-                f.write(self.token)
-            return ""
-        if verb == "FINALIZE":
-            return finalize(self.p, a)
-        if verb == "GRANT":
-            if self.grant is not None:
-                raise ToolError("a key is already granted")
-            self.grant = Grant(a["file"], a["key"], a["command"], a["token"])
-            return json.dumps(self.grant.add())
-        if verb == "REVOKE":
-            if self.grant is not None:
-                self.grant.remove()
-                self.grant = None
-            return ""
-        if verb == "TUNNEL":
-            if self.tunnel is not None:
-                raise ToolError("a tunnel is already set up")
-            self.tunnel = Tunnel(a["token"])
-            return json.dumps(self.tunnel.describe())
-        if verb == "PULL":
-            if self.tunnel is None:
-                raise ToolError("PULL without TUNNEL")
-            self.tunnel.pull(a["argv"], a["known_hosts"], float(a.get("timeout", 30)))
-            return ""
-        if verb == "UNTUNNEL":
-            if self.tunnel is not None:
-                self.tunnel.close()
-                self.tunnel = None
-            return ""
-        raise ToolError(f"unknown request {verb}")
-
-    def close(self) -> None:
-        for undo in (self.tunnel, self.grant):
-            if undo is None:
-                continue
-            try:
-                undo.close() if isinstance(undo, Tunnel) else undo.remove()
-            except Exception as e:  # noqa: BLE001 - the other one is still undone
-                sys.stderr.write(f"ERROR cleaning up: {e}\n")
-        self.tunnel = self.grant = None
-
-
-def _stop(signum, frame):
-    raise SystemExit(128 + signum)
-
-
-def cmd_serve(args: list) -> int:
-    """Answer one request per line on stdin (``VERB [JSON]``) with one line on stdout (``VERB
-    [ANSWER]``, ``BUSY ...`` or ``ERROR ...``; ``PING`` gets none) until stdin closes or stays silent for
-    IDLE_TIMEOUT; then undo what the session set up (:class:`Serve`)."""
-    parse(args, (), {})
-    import signal
-
-    session = Serve()
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _stop)
-    reader = LineReader()
+def _sweep_tunnels(tmp: str) -> None:
+    """Remove tunnel folders of this user whose ``serve`` process is gone (killed with SIGKILL)."""
     try:
-        while True:
-            line = reader.readline(IDLE_TIMEOUT)
-            if line is None:
-                return 5  # the orchestrator went silent (dead link): give everything back
-            if not line:
-                return 0
-            verb, _, rest = line.strip().partition(" ")
-            if verb == "PING":
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for n in names:
+        d = os.path.join(tmp, n)
+        if not n.startswith(TUNNEL_PREFIX):
+            continue
+        try:
+            if os.lstat(d).st_uid != os.getuid():
                 continue
-            try:
-                out(f"{verb} {session.handle(verb, rest)}".rstrip())
-            except Busy as e:
-                out(f"BUSY {e}")
-            except (ToolError, OSError, ValueError, KeyError, TypeError) as e:
-                out(f"ERROR {e}")
-    finally:
-        session.close()
+            with open(os.path.join(d, "pid")) as f:
+                pid = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(d, ignore_errors=True)
 
 
-def parse(args: list, names: tuple, flags: dict) -> tuple[list, dict]:
-    """The positional arguments ``names`` (all required), then flags (``flags``: flag -> how many
-    values it takes). Positionals are never read as flags, so any file name is safe there."""
-    if len(args) < len(names):
-        raise ToolError(f"missing {' '.join(names[len(args):])}")
-    pos, rest, opts = list(args[:len(names)]), list(args[len(names):]), {}
-    while rest:
-        flag = rest.pop(0)
-        if flag not in flags or len(rest) < flags[flag]:
-            raise ToolError(f"unexpected argument {flag!r}")
-        opts[flag] = rest.pop(0) if flags[flag] else True
-    return pos, opts
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
+
+# ------------------------------------------------------------------------------- main: the dispatch
 
 COMMANDS = {"list": cmd_list, "manifest": cmd_manifest, "state": cmd_state, "send": cmd_send,
             "send-from": cmd_send_from, "recv": cmd_recv, "serve": cmd_serve}
