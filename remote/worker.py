@@ -33,6 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from remote.contract import events
 from remote.contract import exits
 from remote.engines.server import EngineError
 from remote.contract.settings import CPU_WORKERS_ENV, EvalSettings, add_arguments
@@ -45,7 +46,7 @@ class WorkerError(Exception):
 
 
 def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    print(json.dumps({events.KEY: event, **fields}), flush=True)
 
 
 def log(message: str) -> None:
@@ -196,7 +197,8 @@ def run(args) -> dict:
     rows_to_do = suite.rows[args.shard_index::args.shard_count]
     client = None
     if args.sglang:
-        from remote.engines.sglang_client import AUTH_ENV, SGLangClient, SGLangError
+        from remote.contract.credentials import AUTH_ENV
+        from remote.engines.sglang_client import SGLangClient, SGLangError
         client = SGLangClient(args.sglang, auth=os.environ.pop(AUTH_ENV, None))
         try:
             client.health()
@@ -247,7 +249,7 @@ def start_engine(args, out: Path, device: str, dtype: str):
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-    emit("phase", phase="starting the engine")
+    emit(events.PHASE, phase="starting the engine")
     log(f"engine: {args.engine_kind} " + (f"at {args.engine_url}" if args.engine_url else f"from {args.engine_python}"))
     return phase.launch()
 
@@ -270,7 +272,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
             raise WorkerError(f"--target-devices {args.target_devices}: splitting the target needs accelerate in "
                               f"{sys.executable} (pip install --no-deps accelerate psutil)", exits.USAGE)
     log(f"loading target {args.target} on {', '.join(devices) if devices else device} ({dtype})")
-    emit("phase", phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
+    emit(events.PHASE, phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
     target = load_target(args.target, device, dtype, devices=devices,
                          max_memory={d: free for d, free in plan.devices} if devices else None)
     for p in target.parameters():
@@ -287,7 +289,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
             raise WorkerError(f"cannot load the target's tokenizer from {args.target}: {e}")
     stops = stop_ids(tokenizer, target)
     if phase is not None:
-        emit("phase", phase="waiting for the engine")
+        emit(events.PHASE, phase="waiting for the engine")
         phase.wait()
 
     env = {"host": args.host_label or socket.gethostname(), "device": device,
@@ -317,7 +319,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
         env["engine"] = phase.describe()
     (out / "env.json").write_text(json.dumps(env, indent=2))
 
-    emit("start", prompts=len(rows_to_do), done=len(done_ids), mode=args.mode)
+    emit(events.START, prompts=len(rows_to_do), done=len(done_ids), mode=args.mode)
     rows = list(finished)
     invalid = next((reason for reason in map(invalid_reason, finished) if reason), None)
     with open(results_path, "a") as results:
@@ -337,7 +339,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
             extra = {"expected_tau": result["expected"]["expected_tau"]} if "expected" in result else {}
             if "engine" in result:
                 extra["engine_tau"] = result["engine"]["tau"]
-            emit("prompt", id=row.id, index=index, done=len(rows), prompts=len(rows_to_do), cycles=result["cycles"],
+            emit(events.PROMPT, id=row.id, index=index, done=len(rows), prompts=len(rows_to_do), cycles=result["cycles"],
                  tau=result["tau"], tau_running=tau_running, **extra)
             shown = result["tau"] if "expected" not in result else result["expected"]["expected_tau"]
             engine = result.get("engine")
@@ -359,7 +361,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
     (out / "env.json").write_text(json.dumps(env, indent=2))
     if invalid:
         raise WorkerError(invalid["message"], exits.INVALID)
-    emit("end", summary=summary)
+    emit(events.END, summary=summary)
     return summary
 
 
@@ -482,7 +484,7 @@ def serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer
             ids = torch.tensor([ours[i].prompt_ids], dtype=torch.long, device=device)
             return speculative_generate(target, drafter, ids, args.max_new_tokens, stops).acceptance_lengths
 
-    return serve_row(phase, requests, ours, drafter.block_size, rerun=rerun if phase.kind == "vllm" else None)
+    return serve_row(phase, requests, ours, drafter.block_size, rerun=rerun if phase.quirk else None)
 
 
 def merge_expected(parts: list[dict]) -> dict:
@@ -500,17 +502,17 @@ def main(argv=None) -> int:
         run(args)
         return 0
     except WorkerError as e:
-        emit("error", message=str(e))
+        emit(events.ERROR, message=str(e))
         log(f"error: {e}")
         return e.code
     except EngineError as e:        # missing, refusing its settings, died: one line (its log tail below)
-        emit("error", message=e.headline)
+        emit(events.ERROR, message=e.headline)
         log(f"error: {e}")
         return exits.CHECK_FAILED
     except Exception as e:  # finished prompts are already on disk
         import traceback
         traceback.print_exc()
-        emit("error", message=f"{type(e).__name__}: {e}")
+        emit(events.ERROR, message=f"{type(e).__name__}: {e}")
         return 3
 
 

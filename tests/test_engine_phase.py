@@ -168,3 +168,29 @@ def test_servers_on_a_gpu_get_a_share_of_its_memory(tmp_path):
     assert sglang_engine.server_argv("/p", "T", "D", 8, extra_args=sglang.extra_args)[-2:] == \
         ["--mem-fraction-static", "0.3"]
     assert EnginePhase("vllm", "T", "D", tmp_path, 7, python="/p", device="cpu").extra_args == []
+
+
+def test_every_engine_kind_has_a_module_with_the_engine_parts():
+    """The registry: each kind the inventory accepts (remote.contract.engines) is one module of
+    remote/engines with the parts the engine phase uses, and nothing else branches on the kind."""
+    from remote.contract.engines import ENGINES, KINDS
+    from remote.engines import engine
+
+    for kind in KINDS:
+        m = engine(kind)
+        assert m.KIND == kind and m.INSTALL == ENGINES[kind].install and m.PYTHON_ENV == ENGINES[kind].python_env
+        assert m.START_TIMEOUT > 0 and m.GPU_SHARE_FLAG.startswith("--")
+        assert m.QUIRK is None or callable(getattr(__import__("remote.engines.quirks").engines.quirks, m.QUIRK))
+        assert callable(m.engine_versions) and callable(m.launch)
+        assert isinstance(m.Client.renders_chat, bool) and m.Client.kind == kind
+        for method in ("check_serves", "complete", "served", "healthy") + (("chat",) if m.Client.renders_chat else ()):
+            assert callable(getattr(m.Client, method)), (kind, method)
+    with pytest.raises(ValueError, match="unknown engine kind 'tgi'"):
+        engine("tgi")
+    # (the probe is piped to a host as one file: it reads a running server of either kind by itself)
+    branching = [f"{p.relative_to(REPO)}:{i}" for p in (REPO / "remote").rglob("*.py")
+                 if (p.parent.name != "engines" or p.name in ("phase.py", "server.py", "__init__.py"))
+                 and p.name != "probe.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if '== "vllm"' in line or '== "sglang"' in line or "== 'vllm'" in line]
+    assert not branching, branching

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from remote.suites.prompts import PromptRow, reference_turns
-from remote.engines.sglang_client import SGLangClient, SGLangError, redact
+from remote.contract.credentials import redact
+from remote.engines.sglang_client import SGLangClient, SGLangError
 from remote.target.tokenizer import build_tiny_tokenizer
 from models import random_target
 from sglang_server import serve_sglang

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from remote.contract import events
 from remote.contract.settings import EvalSettings
 from remote.contract.states import State
 
@@ -49,13 +50,13 @@ class _Progress:
             pass
 
     def _show(self, i: int, ev: dict) -> None:
-        kind, task = ev.get("event"), self.tasks[i]
-        if kind == "phase":
+        kind, task = ev.get(events.KEY), self.tasks[i]
+        if kind == events.PHASE:
             self.bars.update(task, phase=safe(ev.get("phase", "")))
-        elif kind == "start":
+        elif kind == events.START:
             self.done[i] = int(ev.get("done", 0))
             self.bars.update(task, total=int(ev["prompts"]), completed=self.done[i], phase="drafting")
-        elif kind == "prompt":
+        elif kind == events.PROMPT:
             tau = ev.get("tau") if ev.get("tau") is not None else ev.get("expected_tau")
             shown = "-" if tau is None else f"{float(tau):.2f}"
             done = int(ev["done"])
@@ -65,13 +66,13 @@ class _Progress:
             macro = sum(self.taus[i]) / len(self.taus[i]) if self.taus[i] else None
             self.bars.update(task, completed=done, tau="-" if macro is None else f"{macro:.2f}",
                              last=safe(f"{ev['id']}: {ev['cycles']} blocks, τ {shown}"))
-        elif kind == "end":
+        elif kind == events.END:
             self.ended.add(i)
             self.bars.update(task, phase="finished")
-        elif kind == "exit":
+        elif kind == events.EXIT:
             self.ended.add(i)
             self.bars.update(task, phase="finished" if ev.get("state") == "done" else safe(ev.get("state")))
-        elif kind == "error":
+        elif kind == events.ERROR:
             self.errors[i] = str(ev.get("message", ""))
 
     def interrupted(self) -> str:
@@ -182,7 +183,7 @@ def eval_cmd(
                                         help="Pre-flight: check the weights' sha256 against the sync manifest."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
     log_to: List[str] = typer.Option([], "--log-to", help="Also log the run to mlflow | tensorboard | wandb "
-                                                         "(optional extras; see README)."),
+                                                         "(optional extras; see docs/watch.md)."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,

@@ -75,7 +75,7 @@ def export_cmd(
     what the format cannot hold is refused, naming the field."""
     import posixpath
 
-    from remote.drafters.export import FORMATS
+    from remote.contract.formats import EXPORT_FORMATS as FORMATS
 
     from ..errors import InputError, did_you_mean
     from ..eval.export import ExportRequest, export_on_host

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 import typer
 
+from remote.contract import events
 from remote.contract.settings import EvalSettings
 
 from . import console
@@ -52,16 +53,16 @@ class LiveView:
                                           right=("step", "τ macro")))
 
     def on_event(self, host: str, ev: dict) -> None:
-        kind = ev.get("event")
-        if kind == "sync":
+        kind = ev.get(events.KEY)
+        if kind == events.SYNC:
             self.hosts[host] = f"syncing {safe(ev['checkpoint'])}"
-        elif kind == "start":
+        elif kind == events.START:
             self.hosts[host] = f"eval: 0/{ev.get('prompts')} prompts"
-        elif kind == "prompt":
+        elif kind == events.PROMPT:
             tau = ev.get("tau_running")
             self.hosts[host] = (f"eval: {ev['done']}/{ev.get('prompts', '?')} prompts, "
                                 f"τ {'-' if tau is None else f'{tau:.2f}'}")
-        elif kind == "exit":
+        elif kind == events.EXIT:
             self.hosts[host] = "idle"
         self.live.update(self.render())
 
@@ -91,7 +92,7 @@ def watch_cmd(
                                                     "the same settings exists (default: that run is reused)."),
     sglang: str = typer.Option("auto", "--sglang", help="Reference completions, as `eval --sglang`."),
     log_to: List[str] = typer.Option([], "--log-to", help="Also log each point to mlflow | tensorboard | wandb "
-                                                         "(optional extras; see README)."),
+                                                         "(optional extras; see docs/watch.md)."),
     catalog: Optional[str] = typer.Option(None, "--catalog", metavar="PATH", help=CATALOG_HELP),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from remote.contract.formats import READ_FORMATS
+
 from ..errors import InputError, did_you_mean
 from .paths import CATALOG, ConfigFile, locate, read_config_text
 
 ENV_VAR = "DFLASH_OPS_CATALOG"
-FORMATS = ("zlab", "speculators", "state_dict")
+FORMATS = READ_FORMATS
 TOP_KEYS = ("runs", "drafters", "targets", "default")
 DEFAULT_PATTERN = "step_{step}"
 EMBEDDED = "embedded"   # the demo pair every host can build (remote/embedded.py), a drafter and a target

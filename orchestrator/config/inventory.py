@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import yaml
 
+from remote.contract.engines import KINDS as ENGINE_KINDS
+
 from ..errors import InputError
 from .paths import INVENTORY, local_home, locate, read_config_text
 
@@ -29,7 +31,6 @@ class ExampleHost(InventoryError):
     """A connection to a host the inventory marks ``example: true`` (a placeholder to edit)."""
 
 
-ENGINE_KINDS = ("vllm", "sglang")
 ENGINE_FIELDS = ("kind", "python", "url", "args")
 
 
@@ -315,7 +316,7 @@ def _host_from_entry(
     if "engine" in values:
         values["engine"] = _engine(where, values["engine"])
     if "sglang" in values:
-        from remote.engines.sglang_client import split_credentials
+        from remote.contract.credentials import split_credentials
         try:
             values["sglang"], values["sglang_auth"] = split_credentials(values["sglang"])
         except ValueError as e:

@@ -120,9 +120,8 @@ def _fill_engine(report: HostReport, host: Host, found: dict | None) -> None:
         report.engine = f"{engine.kind} (not usable)"
         hint = ""
         if engine.python:
-            from remote.engines.sglang import INSTALL as SGLANG_INSTALL
-            from remote.engines.vllm import INSTALL as VLLM_INSTALL
-            hint = f"; install it: {VLLM_INSTALL if engine.kind == 'vllm' else SGLANG_INSTALL}"
+            from remote.contract.engines import ENGINES
+            hint = f"; install it: {ENGINES[engine.kind].install}"
         report.warnings.append(f"engine: {found['error']}{hint}")
         return
     if engine.python:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from remote.engines.phase import LOGS as ENGINE_LOGS
+from remote.contract import events
+from remote.contract.engines import LOGS as ENGINE_LOGS
 
 from ..transport import Runner, TransportError
 
@@ -102,10 +103,10 @@ class HostJob:
                     event = json.loads(line)
                 except json.JSONDecodeError:
                     continue
-                if event.get("event") == "heartbeat":
+                if event.get(events.KEY) == events.HEARTBEAT:
                     continue
                 yield event
-                if event.get("event") == "exit":
+                if event.get(events.KEY) == events.EXIT:
                     return
             raise TransportError("lost the connection while following the worker")
         except OSError as e:   # socket.timeout included: no heartbeat, the link is dead

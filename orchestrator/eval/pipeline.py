@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from remote.contract import events
 from remote.contract import exits
-from remote.suites.prompts import BUILTIN
-from remote.contract.settings import CPU_WORKERS_ENV, EvalSettings
-from remote.engines.sglang_client import AUTH_ENV, split_credentials
+from remote.contract.credentials import AUTH_ENV, split_credentials
+from remote.contract.settings import BUILTIN_SUITES, CPU_WORKERS_ENV, EvalSettings
 from remote.contract.states import State
 
 from ..config.catalog import EMBEDDED
@@ -107,7 +107,7 @@ def new_run(runs_root: Path, hosts: list[str], choice, settings: EvalSettings, *
                       drafter_run=choice.run.name if choice.run else None,
                       checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path)
     local = Path(settings.suite).expanduser()
-    if settings.suite not in BUILTIN and local.is_file():     # this machine's suite file: sent to the hosts
+    if settings.suite not in BUILTIN_SUITES and local.is_file():     # this machine's suite file: sent to the hosts
         req.suite_file, req.suite_sha256 = str(local.resolve()), hashlib.sha256(local.read_bytes()).hexdigest()
     check_request(req)
     return RunRecord.create(runs_root, req, choice.label, req.checkpoint, choice.step if choice.run else None)
@@ -243,15 +243,13 @@ def check_engine(host: Host, runner) -> dict | None:
     """An engine the worker starts (``python:``) is installed on the host: its version from package
     metadata, or the one line that says it is not and how to install it. A running server
     (``url:``) is checked by the worker, which talks to it."""
+    from remote.contract.engines import ENGINES
     from remote.host.probe import ENGINE_DISTRIBUTIONS, ENGINE_SNIPPET
-    from remote.engines.sglang import INSTALL as SGLANG_INSTALL
-    from remote.engines.vllm import INSTALL as VLLM_INSTALL
 
     engine = host.engine
     if engine.python is None:
         return None
-    install = VLLM_INSTALL if engine.kind == "vllm" else SGLANG_INSTALL
-    name = {"vllm": "vLLM", "sglang": "SGLang"}[engine.kind]
+    install, name = ENGINES[engine.kind].install, ENGINES[engine.kind].name
     res = runner.run([engine.python, "-c", ENGINE_SNIPPET], timeout=120)
     try:
         found = json.loads(res.stdout.strip().splitlines()[-1]) if res.ok else None
@@ -547,7 +545,7 @@ def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int,
             for ev in job.follow():
                 on_event(i, ev)
                 record.shard_progressed(i, ev)
-                if ev.get("event") == "exit":
+                if ev.get(events.KEY) == events.EXIT:
                     record.shard_exited(i, ev)
                     job.fetch(shard.local_dir(record.folder), required=RESULTS if ev.get("state") == "done" else ())
                     record.shard_fetched(i)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from remote.engines.phase import CAUSES
+from remote.contract.engines import CAUSES, ENGINES
 
 from ..runs.folders import EvalRun
 from .render import Document, fnum
-
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 # cause -> (a few words for a table cell, the sentence a report says)
 CAUSE_TEXT = {
@@ -57,7 +55,7 @@ def engine_name(run: EvalRun) -> str:
     env = run.env.get("engine") or (run.env.get("shards") or [{}])[0].get("engine") or {}
     kind = env.get("kind") or next((e.get("kind") for e in engine_rows(run)), None)
     version = env.get("version")
-    return " ".join(x for x in (ENGINE_NAMES.get(kind, kind or "engine"), version) if x)
+    return " ".join(x for x in ((ENGINES[kind].name if kind in ENGINES else kind or "engine"), version) if x)
 
 
 def _tau(e: dict) -> Optional[float]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from remote.drafters.config import MAX_BLOCK_SIZE
+from remote.contract.formats import MAX_BLOCK_SIZE
 from remote.contract.states import State
 
 from ..config.catalog import parse_step, same_checkpoint

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from itertools import count
 from pathlib import Path
 
+from remote.contract import events
 from remote.contract.settings import EvalSettings
 from remote.contract.states import State
 
@@ -346,9 +347,9 @@ class RunRecord:
     def shard_progressed(self, index: int, event: dict) -> None:
         """A worker event with its progress (``start``: prompts to do and done; ``prompt``: done)."""
         s = self.shards[index]
-        if event.get("event") == "start":
+        if event.get(events.KEY) == events.START:
             s.prompts, s.done = event.get("prompts"), event.get("done") or 0
-        elif event.get("event") == "prompt":
+        elif event.get(events.KEY) == events.PROMPT:
             s.done, s.prompts = event.get("done", s.done), event.get("prompts", s.prompts)
         else:
             return

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..config.catalog import Catalog, CatalogError, TrainingRun
 from ..errors import DflashOpsError, OperationFailed
+from remote.contract import events
 from remote.contract.settings import EvalSettings
 from remote.contract.states import State
 
@@ -200,7 +201,7 @@ class Watcher:
                 with self.lock:
                     self.state.mark(p, "syncing", host=host)
                 self.say("info", f"{name}: syncing to {host}")
-                self.on_event(host, {"event": "sync", "checkpoint": name})
+                self.on_event(host, {events.KEY: events.SYNC, "checkpoint": name})
                 sync_checkpoint(self.inv, self.catalog, name, run=self.run.name, src_name=self.opts.src,
                                 dst_name=host, **self.sync_kw)
                 summary = self._evaluate(p, f"{self.label}:{name}", host, lambda rid: self._mark(p, "evaluating",

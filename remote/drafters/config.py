@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from remote.contract.formats import MAX_BLOCK_SIZE
+
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 # The largest value each size field of a drafter config may take: a checkpoint is input, and every
 # one of these sizes an allocation (per-position arrays of the block, layers, embeddings). Far
 # beyond any real drafter (DFlash blocks are 8 or 16), far below what would exhaust a host.
-MAX_BLOCK_SIZE = 1024
 SIZE_LIMITS = {"block_size": MAX_BLOCK_SIZE, "hidden_size": 1 << 17, "intermediate_size": 1 << 19,
                "num_hidden_layers": 1024, "num_attention_heads": 4096, "num_key_value_heads": 4096,
                "head_dim": 8192, "vocab_size": 1 << 24, "draft_vocab_size": 1 << 24, "num_target_layers": 4096,

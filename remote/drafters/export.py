@@ -48,9 +48,10 @@ from remote.drafters.checkpoint import (CONFIG_NAME, CheckpointError, DrafterChe
                                         read_tensors, sha256_file, speculators_config_dict, speculators_proposal_config,
                                         zlab_config_dict)
 from remote.drafters.config import DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
+from remote.contract.formats import EXPORT_FORMATS
 from remote.host.proc import alive
 
-FORMATS = ("zlab", "speculators")
+FORMATS = EXPORT_FORMATS
 NOTE_NAME = "dflash-export.json"
 WEIGHTS_NAME = "model.safetensors"
 

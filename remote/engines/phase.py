@@ -24,26 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from remote.engines.server import kill_recorded
+from remote.contract.engines import DECODING_CAUSES, ENGINES, KINDS, LOGS
+from remote.engines import engine
 from remote.engines.accounting import engine_overshoot, reconcile
+from remote.engines.server import kill_recorded
 
-KINDS = ("vllm", "sglang")
-LOGS = {"drafter": "engine-drafter.log", "plain": "engine-plain.log"}
 PIDS = "engine.pids"
-QUIRK = "first_layer_context_k_norm"      # remote/engines/quirks.py: vLLM CPU's context-key norm
 # On a GPU the two servers share the worker's GPU(s) with its own target and drafter: each gets this
 # share of GPU memory instead of the engine's default (vLLM 0.9, which leaves no room for the second
 # server). The inventory's `args` come after it, so they can set another.
 GPU_SHARE = 0.3
-GPU_SHARE_ARGS = {"vllm": ["--gpu-memory-utilization", str(GPU_SHARE)], "sglang": ["--mem-fraction-static", str(GPU_SHARE)]}
-
-# Why an engine's τ differs from ours, in the order a report names them. The first group changes
-# what is decoded (then a step-by-step comparison means nothing); the rest are ways of counting or
-# drafting the same decoding differently.
-DECODING_CAUSES = ("template", "num_draft_tokens", "temperature", "dtype", "divergence")
-COUNTING_CAUSES = ("prefill_token", "stop_overshoot", "length_overshoot", "last_cycles", "kernel_quirk",
-                   "drafter_differs", "unexplained")
-CAUSES = DECODING_CAUSES + COUNTING_CAUSES
 
 
 def add_arguments(parser) -> None:
@@ -69,18 +59,9 @@ def argument_problems(args) -> list[str]:
     return []
 
 
-def _module(kind: str):
-    if kind == "vllm":
-        from remote.engines import vllm as vllm_engine
-        return vllm_engine
-    from remote.engines import sglang as sglang_engine
-    return sglang_engine
-
-
 def client_for(kind: str, url: str):
     """A client of a running ``kind`` server at ``url``."""
-    m = _module(kind)
-    return m.VLLMClient(url) if kind == "vllm" else m.SGLangEngineClient(url)
+    return engine(kind).Client(url)
 
 
 @dataclass
@@ -115,9 +96,9 @@ class EnginePhase:
         self.kind, self.target, self.drafter, self.out = kind, str(target), str(drafter), Path(out)
         self.num_drafts, self.python, self.url, self.extra_args = int(num_drafts), python, url, list(extra_args)
         self.dtype, self.seed, self.log = dtype, seed, log
+        self.module = engine(kind)
         if str(device).startswith("cuda"):
-            self.extra_args = GPU_SHARE_ARGS[kind] + self.extra_args
-        self.module = _module(kind)
+            self.extra_args = [self.module.GPU_SHARE_FLAG, str(GPU_SHARE)] + self.extra_args
         self.servers: dict = {}
         self.clients: dict = {}
         self.served: dict = {}
@@ -125,7 +106,12 @@ class EnginePhase:
 
     @property
     def name(self) -> str:
-        return {"vllm": "vLLM", "sglang": "SGLang"}[self.kind]
+        return ENGINES[self.kind].name
+
+    @property
+    def quirk(self) -> str | None:
+        """A known way this engine computes the drafter differently (:mod:`remote.engines.quirks`)."""
+        return self.module.QUIRK
 
     def launch(self) -> "EnginePhase":
         """Start our servers without waiting for them (the worker loads its models meanwhile), or
@@ -136,22 +122,15 @@ class EnginePhase:
             self.log(f"killed the engine server(s) an earlier worker of this run left running: pid {left}")
         if self.url:
             client = client_for(self.kind, self.url)
-            kw = {"drafter": self.drafter} if self.kind == "sglang" else {}
-            self.served["drafter"] = client.check_serves(self.target, self.num_drafts, True, **kw)
+            self.served["drafter"] = client.check_serves(self.target, self.num_drafts, True, drafter=self.drafter)
             self.clients["drafter"] = client
             return self
         self.versions = self.module.engine_versions(self.python)
         for name, drafter in (("drafter", self.drafter), ("plain", None)):
             log_path = self.out / LOGS[name]
             log_path.unlink(missing_ok=True)
-            if self.kind == "vllm":
-                server = self.module.VLLMServer.launch(self.target, drafter, log_path, python=self.python,
-                                                       dtype=self.dtype, max_model_len=None, seed=self.seed,
-                                                       extra_args=self.extra_args)
-            else:
-                server = self.module.SGLangServer.launch(self.target, drafter, log_path, python=self.python,
-                                                         block_size=self.num_drafts + 1, dtype=self.dtype,
-                                                         seed=self.seed, extra_args=self.extra_args)
+            server = self.module.launch(self.target, drafter, log_path, python=self.python, num_drafts=self.num_drafts,
+                                        dtype=self.dtype, seed=self.seed, extra_args=self.extra_args)
             server.process.name = f"{self.name} server {'with' if drafter else 'without'} the drafter"
             server.process.record(self.out / PIDS)
             self.servers[name] = server
@@ -185,7 +164,7 @@ class EnginePhase:
     def request(self, name: str, turn: TurnRequest) -> dict:
         client = self.clients[name]
         kw = {"temperature": turn.temperature, "top_p": turn.top_p, "top_k": turn.top_k, "seed": turn.seed}
-        if turn.messages is not None and self.kind == "vllm":
+        if turn.messages is not None and client.renders_chat:
             template = None if turn.enable_thinking is None else {"enable_thinking": turn.enable_thinking}
             return client.chat(turn.messages, turn.max_new_tokens, turn.stop_token_ids, template, **kw)
         return client.complete(turn.prompt_ids, turn.max_new_tokens, turn.stop_token_ids, **kw)
@@ -207,7 +186,7 @@ def serve_row(phase: EnginePhase, requests: list[TurnRequest], ours: list[OurTur
     """The row's ``engine`` object: every turn served with the drafter (and without, when we run that
     server), combined (:func:`combine`), checked against our own decoding (:func:`checks`) and
     explained (:func:`explain`). ``rerun(turn)``: our acceptance lengths of that turn with the
-    drafter computed as vLLM's CPU kernels compute it (None where that changes nothing)."""
+    drafter computed as the engine computes it (its quirk; None where that changes nothing)."""
     spec = [phase.request("drafter", t) for t in requests]
     plain = [phase.request("plain", t) for t in requests] if "plain" in phase.clients else None
     engine = combine(phase.kind, spec, plain)
@@ -215,7 +194,7 @@ def serve_row(phase: EnginePhase, requests: list[TurnRequest], ours: list[OurTur
     if phase.served_dtype_differs():
         c["dtype"] = {"engine": phase.served_dtype_differs(), "ours": phase.dtype}
     if rerun is not None and c["same_output"] and c["temperature"] == 0 and c["first_difference"] is not None:
-        c["kernel"] = kernel_check(spec, ours, block_size, rerun)
+        c["kernel"] = kernel_check(spec, ours, block_size, rerun, phase.quirk)
     engine["checks"] = c
     engine["causes"] = explain(c)
     return engine
@@ -329,30 +308,31 @@ def _steps_differ(spec: list[dict], lengths: list[list[int]]) -> bool:
 
 
 def kernel_check(spec: list[dict], ours: list[OurTurn], block_size: int,
-                 rerun: Callable[[int], list[int] | None]) -> dict:
-    """Our decoding redone with the drafter computed as vLLM's CPU kernel computes it
-    (:data:`QUIRK`): ``reproduces`` when then every full-block cycle's count equals the engine's,
-    on every turn; ``last_cycles``: whether the steps still differ after that (the cut last blocks)."""
+                 rerun: Callable[[int], list[int] | None], quirk: str) -> dict:
+    """Our decoding redone with the drafter computed as the engine computes it (``quirk``, e.g.
+    vLLM's CPU context-key norm): ``reproduces`` when then every full-block cycle's count equals the
+    engine's, on every turn; ``last_cycles``: whether the steps still differ after that (the cut
+    last blocks)."""
     lengths = []
     for i in range(len(ours)):
         got = rerun(i)
         if got is None:
-            return {"check": QUIRK, "applicable": False, "reproduces": False}
+            return {"check": quirk, "applicable": False, "reproduces": False}
         lengths.append(got)
     recs = [reconcile(s, ls, block_size) for s, ls in zip(spec, lengths)]
-    return {"check": QUIRK, "applicable": True,
+    return {"check": quirk, "applicable": True,
             "reproduces": all(r["first_difference"] is None for r in recs),
             "last_cycles": _steps_differ(spec, lengths),
             "cycles": [len(ls) for ls in lengths], "accepted": [sum(ls) - len(ls) for ls in lengths]}
 
 
 def explain(c: dict) -> list[str]:
-    """The causes (:data:`CAUSES`) that checks show for a prompt whose engine τ differs from ours:
+    """The causes (:data:`remote.contract.engines.CAUSES`) that checks show for a prompt whose engine τ differs from ours:
     none when both τ agree. Something that changes what is decoded (the prompt the engine
     rendered, its draft length, sampling, dtype, an output that differs) is named first, and then
     no step-by-step cause is claimed; otherwise the ways the same decoding is counted or drafted:
     the prefill's token in the engine's τ, matched drafts past a stop token or max_tokens, the cut
-    last blocks, a drafter the engine computes differently (reproduced by :data:`QUIRK`, or not)."""
+    last blocks, a drafter the engine computes differently (reproduced by its engine's quirk, or not)."""
     tau = c["tau"]
     if tau["engine"] is None or tau["ours"] is None or abs(tau["engine"] - tau["ours"]) < 1e-9:
         return []

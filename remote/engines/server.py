@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from remote.engines.sglang_client import http_error_message
+from remote.engines.http import http_error_message, opener
 from remote.host.proc import start_time
 
 LOOPBACK = "127.0.0.1"
@@ -310,7 +310,7 @@ class HTTPClient:
 
     def __init__(self, base_url: str, timeout: float = 600.0, name: str = "server", on_failure=None):
         self.base, self.timeout, self.name, self.on_failure = base_url.rstrip("/"), timeout, name, on_failure
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._opener = opener()
 
     def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> bytes:
         data = json.dumps(body).encode() if body is not None else None

@@ -22,15 +22,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from remote.contract.engines import ENGINES
+from remote.engines.counts import Answer
 from remote.engines.server import (LOOPBACK, EngineError, HTTPClient, OwnServer, ServerProcess, check_port_free,
                                    environment_python, environment_versions, free_port)
 
-PYTHON_ENV = "DFLASH_OPS_SGLANG_PYTHON"     # the engine's own python, where no path is given
+KIND = "sglang"
+PYTHON_ENV, INSTALL = ENGINES[KIND].python_env, ENGINES[KIND].install
 SERVER_MODULE = "sglang.launch_server"
 ALGORITHM = "DFLASH"                        # SGLang's speculative algorithm for DFlash drafters
 START_TIMEOUT = 900.0
-INSTALL = ("python3 -m venv VENV && VENV/bin/pip install 'sglang[all]' (a GPU host; a release with "
-           "--speculative-algorithm DFLASH)")
+GPU_SHARE_FLAG = "--mem-fraction-static"    # the share of GPU memory a server takes
+QUIRK = None                                # no known way it computes the drafter differently
 
 
 def engine_python(python: str | None = None) -> str:
@@ -71,13 +74,8 @@ def result(answer: dict, wall_s: float) -> dict:
     output_ids = [int(i) for i in answer["output_ids"]]
     finish = meta.get("finish_reason")
     completion = int(meta.get("completion_tokens", len(output_ids)))
-    out = {"output_ids": output_ids, "prompt_ids": None,
-           "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
-           "completion_tokens": completion, "cycles": None, "tokens": None, "drafts": None, "draft_tokens": None,
-           "accepted": None, "accepted_per_pos": None, "histogram": None, "per_step_accepted": None,
-           "per_step_drafted": None, "tau": None, "num_speculative_tokens": None, "metrics_delta": None,
-           "wall_s": wall_s, "tokens_per_s": len(output_ids) / wall_s if wall_s > 0 else None,
-           "engine_timing": {k: meta.get(k) for k in ("e2e_latency", "decode_throughput")}}
+    out = Answer(output_ids, None, finish.get("type") if isinstance(finish, dict) else finish, completion, wall_s,
+                 {k: meta.get(k) for k in ("e2e_latency", "decode_throughput")})
     steps = meta.get("spec_verify_ct")
     if steps:
         hist = [int(n) for n in meta.get("spec_accept_histogram") or []] or None
@@ -86,19 +84,21 @@ def result(answer: dict, wall_s: float) -> dict:
             accepted = sum(n * c for n, c in enumerate(hist))
         draft_tokens = meta.get("spec_draft_token_num")
         k = int(draft_tokens) // int(steps) if draft_tokens else (len(hist) - 1 if hist else None)
-        out.update(cycles=int(steps), tokens=completion, drafts=int(steps),
-                   draft_tokens=int(draft_tokens) if draft_tokens is not None else None,
-                   accepted=int(accepted) if accepted is not None else None, histogram=hist,
-                   tau=float(meta.get("spec_accept_length") or completion / int(steps)), num_speculative_tokens=k,
-                   accepted_per_pos=[sum(hist[p + 1:]) for p in range(k)] if hist and k else None)
-    return out
+        out.cycles, out.tokens, out.drafts = int(steps), completion, int(steps)
+        out.draft_tokens = int(draft_tokens) if draft_tokens is not None else None
+        out.accepted = int(accepted) if accepted is not None else None
+        out.histogram, out.num_speculative_tokens = hist, k
+        out.tau = float(meta.get("spec_accept_length") or completion / int(steps))
+        out.accepted_per_pos = [sum(hist[p + 1:]) for p in range(k)] if hist and k else None
+    return out.as_dict()
 
 
 class SGLangEngineClient:
     """Talks to one SGLang server at ``url`` (native API). ``process``: the :class:`ServerProcess`
     when the server is ours (a failed request then says whether it died)."""
 
-    kind = "sglang"
+    kind = KIND
+    renders_chat = False    # every turn is sent as token ids (our rendering)
 
     def __init__(self, url: str, timeout: float = 600.0, process: ServerProcess | None = None):
         self.url, self.process = url.rstrip("/"), process
@@ -196,3 +196,14 @@ class SGLangServer(OwnServer):
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> "SGLangServer":
         return super().wait_ready(timeout)
+
+
+Client = SGLangEngineClient
+
+
+def launch(target: str | Path, drafter: str | Path | None, log_path: str | Path, *, python: str | None,
+           num_drafts: int, dtype: str | None, seed: int, extra_args: list[str] | tuple = ()) -> SGLangServer:
+    """A server for the engine phase (:mod:`remote.engines.phase`), not waited for: ``num_drafts`` + 1
+    draft tokens per verify (SGLang counts the anchor among them)."""
+    return SGLangServer.launch(target, drafter, log_path, python=python, block_size=num_drafts + 1, dtype=dtype,
+                               seed=seed, extra_args=extra_args)

@@ -17,8 +17,10 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from remote.contract.credentials import redact
+from remote.engines.http import describe, http_error_message, opener
+
 CONNECT_TIMEOUT = 5.0  # seconds to open a TCP connection; reads then wait up to the client's timeout
-AUTH_ENV = "DFLASH_OPS_SGLANG_AUTH"  # ``user:password`` for an SGLang behind basic auth
 
 
 class SGLangError(Exception):
@@ -27,56 +29,6 @@ class SGLangError(Exception):
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
         self.status = status
-
-
-def _opener(connect_timeout: float) -> urllib.request.OpenerDirector:
-    """An opener that connects within ``connect_timeout`` and then lets reads wait for the request's
-    own timeout (urllib alone has one timeout for both), and ignores proxy variables."""
-    def create(address, timeout=None, source_address=None):
-        sock = socket.create_connection(address, min(connect_timeout, timeout or connect_timeout), source_address)
-        sock.settimeout(timeout)
-        return sock
-
-    class HTTP(http.client.HTTPConnection):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self._create_connection = create
-
-    class HTTPS(http.client.HTTPSConnection):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self._create_connection = create
-
-    class HTTPHandler(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(HTTP, req)
-
-    class HTTPSHandler(urllib.request.HTTPSHandler):
-        def https_open(self, req):
-            return self.do_open(HTTPS, req, context=self._context)
-
-    return urllib.request.build_opener(urllib.request.ProxyHandler({}), HTTPHandler(), HTTPSHandler())
-
-
-def redact(url: str) -> str:
-    """``url`` without user info, query or fragment: safe for logs and error messages."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))
-
-
-def split_credentials(url: str) -> tuple[str, str | None]:
-    """``(url without credentials, "user:password" or None)``. A URL without ``user@`` comes back
-    unchanged; one with it comes back as :func:`redact` writes it. ValueError: a bad port."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.username is None:
-        return url, None
-    parts.port  # noqa: B018 -- raises ValueError for a bad one
-    user = urllib.parse.unquote(parts.username)
-    return redact(url), f"{user}:{urllib.parse.unquote(parts.password or '')}"
 
 
 class SGLangClient:
@@ -99,7 +51,7 @@ class SGLangClient:
             self._headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
-        self._opener = _opener(connect_timeout)
+        self._opener = opener(connect_timeout)
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.display!r})"
@@ -117,12 +69,12 @@ class SGLangClient:
             raise SGLangError(f"SGLang at {self.display} answered HTTP {e.code} to {method} {path}: "
                               f"{http_error_message(e)}", status=e.code) from None
         except urllib.error.URLError as e:
-            raise SGLangError(f"SGLang at {self.display} is not reachable: {_describe(e.reason)}") from None
+            raise SGLangError(f"SGLang at {self.display} is not reachable: {describe(e.reason)}") from None
         except (TimeoutError, socket.timeout):
             raise SGLangError(f"SGLang at {self.display} did not answer {method} {path} within {timeout:g}s") from None
         except (ConnectionError, http.client.HTTPException, OSError) as e:
             raise SGLangError(f"SGLang at {self.display}: the connection failed during {method} {path}: "
-                              f"{_describe(e)}") from None
+                              f"{describe(e)}") from None
         if not raw.strip():
             return None
         try:
@@ -172,36 +124,3 @@ class SGLangClient:
                  sampling=None) -> list[int]:
         """The completion's token ids (greedy unless ``sampling`` says otherwise)."""
         return [int(i) for i in self.generate_raw(input_ids, max_new_tokens, stop_token_ids, sampling)["output_ids"]]
-
-
-def _describe(e) -> str:
-    if isinstance(e, (TimeoutError, socket.timeout)):
-        return "timed out connecting"
-    if isinstance(e, ConnectionRefusedError):
-        return "connection refused (is the server running and the port right?)"
-    if isinstance(e, socket.gaierror):
-        return f"cannot resolve the host name ({e.strerror or e})"
-    return str(e) or type(e).__name__
-
-
-def http_error_message(e: urllib.error.HTTPError, one_line: bool = False) -> str:
-    """A server's own words for an HTTP error: its JSON ``error``/``message``/``detail``, else the body
-    (``one_line``: its whitespace collapsed), at most 500 characters."""
-    try:
-        raw = e.read()
-    except Exception:
-        raw = b""
-    text = raw.decode("utf-8", "replace").strip()
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        obj = None
-    if isinstance(obj, dict):
-        err = obj.get("error", obj.get("message", obj.get("detail")))
-        if isinstance(err, dict):
-            err = err.get("message", err)
-        if err is not None:
-            text = str(err)
-    if one_line:
-        text = " ".join(text.split())
-    return text[:500] or str(e.reason) or "no message"

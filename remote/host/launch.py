@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from remote.contract.events import EXIT, HEARTBEAT, KEY, PROGRESS
 from remote.host.proc import alive as _alive, start_time as _start_time, write_atomic as _write_atomic
 
 LOCK = ".start.lock"                 # held by `start` from its state check until the pid file is written
@@ -231,7 +232,7 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
     pos, pending, dropping, dropped = offset, b"", 0, 0     # pending: the unterminated line so far
     while True:
         if time.time() - last_beat > heartbeat:
-            print(json.dumps({"event": "heartbeat"}), flush=True)
+            print(json.dumps({KEY: HEARTBEAT}), flush=True)
             last_beat = time.time()
         st = state(run_dir)
         while True:                        # read after the state: once the job has ended this is all of it
@@ -256,7 +257,7 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
             if dropping or len(pending) > max_line:
                 dropping, pending = dropping + len(pending), b""
         if st["state"] != "running":
-            end = {"event": "exit", **st, "offset": offset}
+            end = {KEY: EXIT, **st, "offset": offset}
             if pending or dropping:
                 end["torn_tail"] = {"bytes": len(pending) + dropping,
                                     "text": pending[:200].decode("utf-8", "replace")}
@@ -361,7 +362,7 @@ def progress(run_dir: Path, tail: int = 1 << 16) -> dict:
             ev = json.loads(line)
         except ValueError:
             continue
-        if isinstance(ev, dict) and ev.get("event") in ("prompt", "start"):
+        if isinstance(ev, dict) and ev.get(KEY) in PROGRESS:
             return {"done": ev.get("done"), "prompts": ev.get("prompts")}
     return {}
 

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from remote.contract.settings import BUILTIN_SUITES
 from remote.host.proc import write_atomic
 
 SUITES_DIR = Path(__file__).parent
@@ -48,7 +49,8 @@ HF_SUITES = {
     "hf:mt-bench": {"args": ("HuggingFaceH4/mt_bench_prompts",), "split": "train", "category": None,
                     "id": lambda r, i: f"mt-bench-{r['prompt_id']}", "turns": lambda r: list(r["prompt"])},
 }
-BUILTIN = ["default", "humaneval", *HF_SUITES]
+BUILTIN = list(BUILTIN_SUITES)
+assert set(BUILTIN) == {"default", "humaneval", *HF_SUITES}, "remote/contract/settings.py names the built-in suites"
 
 
 class PromptError(Exception):

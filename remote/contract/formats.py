@@ -1,0 +1,8 @@
+"""Drafter checkpoint formats as both sides name them, and the largest block a drafter may have
+(a run folder's acceptance lengths are checked against it). Stdlib only."""
+from __future__ import annotations
+
+ZLAB, SPECULATORS, STATE_DICT = "zlab", "speculators", "state_dict"
+READ_FORMATS = (ZLAB, SPECULATORS, STATE_DICT)     # what the worker loads (a catalog's `format:`)
+EXPORT_FORMATS = (ZLAB, SPECULATORS)               # what `export --to` writes
+MAX_BLOCK_SIZE = 1024
