@@ -34,7 +34,7 @@ from pathlib import Path
 
 from remote.inspect import inspect
 from remote.target.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens,
-                                  free_memory, plan, run_dtype)
+                                  free_memory, parse_plan_arguments, plan, run_dtype)
 from remote.suites.prompts import BUILTIN, HF_SUITES
 from remote.contract.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
 from remote.host.proc import write_atomic
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--verify-hashes", action="store_true")
     p.add_argument("--cache", type=Path, help="folder that keeps each pass for the next pre-flight of the same inputs")
     add_plan_arguments(p)
-    args = p.parse_args(argv)
+    args = parse_plan_arguments(p, argv)
     device = run_device(args.device)
     keys = pass_keys(args, device) if args.cache else None
     kept = {part: recall(args.cache, keys, part) for part in ("checks", "self-test", "tokens")}

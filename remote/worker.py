@@ -30,13 +30,13 @@ import platform
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from remote.contract import events
-from remote.contract import exits
+from remote.contract import events, exits
+from remote.contract.settings import CPU_WORKERS_ENV, EvalSettings, SettingsError, add_arguments
 from remote.engines.server import EngineError
-from remote.contract.settings import CPU_WORKERS_ENV, EvalSettings, add_arguments
 
 
 class WorkerError(Exception):
@@ -57,7 +57,34 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class RunContext:
+    """One worker run: its settings (the value every side shares, checked when it was made) and what
+    only this worker knows: its folders, its shard, where its references and its engine are."""
+    settings: EvalSettings
+    target: str
+    drafter: str
+    out: Path
+    sglang: str | None = None
+    resume: bool = False
+    block_size: int | None = None
+    shard: str | None = None
+    shard_index: int = 0
+    shard_count: int = 1
+    host_label: str | None = None
+    checked: bool = False
+    engine_kind: str | None = None
+    engine_python: str | None = None
+    engine_url: str | None = None
+    engine_args: tuple[str, ...] = ()
+
+    @property
+    def sampling(self):
+        from remote.drafters.sampling import Sampling
+        return Sampling(self.settings.temperature, self.settings.top_p, self.settings.top_k)
+
+
+def parse_args(argv=None) -> RunContext:
     p = argparse.ArgumentParser(prog="python -m remote.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="target model folder (HF format; a Qwen3.5/3.6 VLM loads as text-only)")
@@ -76,23 +103,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     from remote.engines.phase import add_arguments as add_engine_arguments, argument_problems
     add_engine_arguments(p)
     args = p.parse_args(argv)
-    args.settings = EvalSettings.from_args(args)
-    for name, value in args.settings.to_dict().items():    # the settings' own rules (--engine: online)
-        setattr(args, name, value)
-    for problem in args.settings.problems() + argument_problems(args):
+    try:
+        settings = EvalSettings.from_args(args)
+    except SettingsError as e:
+        p.error(str(e))
+    for problem in argument_problems(args, settings):
         p.error(problem)
-    args.shard_index, args.shard_count = 0, 1
+    shard_index, shard_count = 0, 1
     if args.shard:
         try:
-            k, n = (int(x) for x in args.shard.split("/"))
-            assert 0 <= k < n
+            shard_index, shard_count = (int(x) for x in args.shard.split("/"))
+            assert 0 <= shard_index < shard_count
         except (ValueError, AssertionError):
             p.error(f"--shard must be K/N with 0 <= K < N, got {args.shard!r}")
-        args.shard_index, args.shard_count = k, n
-    from remote.drafters.sampling import Sampling
-    args.sampling = Sampling(args.temperature, args.top_p, args.top_k)
-    args.budgets = args.settings.budgets()
-    return args
+    return RunContext(settings, args.target, args.drafter, Path(args.out), args.sglang, args.resume, args.block_size,
+                      args.shard, shard_index, shard_count, args.host_label, args.checked, args.engine_kind,
+                      args.engine_python, args.engine_url, tuple(args.engine_arg))
 
 
 def prompt_seed(seed: int, row_id: str) -> int:
@@ -168,68 +194,68 @@ def share_cores(torch) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-def preflight(args, device: str) -> None:
+def preflight(ctx, device: str) -> None:
     """The drafter/target check and the library self-test (:mod:`remote.preflight`), unless
     ``--checked`` says they just passed for this run."""
     from remote.inspect import inspect
     from remote.preflight import runtime_problems
 
-    if args.checked:
+    if ctx.checked:
         return
-    report = inspect(args.drafter, args.target, args.block_size)
-    problems = report["problems"] or runtime_problems(args.target, device)
+    report = inspect(ctx.drafter, ctx.target, ctx.block_size)
+    problems = report["problems"] or runtime_problems(ctx.target, device)
     if problems:
         raise WorkerError("pre-flight check failed:\n  - " + "\n  - ".join(problems))
 
 
-def run(args) -> dict:
-    for flag, value in (("--target", args.target), ("--drafter", args.drafter)):
+def run(ctx) -> dict:
+    for flag, value in (("--target", ctx.target), ("--drafter", ctx.drafter)):
         if not Path(value).expanduser().is_dir():
             raise WorkerError(f"{flag} {value}: no such folder", code=exits.USAGE)
     from remote.suites.prompts import load_suite
     from remote.suites.prompts import PromptError
     try:
-        suite = load_suite(args.suite, limit=args.prompts)
+        suite = load_suite(ctx.settings.suite, limit=ctx.settings.prompts)
     except PromptError as e:
         raise WorkerError(str(e)) from None
     if not suite.rows:
-        raise WorkerError(f"suite {args.suite}: no prompts")
-    rows_to_do = suite.rows[args.shard_index::args.shard_count]
+        raise WorkerError(f"suite {ctx.settings.suite}: no prompts")
+    rows_to_do = suite.rows[ctx.shard_index::ctx.shard_count]
     client = None
-    if args.sglang:
+    if ctx.sglang:
         from remote.contract.credentials import AUTH_ENV
         from remote.engines.sglang_client import SGLangClient, SGLangError
-        client = SGLangClient(args.sglang, auth=os.environ.pop(AUTH_ENV, None))
+        client = SGLangClient(ctx.sglang, auth=os.environ.pop(AUTH_ENV, None))
         try:
             client.health()
         except SGLangError as e:
             raise WorkerError(str(e)) from None
 
-    out = Path(args.out)
+    out = Path(ctx.out)
     results_path = out / "results.jsonl"
-    if results_path.exists() and results_path.stat().st_size and not args.resume:
+    if results_path.exists() and results_path.stat().st_size and not ctx.resume:
         raise WorkerError(f"{results_path} already has results: pass --resume to continue it, or use another --out", exits.USAGE)
     out.mkdir(parents=True, exist_ok=True)
-    finished = read_finished(results_path) if args.resume else []
+    finished = read_finished(results_path) if ctx.resume else []
     done_ids = {r["id"] for r in finished}
 
     import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = ctx.settings.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise WorkerError("--device cuda but torch sees no CUDA device (use --device cpu)", exits.USAGE)
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    dtype = ctx.settings.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if device == "cpu":
         share_cores(torch)
-    preflight(args, device)
-    phase = start_engine(args, out, device, dtype) if args.engine else None
+    preflight(ctx, device)
+    phase = start_engine(ctx, out, device, dtype) if ctx.settings.engine else None
     try:
-        return run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase)
+        return run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase)
     finally:
         if phase is not None:
             phase.stop()
 
 
-def start_engine(args, out: Path, device: str, dtype: str):
+def start_engine(ctx, out: Path, device: str, dtype: str):
     """The engine phase's servers started (not waited for: the models load meanwhile), or the
     running server checked; a SIGTERM (``cancel``) from here on stops them before the worker ends:
     they run in process groups of their own, which the signal to the worker's group does not reach."""
@@ -238,9 +264,9 @@ def start_engine(args, out: Path, device: str, dtype: str):
     from remote.drafters.checkpoint import open_checkpoint
     from remote.engines.phase import EnginePhase
 
-    phase = EnginePhase(args.engine_kind, args.target, args.drafter, out,
-                        open_checkpoint(args.drafter).config.num_drafts, python=args.engine_python,
-                        url=args.engine_url, extra_args=args.engine_arg, dtype=dtype, seed=args.seed,
+    phase = EnginePhase(ctx.engine_kind, ctx.target, ctx.drafter, out,
+                        open_checkpoint(ctx.drafter).config.num_drafts, python=ctx.engine_python,
+                        url=ctx.engine_url, extra_args=ctx.engine_args, dtype=dtype, seed=ctx.settings.seed,
                         device=device, log=log)
 
     def on_term(signum, frame):
@@ -250,49 +276,51 @@ def start_engine(args, out: Path, device: str, dtype: str):
 
     signal.signal(signal.SIGTERM, on_term)
     emit(events.PHASE, phase="starting the engine")
-    log(f"engine: {args.engine_kind} " + (f"at {args.engine_url}" if args.engine_url else f"from {args.engine_python}"))
+    log(f"engine: {ctx.engine_kind} " + (f"at {ctx.engine_url}" if ctx.engine_url else f"from {ctx.engine_python}"))
     return phase.launch()
 
 
-def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase) -> dict:
+def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, client, device, dtype, phase) -> dict:
     import torch
+
     from remote.drafters.checkpoint import load_drafter
     from remote.target.memory import check as memory_check
     from remote.suites.prompts import reference_turns
     from remote.target.model import features_device, gdn_kernel_path, load_target
-    plan = memory_check(args.target, args.drafter, rows_to_do, args.max_new_tokens, device, dtype,
-                        args.target_devices, args.max_memory)
+    settings = ctx.settings
+    plan = memory_check(ctx.target, ctx.drafter, rows_to_do, settings.max_new_tokens, device, dtype,
+                        settings.target_devices, settings.max_memory)
     if not plan.fits:
         raise WorkerError(plan.refusal())
     log(f"memory plan: {plan.describe()}")
-    devices = [d for d, _ in plan.devices] if args.target_devices else None
+    devices = [d for d, _ in plan.devices] if settings.target_devices else None
     if devices and len(devices) > 1:
         import importlib.util
         if importlib.util.find_spec("accelerate") is None:
-            raise WorkerError(f"--target-devices {args.target_devices}: splitting the target needs accelerate in "
+            raise WorkerError(f"--target-devices {settings.target_devices}: splitting the target needs accelerate in "
                               f"{sys.executable} (pip install --no-deps accelerate psutil)", exits.USAGE)
-    log(f"loading target {args.target} on {', '.join(devices) if devices else device} ({dtype})")
+    log(f"loading target {ctx.target} on {', '.join(devices) if devices else device} ({dtype})")
     emit(events.PHASE, phase="loading target", device=device, dtype=dtype)   # the slow part before `start`
-    target = load_target(args.target, device, dtype, devices=devices,
+    target = load_target(ctx.target, device, dtype, devices=devices,
                          max_memory={d: free for d, free in plan.devices} if devices else None)
     for p in target.parameters():
         p.requires_grad_(False)
     from remote.drafters.checkpoint import open_checkpoint
-    feature_device = features_device(target, open_checkpoint(args.drafter).config.target_layer_ids) if devices else device
-    drafter, ckpt = load_drafter(args.drafter, device=feature_device, dtype=getattr(torch, dtype))
+    feature_device = features_device(target, open_checkpoint(ctx.drafter).config.target_layer_ids) if devices else device
+    drafter, ckpt = load_drafter(ctx.drafter, device=feature_device, dtype=getattr(torch, dtype))
     tokenizer = None
     try:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        tokenizer = AutoTokenizer.from_pretrained(ctx.target)
     except Exception as e:  # rows with input_ids need no tokenizer
         if any(r.input_ids is None for r in rows_to_do):
-            raise WorkerError(f"cannot load the target's tokenizer from {args.target}: {e}")
+            raise WorkerError(f"cannot load the target's tokenizer from {ctx.target}: {e}")
     stops = stop_ids(tokenizer, target)
     if phase is not None:
         emit(events.PHASE, phase="waiting for the engine")
         phase.wait()
 
-    env = {"host": args.host_label or socket.gethostname(), "device": device,
+    env = {"host": ctx.host_label or socket.gethostname(), "device": device,
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
            "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
            "target_devices": sorted({str(d) for d in getattr(target, "hf_device_map", {}).values()}) or [device],
@@ -300,26 +328,26 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
            "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
            "dtype": dtype, "kernel_path": gdn_kernel_path(target), "versions": versions(),
            "drafter": {**ckpt.describe(), "sha256": weight_hashes(ckpt)},
-           "target": {"path": str(Path(args.target).resolve()), "model_type": target.config.model_type,
+           "target": {"path": str(Path(ctx.target).resolve()), "model_type": target.config.model_type,
                       "num_hidden_layers": getattr(getattr(target.config, "text_config", target.config), "num_hidden_layers", None)},
            "suite": {"name": suite.name, "sha256": suite.sha256, "prompts": len(suite.rows),
-                     "shard": args.shard, "ids": [r.id for r in rows_to_do]},
-           "settings": {"mode": args.mode, "max_new_tokens": args.max_new_tokens, "max_blocks": args.max_blocks,
+                     "shard": ctx.shard, "ids": [r.id for r in rows_to_do]},
+           "settings": {"mode": settings.mode, "max_new_tokens": settings.max_new_tokens, "max_blocks": settings.max_blocks,
                         "block_size": drafter.block_size, "verify_block": drafter.config.verify_block,
-                        "enable_thinking": THINKING[args.thinking], **args.sampling.describe(), "seed": args.seed,
+                        "enable_thinking": THINKING[settings.thinking], **ctx.sampling.describe(), "seed": settings.seed,
                         "sampling_seed": "per prompt: sha256('<seed>:<prompt id>'), first 8 bytes",
-                        "ddtree_budgets": args.budgets if args.mode == "offline" else [],
-                        "all_anchors": args.all_anchors, "reference": "sglang" if client else "local",
+                        "ddtree_budgets": settings.budgets() if settings.mode == "offline" else [],
+                        "all_anchors": settings.all_anchors, "reference": "sglang" if client else "local",
                         "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE,
-                        "engine": bool(args.engine)},
-           "seed": args.seed, "command": [sys.executable, "-m", "remote.worker",
-                                          *(client.display if client and a == args.sglang else a for a in sys.argv[1:])],
+                        "engine": bool(settings.engine)},
+           "seed": settings.seed, "command": [sys.executable, "-m", "remote.worker",
+                                          *(client.display if client and a == ctx.sglang else a for a in sys.argv[1:])],
            "started_at": now(), "finished_at": None}
     if phase is not None:
         env["engine"] = phase.describe()
     (out / "env.json").write_text(json.dumps(env, indent=2))
 
-    emit(events.START, prompts=len(rows_to_do), done=len(done_ids), mode=args.mode)
+    emit(events.START, prompts=len(rows_to_do), done=len(done_ids), mode=settings.mode)
     rows = list(finished)
     invalid = next((reason for reason in map(invalid_reason, finished) if reason), None)
     with open(results_path, "a") as results:
@@ -329,7 +357,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
             if row.id in done_ids:
                 continue
             t0 = time.perf_counter()
-            result = evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns, phase)
+            result = evaluate_row(ctx, row, target, drafter, tokenizer, client, stops, reference_turns, phase)
             results.write(json.dumps(result) + "\n")
             results.flush()
             os.fsync(results.fileno())
@@ -353,7 +381,7 @@ def run_rows(args, out, suite, rows_to_do, finished, done_ids, results_path, cli
     from remote.contract.metrics import summarize
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
-    summary = summarize(rows, drafter.block_size, args.mode, max_length=drafter.config.verify_block)
+    summary = summarize(rows, drafter.block_size, settings.mode, max_length=drafter.config.verify_block)
     if invalid:
         summary = invalidated(summary, invalid)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -387,7 +415,7 @@ def invalidated(summary: dict, invalid: dict) -> dict:
 THINKING = {"default": None, "on": True, "off": False}
 
 
-def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference_turns, phase=None) -> dict:
+def evaluate_row(ctx, row, target, drafter, tokenizer, client, stops, reference_turns, phase=None) -> dict:
     """All turns of one prompt row -> one results row (docs/run-format.md)."""
     import torch
     from remote.contract.metrics import row_stats
@@ -396,16 +424,16 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
 
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
-    sampling = args.sampling
+    sampling = ctx.sampling
     turn_stats: list[dict] = []
     if not sampling.greedy:
-        torch.manual_seed(prompt_seed(args.seed, row.id))
+        torch.manual_seed(prompt_seed(ctx.settings.seed, row.id))
 
     def complete(prompt_ids: list[int]) -> list[int]:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        if args.mode == "online":   # the baseline first, as z-lab's benchmark runs them
-            base = target_decode(target, ids, args.max_new_tokens, stops, sampling)
-            spec = speculative_generate(target, drafter, ids, args.max_new_tokens, stops, sampling)
+        if ctx.settings.mode == "online":   # the baseline first, as z-lab's benchmark runs them
+            base = target_decode(target, ids, ctx.settings.max_new_tokens, stops, sampling)
+            spec = speculative_generate(target, drafter, ids, ctx.settings.max_new_tokens, stops, sampling)
             divergence = first_divergence(spec.output_ids, base, str(dtype).replace("torch.", "")) \
                 if sampling.greedy else None
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
@@ -413,15 +441,15 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
                                "lossless": divergence is None if sampling.greedy else None})
             return spec.output_ids
         if client is not None:
-            return client.generate(prompt_ids, args.max_new_tokens, stops, sampling)
-        return target_decode(target, ids, args.max_new_tokens, stops, sampling).output_ids
+            return client.generate(prompt_ids, ctx.settings.max_new_tokens, stops, sampling)
+        return target_decode(target, ids, ctx.settings.max_new_tokens, stops, sampling).output_ids
 
-    turns = reference_turns(row, tokenizer, complete, THINKING[args.thinking])
-    if args.mode == "offline":
+    turns = reference_turns(row, tokenizer, complete, THINKING[ctx.settings.thinking])
+    if ctx.settings.mode == "offline":
         for turn in turns:
             turn_stats.append(evaluate_offline(drafter, target, turn.prompt_ids, turn.output_ids,
-                                               max_blocks=args.max_blocks, budgets=args.budgets,
-                                               all_anchors=args.all_anchors, sampling=sampling))
+                                               max_blocks=ctx.settings.max_blocks, budgets=ctx.settings.budgets(),
+                                               all_anchors=ctx.settings.all_anchors, sampling=sampling))
     acceptance = [n for s in turn_stats for n in s["acceptance_lengths"]]
     result = {"id": row.id, "category": row.category, "reference": "sglang" if client else "local",
               "prompt_ids": list(turns[-1].prompt_ids), "output_ids": list(turns[-1].output_ids),
@@ -429,13 +457,13 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
     if len(turns) > 1:
         result["turns"] = [{"prompt_ids": list(t.prompt_ids), "output_ids": list(t.output_ids),
                             "acceptance_lengths": s["acceptance_lengths"]} for t, s in zip(turns, turn_stats)]
-    if args.mode == "offline":
-        if args.budgets:
+    if ctx.settings.mode == "offline":
+        if ctx.settings.budgets():
             result["ddtree"] = {}
-            for b in map(str, args.budgets):
+            for b in map(str, ctx.settings.budgets()):
                 lengths = [n for s in turn_stats for n in s["ddtree"][b]["acceptance_lengths"]]
                 result["ddtree"][b] = {"acceptance_lengths": lengths, "tau": row_stats(lengths)["tau"]}
-        if args.all_anchors:
+        if ctx.settings.all_anchors:
             result["all_anchors"] = {k: [sum(v) for v in zip(*(s["all_anchors"][k] for s in turn_stats))]
                                      for k in ("correct", "count")}
         if not sampling.greedy:
@@ -451,11 +479,11 @@ def evaluate_row(args, row, target, drafter, tokenizer, client, stops, reference
                                     "ours": d.ours, "target": d.target, "margin": d.margin,
                                     "near_tie": d.near_tie, "describe": d.describe()}
         if phase is not None and not (result.get("divergence") and not result["divergence"]["near_tie"]):
-            result["engine"] = serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer, stops)
+            result["engine"] = serve_engine(ctx, phase, row, turns, turn_stats, target, drafter, tokenizer, stops)
     return result
 
 
-def serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer, stops) -> dict:
+def serve_engine(ctx, phase, row, turns, turn_stats, target, drafter, tokenizer, stops) -> dict:
     """The row's ``engine`` object (remote/engines/phase.py): the prompt's turns served by the engine as
     they were decoded by us, checked against our decoding; where the engine drafted other tokens
     from the same context, our decoding is redone with the drafter computed as vLLM's CPU kernel
@@ -465,13 +493,13 @@ def serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer
     from remote.engines.quirks import first_layer_context_k_norm
     from remote.decode.online import speculative_generate
 
-    sampling = args.sampling
-    thinking = THINKING[args.thinking]
+    sampling = ctx.sampling
+    thinking = THINKING[ctx.settings.thinking]
     chats = chat_messages(row.turns, [t.output_ids for t in turns],
                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) \
         if row.input_ids is None else [None] * len(turns)
-    requests = [TurnRequest(list(t.prompt_ids), m, thinking, args.max_new_tokens, stops, sampling.temperature,
-                            sampling.top_p, sampling.top_k, prompt_seed(args.seed, row.id) if not sampling.greedy
+    requests = [TurnRequest(list(t.prompt_ids), m, thinking, ctx.settings.max_new_tokens, stops, sampling.temperature,
+                            sampling.top_p, sampling.top_k, prompt_seed(ctx.settings.seed, row.id) if not sampling.greedy
                             else None) for t, m in zip(turns, chats)]
     ours = [OurTurn(list(t.prompt_ids), list(t.output_ids), list(s["acceptance_lengths"]))
             for t, s in zip(turns, turn_stats)]
@@ -482,7 +510,7 @@ def serve_engine(args, phase, row, turns, turn_stats, target, drafter, tokenizer
             return None
         with first_layer_context_k_norm(drafter):
             ids = torch.tensor([ours[i].prompt_ids], dtype=torch.long, device=device)
-            return speculative_generate(target, drafter, ids, args.max_new_tokens, stops).acceptance_lengths
+            return speculative_generate(target, drafter, ids, ctx.settings.max_new_tokens, stops).acceptance_lengths
 
     return serve_row(phase, requests, ours, drafter.block_size, rerun=rerun if phase.quirk else None)
 
@@ -497,9 +525,9 @@ def merge_expected(parts: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    ctx = parse_args(argv)
     try:
-        run(args)
+        run(ctx)
         return 0
     except WorkerError as e:
         emit(events.ERROR, message=str(e))

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from remote.contract.settings import FIELDS, EvalSettings
+from remote.contract.settings import FIELDS, EvalSettings, SettingsError
 
 PREFIX = "setting_"
 
@@ -44,10 +44,10 @@ def with_settings(command):
         if values["engine"] and values["mode"] == "offline" and typed_mode:
             raise InputError("--engine decodes online (the engine serves the prompts beside our own online "
                              "decoding): leave out --mode offline")
-        settings = EvalSettings(**values)
-        problems = settings.problems()
-        if problems:
-            raise InputError(problems[0])
+        try:
+            settings = EvalSettings(**values)
+        except SettingsError as e:
+            raise InputError(str(e)) from None
         return command(*args, settings=settings, **kwargs)
 
     run.__signature__ = signature.replace(parameters=own + added)

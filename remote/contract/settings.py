@@ -73,6 +73,14 @@ class SettingsError(ValueError):
     """Settings that no worker would run; the message names the flag."""
 
 
+def sampling_problem(temperature: float, top_p: float, top_k: int) -> str | None:
+    """The sampling rule (the worker's :class:`~remote.drafters.sampling.Sampling` checks it too)."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        return (f"sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0 (got {temperature:g}, "
+                f"{top_p:g}, {top_k})")
+    return None
+
+
 @dataclass(frozen=True)
 class EvalSettings:
     suite: str = "default"
@@ -96,6 +104,9 @@ class EvalSettings:
     def __post_init__(self):
         if self.engine and self.mode != "online":   # the engine is set beside our own online decoding
             object.__setattr__(self, "mode", "online")
+        problems = self.problems()
+        if problems:
+            raise SettingsError(problems[0])
 
     # --- the rules --------------------------------------------------------------------------
 
@@ -110,7 +121,8 @@ class EvalSettings:
         return [int(b) for b in self.ddtree.split(",") if b.strip()]
 
     def problems(self) -> list[str]:
-        """Every reason a worker would refuse these settings (empty when it would run them)."""
+        """Every reason a worker would refuse these settings (empty when it would run them): a value
+        with one is never made (:class:`SettingsError` names the first)."""
         out = []
         for f in FIELDS:
             value = getattr(self, f.name)
@@ -122,9 +134,8 @@ class EvalSettings:
             out.append("--max-new-tokens must be >= 1")
         if self.max_blocks is not None and self.max_blocks < 1:
             out.append("--max-blocks must be >= 1")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            out.append(f"sampling needs --temperature >= 0, 0 < --top-p <= 1 and --top-k >= 0 (got "
-                       f"{self.temperature:g}, {self.top_p:g}, {self.top_k})")
+        if sampling_problem(self.temperature, self.top_p, self.top_k):
+            out.append(sampling_problem(self.temperature, self.top_p, self.top_k))
         try:
             budgets = self.budgets()
         except ValueError:
@@ -142,12 +153,6 @@ class EvalSettings:
         if self.max_memory is not None and self.max_memory <= 0:
             out.append("--max-memory must be > 0 (GiB per device)")
         return out
-
-    def check(self) -> "EvalSettings":
-        problems = self.problems()
-        if problems:
-            raise SettingsError("; ".join(problems))
-        return self
 
     @property
     def gpus_per_worker(self) -> int:

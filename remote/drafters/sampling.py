@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from remote.contract.settings import sampling_problem
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -27,9 +29,9 @@ class Sampling:
     top_k: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
-            raise ValueError(f"sampling needs temperature >= 0, 0 < top_p <= 1 and top_k >= 0 "
-                             f"(got temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k})")
+        problem = sampling_problem(self.temperature, self.top_p, self.top_k)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def greedy(self) -> bool:

@@ -47,8 +47,9 @@ def add_arguments(parser) -> None:
                    help="one more argument for the servers we start (repeat it)")
 
 
-def argument_problems(args) -> list[str]:
-    if not args.settings.engine:
+def argument_problems(args, settings) -> list[str]:
+    """What is wrong with the engine's flags (``args``) for a run of ``settings``."""
+    if not settings.engine:
         return []
     if not args.engine_kind:
         return ["--engine needs the host's engine: --engine-kind vllm|sglang with --engine-python PATH or "

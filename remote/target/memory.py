@@ -224,13 +224,25 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def parse_plan_arguments(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``p``'s arguments, the settings among them checked as the worker checks them (a usage error)."""
+    from remote.contract.settings import EvalSettings, SettingsError
+
+    args = p.parse_args(argv)
+    try:
+        EvalSettings.from_args(args)
+    except SettingsError as e:
+        p.error(str(e))
+    return args
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote.target.memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--drafter", required=True)
     add_plan_arguments(p)
     p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+    args = parse_plan_arguments(p, argv)
     result = plan_for_suite(args.target, args.drafter, args.suite, args.prompts, args.max_new_tokens, args.device,
                             args.dtype, args.target_devices, args.max_memory)
     print(json.dumps(result.to_dict()) if args.json else result.describe())
