@@ -1,5 +1,5 @@
 """The shape of the code: layers and their import arrows, what may import typer/rich, what the
-CLI loads at start-up, and the exit codes the README documents (README, "Architecture")."""
+CLI loads at start-up, and the exit codes the README documents (docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
@@ -10,9 +10,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 # top to bottom: a module may import its own layer (without a loop) and the layers below it
+REMOTE_ENTRY_POINTS = ["remote.worker", "remote.preflight", "remote.inspect", "remote.export", "remote.parity",
+                       "remote.embedded"]
+REMOTE_LAYERS = [
+    REMOTE_ENTRY_POINTS,
+    ["remote.engines"],
+    ["remote.decode"],
+    ["remote.drafters"],
+    ["remote.target"],
+    ["remote.suites"],
+    ["remote.host"],
+    ["remote.contract"],
+]
+# shipped as one file (piped into an interpreter, or a compressed argument): they import nothing of remote
+REMOTE_STANDALONE = ["remote.sync_host", "remote.host.probe"]
+# what the control plane may import of the worker: the contract, and the self-contained host tools whose
+# constants it shares (the probe's engine snippet) or whose class it hands to Ray
+ORCHESTRATOR_MAY_IMPORT = ["remote.contract", "remote.host.probe", "remote.host.ray_task"]
 LAYERS = [
     ["orchestrator.cli"],
     ["orchestrator.watch"],
@@ -71,38 +90,67 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules("orchestrator")
+def _graph(package: str = "orchestrator") -> dict[str, set[str]]:
+    mods = _modules(package)
     known = set(mods)
     # a module's own packages are not its imports (Python runs them first anyway)
     return {m: {i for i in _imports(m, p, known) if i in known and i != m and not m.startswith(i + ".")}
-            for m, p in mods.items() if m != "orchestrator"}
+            for m, p in mods.items() if m != package}
 
 
-def _layer(module: str) -> int:
-    for i, group in enumerate(LAYERS):
+def _layers(package: str) -> list[list[str]]:
+    return LAYERS if package == "orchestrator" else REMOTE_LAYERS
+
+
+def _layer(module: str, package: str = "orchestrator") -> int:
+    for i, group in enumerate(_layers(package)):
         if any(module == g or module.startswith(g + ".") for g in group):
             return i
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS and to the README's architecture")
+    raise AssertionError(f"{module} is in no layer: add it to the layers here and to docs/architecture.md")
 
 
-def _package_node(module: str) -> str:
-    for group in LAYERS:
+def _package_node(module: str, package: str = "orchestrator") -> str:
+    for group in _layers(package):
         for g in group:
             if module == g or module.startswith(g + "."):
                 return g
     return module
 
 
-def test_every_module_has_a_layer_and_no_arrow_points_up():
-    graph = _graph()
-    up = [f"{a} -> {b}" for a, deps in graph.items() for b in deps
-          if _layer(b) < _layer(a) and _package_node(a) != _package_node(b)]
+@pytest.mark.parametrize("package", ["orchestrator", "remote"])
+def test_every_module_has_a_layer_and_no_arrow_points_up(package):
+    graph = _graph(package)
+    standalone = REMOTE_STANDALONE if package == "remote" else []
+    up = [f"{a} -> {b}" for a, deps in graph.items() if a not in standalone for b in deps
+          if _layer(b, package) < _layer(a, package) and _package_node(a, package) != _package_node(b, package)]
     assert not up, up
+    leaning = [f"{a} -> {sorted(deps)}" for a, deps in graph.items() if a in standalone and deps]
+    assert not leaning, f"a module shipped as one file imports the worker: {leaning}"
 
 
-def test_the_import_graph_has_no_loop():
-    graph = _graph()
+def test_the_contract_is_stdlib_only_and_the_control_plane_imports_only_it():
+    """``remote/contract/`` is what both sides agree on: stdlib only (the control plane never imports
+    torch or transformers through it). The control plane imports nothing else of the worker but the
+    self-contained host tools (the probe it ships, the Ray actor class it hands to Ray)."""
+    for name, path in _modules("remote").items():
+        if name.startswith("remote.contract"):
+            third = {i.split(".")[0] for i in _imports(name, path, set())} - set(sys.stdlib_module_names) - {"remote"}
+            assert not third, f"{name} imports {third}"
+            assert all(i.startswith("remote.contract") for i in _imports(name, path, set(_modules("remote")))
+                       if i.startswith("remote.")), name
+    known = set(_modules("remote"))
+    bad = []
+    for name, path in _modules("orchestrator").items():
+        for i in _imports(name, path, known):
+            if (i == "remote" or i.startswith("remote.")) and i != "remote" and \
+                    not any(i == a or i.startswith(a + ".") for a in ORCHESTRATOR_MAY_IMPORT):
+                bad.append(f"{name} -> {i}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("package", ["orchestrator", "remote"])
+def test_the_import_graph_has_no_loop(package):
+    graph = _graph(package)
     state: dict[str, int] = {}
     path: list[str] = []
 
@@ -123,7 +171,9 @@ def test_the_import_graph_has_no_loop():
     # and between packages (e.g. sync <-> transport) too
     pkg = {}
     for a, deps in graph.items():
-        pkg.setdefault(_package_node(a), set()).update(_package_node(b) for b in deps if _package_node(b) != _package_node(a))
+        node = _package_node(a, package)
+        pkg.setdefault(node, set()).update(_package_node(b, package) for b in deps
+                                           if _package_node(b, package) != node)
     for a, deps in pkg.items():
         for b in deps:
             assert a not in pkg.get(b, set()), f"packages import each other: {a} <-> {b}"
@@ -190,18 +240,32 @@ def test_the_guard_is_the_only_place_errors_become_exits():
             assert not re.search(r"typer\.Exit\((?!INTERRUPTED|\))", text), f"{name} exits with its own code"
 
 
-def test_readme_architecture_names_every_module():
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Architecture", 1)[1].split("\n## ", 1)[0]
-    for path in _modules("orchestrator").values():
-        if path.name == "__main__.py" or path.parent == REPO / "orchestrator" and path.name == "__init__.py":
-            continue
-        shown = f"{path.parent.name}/" if path.name == "__init__.py" else path.name
-        assert shown in section, f"README architecture does not name {path.relative_to(REPO)}"
-    for layer in LAYERS:
-        for module in layer:
-            shown = module.split(".")[-1]
-            assert shown + ".py" in section or shown + "/" in section, f"README does not name layer member {module}"
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md draws each package as a tree in a code block that starts with its folder
+    (`orchestrator/`, `remote/`): each tree names every module file of its package (a package's
+    ``__init__.py`` as ``name/``) and every member of its layers."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", page, re.M | re.S)
+    missing = []
+    for package, layers in (("orchestrator", LAYERS), ("remote", REMOTE_LAYERS + [REMOTE_STANDALONE])):
+        tree = "\n".join(b for b in blocks if b.startswith(package + "/"))
+        assert tree, f"docs/architecture.md has no tree of {package}/ (a code block starting with `{package}/`)"
+
+        def named(shown: str) -> bool:
+            return re.search(rf"(?<![\w.]){re.escape(shown)}(?![\w])", tree) is not None
+
+        for path in _modules(package).values():
+            if path.name == "__main__.py" or path.parent == REPO / package and path.name == "__init__.py":
+                continue
+            shown = f"{path.parent.name}/" if path.name == "__init__.py" else path.name
+            if not named(shown):
+                missing.append(f"module {path.relative_to(REPO)} (as {shown})")
+        for layer in layers:
+            for module in layer:
+                shown = module.split(".")[-1]
+                if not (named(shown + ".py") or named(shown + "/")):
+                    missing.append(f"layer member {module}")
+    assert not missing, "docs/architecture.md does not name: " + "; ".join(missing)
 
 
 def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
@@ -234,7 +298,7 @@ def test_wheel_ships_the_worker_and_the_defaults(tmp_path):
 def test_test_helpers_have_one_import_path():
     """Test files import helper modules by their plain names (tests/conftest.py puts tests/ first on
     sys.path): never as ``tests.x`` (a second copy of the module, with its own caches) and never
-    from another test file (shared helpers live in helper modules: tests/helpers.py and the others)."""
+    from another test file (shared helpers live in helper modules: tests/waiting.py, clirun.py and the others)."""
     bad = []
     for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
