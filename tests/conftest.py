@@ -1,6 +1,8 @@
 """Shared fixtures: one session-scoped lab of real sshd hosts per test process (tests/sshlab.py),
-the embedded demo pair from the shared build cache (tests/buildcache.py), and marks added by what a
-test uses (``lab``: it needs the SSH lab)."""
+the embedded demo pair from the shared build cache (tests/buildcache.py), and the marks that say
+what a test needs (pyproject's markers): ``lab``, ``models`` and ``worker`` added here by the
+fixtures a test uses (a test's body that needs them carries the mark itself), and ``quick`` on every
+test that has none of lab, models, worker, engine or gpu: ``python -m pytest -m quick``."""
 from __future__ import annotations
 
 import os
@@ -35,10 +37,28 @@ def pytest_runtest_setup(item):
                     "pytest (pyproject's test extra pins pytest<9.2)", pytrace=False)
 
 
+# The marks a fixture gives every test that uses it, directly or through another fixture (eval_lab
+# and local_home use embedded_pair; eval_lab uses ssh_lab). A fixture that builds or loads a model or
+# starts a worker belongs here; what only a test's body does is marked in its file.
+FIXTURE_MARKS = {
+    "ssh_lab": ("lab",),                # the SSH lab's sshd hosts
+    "embedded_pair": ("models",),       # the embedded demo pair (built once into the build cache)
+    "eval_lab": ("worker",),            # the lab hosts set up for `dflash-ops eval` (clirun.lab_cli)
+    "local_home": ("worker",),          # a workdir for evals on the built-in `local` host
+}
+# what keeps a test out of the quick loop (`-m quick`): the SSH lab, a model, a worker process, a real
+# serving engine, a GPU
+NOT_QUICK = ("lab", "models", "worker", "engine", "gpu")
+
+
+@pytest.hookimpl(tryfirst=True)     # before pytest deselects by -m
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "ssh_lab" in item.fixturenames:
-            item.add_marker(pytest.mark.lab)
+        marks = {m for f in item.fixturenames for m in FIXTURE_MARKS.get(f, ())}
+        for mark in sorted(marks):
+            item.add_marker(mark)
+        if not any(item.get_closest_marker(m) for m in NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
@@ -104,7 +124,7 @@ def embedded_pair():
 @pytest.fixture(scope="module")
 def eval_lab(ssh_lab, embedded_pair, tmp_path_factory):
     """Both lab hosts get the embedded pair in their workdir, a synced-looking run `v9` with
-    checkpoint step_100 (a copy of the drafter) and a catalog that names them (helpers.lab_cli runs
+    checkpoint step_100 (a copy of the drafter) and a catalog that names them (clirun.lab_cli runs
     the CLI with them)."""
     import shutil
 

@@ -16,6 +16,7 @@ from remote.inspect import inspect
 from remote.drafters.tiny import tiny_drafter, tiny_drafter_config
 from models import random_target
 
+pytestmark = pytest.mark.models      # every test builds a tiny target or drafter
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -172,6 +173,7 @@ def test_incomplete_transfer_and_missing_folder(tmp_path, drafter):
         open_checkpoint(tmp_path / "nope")
 
 
+@pytest.mark.worker
 def test_inspect_cli(tmp_path, drafter, target_dir):
     save_drafter(drafter, tmp_path / "d")
     run = lambda *a: subprocess.run([sys.executable, "-m", "remote.inspect", *a],  # noqa: E731

@@ -11,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from runfixtures import make_run, read_rows, recompute
-from helpers import invoke
+from fakeruns import make_run, read_rows
+from reportchecks import recompute
+from clirun import invoke
 
 pytestmark = pytest.mark.timeout(120)
 

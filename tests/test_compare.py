@@ -10,8 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli import app
-from runfixtures import check_self_contained_html, make_run, read_rows, recompute
-from helpers import invoke
+from reportchecks import check_self_contained_html, recompute
+from fakeruns import make_run, read_rows
+from clirun import invoke
 
 pytestmark = pytest.mark.timeout(240)
 A, B = "20261202-2041-zlab-ct129", "20261203-1100-v5-step20k-ct129"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from helpers import invoke
-from runfixtures import make_run
+from clirun import invoke
+from fakeruns import make_run
 
 ZLAB = "20261202-0900-zlab-ct129"
 V5 = "20261202-1000-v5-step20k-ct129"

@@ -28,6 +28,9 @@ from references import (RollbackTarget, speculators_drafter, speculators_logits,
 from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, ours_logits_per_anchor,
                     prompts, reference_from)
 
+# every test but test_anchor_mask_equals_speculators_mask_mod builds tiny targets and drafters
+pytestmark = pytest.mark.models
+
 @pytest.fixture(scope="module")
 def random_target():
     return freeze(tiny_target("qwen3", init_std=0.2, seed=1))
@@ -254,7 +257,7 @@ def test_hybrid_target_decoding_equals_dflash_generate(embedded_pair):
 
 @pytest.mark.exactness
 def test_dflash_generate_is_not_lossless_on_hybrid_targets(tmp_path):
-    """The documented difference (README): transformers' ``crop`` leaves a Gated DeltaNet layer's
+    """The documented difference (docs/drafters.md): transformers' ``crop`` leaves a Gated DeltaNet layer's
     recurrent state advanced over the rejected drafts, so unpatched ``dflash_generate`` loses the
     target's greedy output on a hybrid target whose linear layers matter (from transformers 5.25 it
     fails there outright); ours keeps it, and equals
@@ -273,7 +276,7 @@ def test_dflash_generate_is_not_lossless_on_hybrid_targets(tmp_path):
         assert "NoneType" in str(e), e
     else:
         assert theirs != greedy, \
-            "dflash_generate is lossless on hybrid targets with this transformers: update the README's differences"
+            "dflash_generate is lossless on hybrid targets with this transformers: update docs/drafters.md's differences"
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -593,6 +596,7 @@ def test_zlab_writer_refuses_what_zlab_cannot_express(tmp_path, random_target):
         save_drafter(model, tmp_path / "z")
 
 
+@pytest.mark.worker
 def test_inspect_prints_the_variant_and_rules(tmp_path, random_target):
     import subprocess
     import sys

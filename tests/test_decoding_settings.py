@@ -1,7 +1,7 @@
 """Decoding settings on the orchestrator side: eval's sampling flags and their checks,
 the settings as pairing keys of `compare`, published rows by temperature, and what reports and
 comparisons show of tau_sglang, tau_macro_turns, the expected τ at T > 0 and sample_from_anchor
-runs. Synthetic run folders (tests/runfixtures.py); the real runs are tests/test_variants_e2e.py."""
+runs. Synthetic run folders (tests/fakeruns.py); the real runs are tests/test_variants_e2e.py."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,9 @@ from orchestrator.config.inventory import builtin_local
 from orchestrator.runs.record import EvalRequest, Shard
 from remote.contract.metrics import summarize
 from remote.contract.settings import FIELDS, EvalSettings
-from runfixtures import make_run, md_table_values, read_rows
-from helpers import invoke
+from fakeruns import make_run, read_rows
+from reportchecks import md_table_values
+from clirun import invoke
 
 pytestmark = pytest.mark.timeout(240)
 A, B = "20261202-2041-zlab-ct129", "20261203-1100-v5-step20k-ct129"
@@ -259,3 +260,24 @@ def test_offline_runs_at_t1_report_and_compare_the_expected_tau(tmp_path):
     res = invoke("compare", A, B, "--runs-dir", runs, "--resamples", "200", "--no-published")
     text = " ".join(res.output.split())
     assert "expected τ (offline T > 0: an estimate)" in text and "Δ expected τ_macro" in text
+
+
+def test_a_settings_value_with_a_problem_is_never_made():
+    """Each rule is checked where a settings value is made: by hand, by `replace`, from run.json
+    (untrusted, read back), from the worker's command line; the sampling rule is the same one the
+    worker's Sampling checks, with the same words."""
+    from remote.contract.settings import SettingsError
+    from remote.drafters.sampling import Sampling
+
+    with pytest.raises(SettingsError, match=r"0 < --top-p <= 1"):
+        EvalSettings(top_p=0)
+    with pytest.raises(SettingsError, match=r"--ddtree: each budget must be 1\.\.1024"):
+        replace(EvalSettings(), ddtree="0")
+    with pytest.raises(SettingsError, match=r"--temperature >= 0"):
+        EvalSettings.from_dict({"temperature": -1.0})
+    with pytest.raises(ValueError) as by_hand:
+        Sampling(-1.0)
+    with pytest.raises(SettingsError) as setting:
+        EvalSettings(temperature=-1.0)
+    assert str(by_hand.value) == str(setting.value)
+    assert EvalSettings(engine=True).mode == "online"      # --engine decodes online

@@ -38,6 +38,7 @@ def one_anchor(model, target_hidden, p, noise):
     return model.draft(noise, p, target_hidden[:, :p])[0]
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("layer_types,window,rules", [
     ((FULL, FULL), None, {}), ((SLIDING, FULL), 5, {}), ((SLIDING, SLIDING), 3, {"is_causal": False}),
     ((SLIDING, FULL), 3, {"is_causal": True}), ((SLIDING, FULL), 3, {"mask_rule": SPECULATORS}),
@@ -54,6 +55,7 @@ def test_batched_mask_equals_per_anchor_for_every_anchor(layer_types, window, ru
         torch.testing.assert_close(batched[:, p * B:(p + 1) * B], single, atol=TOL, rtol=0)
 
 
+@pytest.mark.models
 @torch.no_grad()
 def test_batched_mask_equals_per_anchor_in_a_packed_batch():
     """Two documents packed in one row (positions restart, doc ids differ) and a second row padded
@@ -93,6 +95,7 @@ def test_mask_rule_strictly_before_anchor_and_own_block_only():
     assert mask[3].tolist() == mask[2].tolist()                 # bidirectional inside the block
 
 
+@pytest.mark.models
 @torch.no_grad()
 def test_off_by_one_context_or_positions_change_the_logits():
     """The seed harness's bugs, reproduced: context [:p+1] and block positions shifted by one.
@@ -115,6 +118,7 @@ def test_off_by_one_context_or_positions_change_the_logits():
     assert (shifted - batched).abs().max() > 1e-2, "shifting block positions must be detectable"
 
 
+@pytest.mark.models
 @torch.no_grad()
 def test_empty_context_at_anchor_zero_is_the_block_alone():
     model, embed, lm_head = make()
@@ -126,6 +130,7 @@ def test_empty_context_at_anchor_zero_is_the_block_alone():
     torch.testing.assert_close(out, one_anchor(model, torch.randn_like(target_hidden), 0, noise), atol=0, rtol=0)
 
 
+@pytest.mark.models
 @pytest.mark.gpu
 @torch.no_grad()
 def test_flex_attention_equals_dense_mask_on_cuda():

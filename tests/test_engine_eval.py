@@ -71,6 +71,7 @@ def servers_of(target: Path) -> list[int]:
     return found
 
 
+@pytest.mark.models
 def test_hosts_check_reports_the_engine(setup, tmp_path):
     proc = cli(setup, "hosts", "check", "eval", "--json", runs=tmp_path / "runs", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -90,6 +91,8 @@ def engine_run(setup, tmp_path_factory):
     return only_run(runs), proc, time.monotonic() - t0
 
 
+@pytest.mark.models
+@pytest.mark.worker
 def test_eval_engine_beside_ours(engine_run, setup):
     run_dir, proc, seconds = engine_run
     rows = results(run_dir)
@@ -124,6 +127,8 @@ def test_eval_engine_beside_ours(engine_run, setup):
     print(f"\n{report}\n(eval --engine: {seconds:.0f}s)")
 
 
+@pytest.mark.models
+@pytest.mark.worker
 def test_parity_three_way(engine_run, setup):
     """parity on the engine run: teacher-forced τ (training and eval way), our online τ and the engine's
     own, on the same checkpoint and prompts, with the causes of the engine's difference named."""
@@ -138,6 +143,8 @@ def test_parity_three_way(engine_run, setup):
     print(par.stdout)
 
 
+@pytest.mark.models
+@pytest.mark.worker
 def test_engine_killed_mid_run_then_resume(setup, tmp_path):
     """The engine server dies mid-run: the run fails with one line naming it; `eval --resume` starts the
     engine again and finishes every prompt once."""
@@ -172,6 +179,8 @@ def test_engine_killed_mid_run_then_resume(setup, tmp_path):
     assert servers_of(setup["target"]) == []
 
 
+@pytest.mark.models
+@pytest.mark.worker
 def test_cancel_stops_the_engine_servers(setup, tmp_path):
     """`cancel` while the engine serves: the worker's SIGTERM handler stops both servers (their own process
     groups, which the signal to the worker's group does not reach) before the worker ends."""

@@ -51,6 +51,7 @@ def engine_run(embedded_pair, stand_in, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.worker
 def test_engine_counts_beside_ours(engine_run):
     out, proc = engine_run
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -80,6 +81,7 @@ def test_engine_counts_beside_ours(engine_run):
     assert "engine tau" in proc.stderr
 
 
+@pytest.mark.worker
 def test_report_shows_engine_tau_and_why(engine_run, tmp_path):
     from orchestrator.reports.engine import verdict_clause
     from orchestrator.runs.folders import load_run
@@ -90,6 +92,7 @@ def test_report_shows_engine_tau_and_why(engine_run, tmp_path):
     assert clause.startswith("SGLang stand-in counts τ") and "prefill token (2 of 2 prompts)" in clause, clause
 
 
+@pytest.mark.worker
 @pytest.mark.parametrize("case", ["other-model", "no-drafter", "not-installed"])
 def test_engine_refusals_are_one_line(case, embedded_pair, stand_in, tmp_path):
     args = ["--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 1,

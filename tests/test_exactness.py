@@ -36,6 +36,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("name", CONFIGS)
 def test_rollback_self_test_passes_with_this_transformers(name):
     assert self_test(CONFIGS[name]()) is None
@@ -58,6 +59,7 @@ def restore_known_states(cache, mark: CacheMark, forwarded: int) -> None:
     target_cache.crop_attention(cache, forwarded)
 
 
+@pytest.mark.models
 def test_self_test_catches_a_rollback_that_misses_state(monkeypatch):
     config = tiny_target("qwen3_5").config
     monkeypatch.setattr(target_cache, "checkpoint", lambda cache: CacheMark([]))
@@ -106,6 +108,7 @@ def fake_transformers_version(folder: Path, version: str) -> Path:
     return folder
 
 
+@pytest.mark.worker
 def test_preflight_refuses_a_host_outside_the_range_naming_the_versions(embedded_pair, tmp_path):
     site = fake_transformers_version(tmp_path / "site", "5.13.0")
     proc = subprocess.run([sys.executable, "-m", "remote.preflight", embedded_pair["drafter"], "--target",
@@ -126,6 +129,7 @@ def preflight(drafter, target, *args: str, site: Path | None = None) -> tuple[in
     return proc.returncode, json.loads(proc.stdout)
 
 
+@pytest.mark.worker
 def test_a_kept_preflight_pass_is_reused_only_for_the_same_files_and_libraries(embedded_pair, tmp_path):
     """`--cache`: a pass (the checks, the self-test and the prompts' token counts) is reused for the
     same inputs, the memory plan computed again (with the free memory measured now, and the run's
@@ -236,6 +240,7 @@ def worker(python: Path, pair: dict, out: Path, *extra: str) -> subprocess.Compl
                           env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+@pytest.mark.worker
 def test_a_diverging_greedy_online_run_is_invalid_not_a_result(embedded_pair, tmp_path):
     """The planted fault passes pre-flight (the self-test's rollback is intact) and breaks decoding:
     the worker stops at the first diverging prompt, names it and the token, keeps its row and writes
@@ -258,6 +263,7 @@ def test_a_diverging_greedy_online_run_is_invalid_not_a_result(embedded_pair, tm
     assert len((out / "results.jsonl").read_text().splitlines()) == 1      # nothing evaluated after it
 
 
+@pytest.mark.worker
 def test_eval_of_an_invalid_run_exits_7_and_compare_refuses_it(embedded_pair, tmp_path):
     """`dflash-ops eval --mode online` on a host whose decoding diverges: exit 7 with the prompt and
     token named; `compare` will not pair the run."""

@@ -27,6 +27,7 @@ from golden import SPECULATORS_VARIANTS, TOL, ZLAB_VARIANTS, ours_logits_per_anc
 from models import freeze, random_drafter, trained_drafter, walk_target
 from references import randomize, speculators_drafter, speculators_logits, zlab_drafter, zlab_generate, zlab_logits
 
+pytestmark = pytest.mark.models
 ROOT = Path(__file__).resolve().parents[1]
 # Exportable DFlash2 drafters (the golden DFlash2 variants have sliding layers, which neither format
 # can take from the other).
@@ -187,7 +188,7 @@ def test_a_state_dict_exports_to_both_formats(tmp_path, random_target, sequence)
 def test_speculators_own_converter_changes_what_this_export_refuses(tmp_path, random_target, sequence):
     """speculators' ``DFlashConverter`` (0.9.0) converts z-lab drafters with knobs or sliding layers
     without a word, and their logits move far beyond the tolerance; on a plain drafter it writes the
-    tensors and ids this export writes (the README says so; a fixed converter fails this test)."""
+    tensors and ids this export writes (docs/export.md says so; a fixed converter fails this test)."""
     from speculators.convert.dflash.converter import DFlashConverter
 
     ids, th = sequence
@@ -266,6 +267,7 @@ def test_exported_drafters_decode_cycle_for_cycle(dflash2, tmp_path, walk):
 
 # ----------------------------------------------------------------------------- the command
 
+@pytest.mark.worker
 def test_command_writes_atomically_with_a_note_and_one_json_line(tmp_path, random_target, capsys):
     """``python -m remote.export``: one JSON line on stdout; the note records the source's files and
     the written files' hashes; an existing destination is refused (exit 2) unless --force; a refusal
@@ -337,6 +339,7 @@ def test_a_failed_write_leaves_no_folder_and_keeps_the_old_one(tmp_path, random_
     assert (tmp_path / "ckpt.speculators" / "old").read_text() == "kept"
 
 
+@pytest.mark.worker
 def test_inspect_shows_the_formats_a_checkpoint_exports_to(tmp_path, random_target):
     """``inspect`` reports, per format, yes or the refusal (the same function decides as for export);
     with a target it knows the target's layer count, which z-lab output needs."""

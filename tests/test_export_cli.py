@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import invoke, lab_cli
+from clirun import invoke, lab_cli
 from remote.drafters.checkpoint import open_checkpoint, read_tensors, sha256_file
 from remote.drafters.export import NOTE_NAME, behaviour
 

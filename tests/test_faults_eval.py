@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 from faulttable import Table
-from helpers import lab_cli, remote_run_dir, results, wait_for
+from clirun import lab_cli
+from runfolders import remote_run_dir, results
+from waiting import wait_for
 
 FAULTS = ("kill-local", "kill-remote", "link-down")
 POINTS = ("loading", "mid")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from faulttable import Table
-from helpers import wait_for
+from waiting import wait_for
 from synclab import MiB, Env, sha
 
 REPO = Path(__file__).resolve().parents[1]

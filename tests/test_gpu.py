@@ -23,6 +23,7 @@ print(json.dumps({"kernel_path": gdn_kernel_path(model)}))
 """
 
 
+@pytest.mark.worker
 def test_worker_bf16_on_cuda(embedded_pair, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for mode in ("offline", "online"):
@@ -44,6 +45,7 @@ def test_worker_bf16_on_cuda(embedded_pair, tmp_path):
             assert all(d["near_tie"] for d in near)
 
 
+@pytest.mark.models
 def test_rollback_self_test_on_cuda():
     """The pre-flight self-test with the CUDA kernels a host would use (fla where installed)."""
     import torch
@@ -57,6 +59,7 @@ def test_rollback_self_test_on_cuda():
     assert torch.cuda.is_available()
 
 
+@pytest.mark.worker
 def test_online_fp32_on_cuda_is_exact(embedded_pair, tmp_path):
     """In float32 a greedy online run on CUDA equals the target's own greedy output token for token."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -70,6 +73,7 @@ def test_online_fp32_on_cuda_is_exact(embedded_pair, tmp_path):
     assert summary["online"]["lossless"] is True, summary
 
 
+@pytest.mark.worker
 def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path):
     pytest.importorskip("fla")
     import torch
@@ -88,6 +92,8 @@ def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path
     assert drift < 1.0, drift    # a few bf16 ulps are expected; a large drift means a kernel problem
 
 
+@pytest.mark.models
+@pytest.mark.worker
 @pytest.mark.skipif(not os.environ.get("DFLASH_OPS_SGLANG_PYTHON"),
                     reason="no SGLang environment: set DFLASH_OPS_SGLANG_PYTHON to its python (a GPU host)")
 def test_worker_engine_phase_with_a_real_sglang_server(tmp_path_factory, tmp_path):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sidebyside import finished, started
+from waiting import finished, started
 
 from orchestrator.errors import InputError
 from orchestrator.eval.placement import host_gpu_ids, parse_gpus
@@ -100,6 +100,7 @@ def test_two_gpu_workers_equal_one_worker(local_home, tmp_path):
     assert [s["gpu"] for s in record["shards"]] == ["0", "1"] and record["request"]["gpus"] == "0,1"
 
 
+@pytest.mark.worker
 def test_an_omp_num_threads_the_user_set_wins_over_the_cpu_share():
     code = "import torch; from remote.worker import share_cores; share_cores(torch); print(torch.get_num_threads())"
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -118,10 +119,12 @@ def test_bad_gpus_is_one_red_line(local_home, tmp_path):
     assert proc.returncode != 0 and "no CUDA GPU" in proc.stdout + proc.stderr
 
 
+@pytest.mark.worker
 def test_dead_gpu_worker_is_named_and_resume_reruns_only_its_prompts(ssh_lab, embedded_pair, tmp_path):
     """On a real SSH host: two CPU workers; one is killed mid-run; the failure names its shard;
     --resume restarts that shard only, and the merged run has every prompt exactly once."""
-    from helpers import prompt_events, wait_for
+    from runfolders import prompt_events
+    from waiting import wait_for
 
     host = ssh_lab.eval.root
     shutil.copytree(Path(embedded_pair["target"]).parent, host / "workdir" / "embedded", dirs_exist_ok=True)
@@ -183,6 +186,7 @@ def test_memory_plan_numbers():
     assert longest_context(rows, None, 64) == max(100 + 64, 40 + 2 * (64 + 32))
 
 
+@pytest.mark.worker
 def test_worker_refuses_a_plan_that_does_not_fit_before_loading(embedded_pair, tmp_path):
     """A worker run by hand makes the same plan before it loads any weights."""
     proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"], "--drafter",

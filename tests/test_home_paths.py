@@ -28,6 +28,7 @@ def test_only_a_plain_tilde_is_expanded():
             parse_inventory({"hosts": {"gpu": {"address": "192.0.2.1", field: "~bob/x"}}}, Path("inv.yaml"))
 
 
+@pytest.mark.worker
 def test_tilde_paths_live_in_the_login_home_on_the_host(ssh_lab, embedded_pair, tmp_path):
     tag = uuid.uuid4().hex[:8]
     home = Path(pwd.getpwnam(ssh_lab.eval.user).pw_dir)          # the lab's hosts share this file system

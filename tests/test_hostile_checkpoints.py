@@ -39,6 +39,7 @@ def pair(embedded_pair, tmp_path):
     return out
 
 
+@pytest.mark.worker
 def test_a_huge_block_size_is_refused_by_preflight_before_any_prompt(pair):
     """`block_size: 1000000000` in the drafter's config: pre-flight refuses it, naming the field
     and the bound (it passed, the worker evaluated every prompt, then died building the summary)."""
@@ -60,7 +61,7 @@ def test_show_refuses_a_run_whose_env_json_has_no_real_block_size(tmp_path):
     allocated per position of such a block."""
     import os
 
-    from runfixtures import make_run
+    from fakeruns import make_run
 
     runs = tmp_path / "runs"
     make_run(runs, "20261202-210130-zlab-ct129", "zlab")
@@ -104,6 +105,7 @@ def test_the_memory_plan_counts_each_weight_once_and_reads_no_unbounded_header(t
         parameter_count(only)
 
 
+@pytest.mark.worker
 def test_preflight_plans_a_drafter_with_a_consolidated_copy_of_its_weights_once(pair):
     """The drafter's weights also saved as a one-shard set beside model.safetensors (the reader
     loads model.safetensors): the plan's drafter term does not double; a hostile extra file is a

@@ -11,7 +11,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from helpers import invoke
+from clirun import invoke
 
 pytestmark = pytest.mark.timeout(180)
 TORCH = metadata.version("torch")

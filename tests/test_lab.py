@@ -13,6 +13,8 @@ import sshlab
 from orchestrator.config.inventory import load_inventory
 from orchestrator.transport import runner_for
 
+pytestmark = pytest.mark.lab      # also the test that needs no lab: it tears down a stale one's namespace
+
 CONNECT = ("import socket, sys\n"
            "s = socket.socket(); s.settimeout(3)\n"
            "try:\n    s.connect((sys.argv[1], int(sys.argv[2])))\nexcept OSError as e:\n"

@@ -129,6 +129,7 @@ def test_drafter_config_with_a_wrong_type_names_the_file_and_field(drafter_dir, 
     assert str(d / "config.json") in problem and repr(path[-1]) in problem, problem
 
 
+@pytest.mark.worker
 def test_inspect_command_prints_the_config_problem_in_one_line(drafter_dir, tmp_path):
     import subprocess
 

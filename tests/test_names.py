@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli import app
 from orchestrator.config.paths import TEMPLATES, shipped
-from runfixtures import make_run
+from fakeruns import make_run
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[1]

@@ -48,6 +48,7 @@ def test_ddtree_children_may_depend_on_the_path():
     assert ddtree_depth(kids, 3, [2, 3, 4], budget=6) == 2       # 2 (-2.5), then 2-3 (-2.6)
 
 
+@pytest.mark.models
 @torch.no_grad()
 def test_batched_drafts_equal_per_anchor_drafts_along_a_reference(trained):
     target, drafter = trained
@@ -64,6 +65,7 @@ def test_batched_drafts_equal_per_anchor_drafts_along_a_reference(trained):
         assert table[p] == single, p
 
 
+@pytest.mark.models
 def test_offline_eval_of_trained_drafter(trained):
     target, drafter = trained
     seq = walk_sequences(target, 1, new_tokens=40, seed=5)[0][0].tolist()

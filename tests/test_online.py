@@ -12,7 +12,7 @@ from remote.target.cache import checkpoint, crop_attention, forward, new_cache, 
 from remote.drafters.tiny import tiny_target, walk_batch
 from models import PROMPT_LEN, freeze, random_drafter, trained_drafter, walk_target
 
-pytestmark = pytest.mark.exactness
+pytestmark = [pytest.mark.exactness, pytest.mark.models]
 KINDS = ["qwen3", "qwen3_5"]
 NEW = 48
 

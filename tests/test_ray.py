@@ -159,7 +159,7 @@ def local_cluster(embedded_pair: Callable[[], dict], prefix: tuple[str, ...] = (
     client_port = free_port()
     # the head gives each Ray Client's server process 30 s to come up; a cold one on a loaded 2-core CI
     # machine took longer. 60 s here, and connect() tries three times: a server that never comes up
-    # costs a minute before the next try. gRPC's fork handlers off (README, "Ray"): with them, the
+    # costs a minute before the next try. gRPC's fork handlers off (docs/ray.md): with them, the
     # head's proxy forking a client's server while its gRPC threads were busy killed that server at
     # start in three of four runs of this file, and that connection waited the full minute
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
@@ -295,6 +295,7 @@ def free_gpus(inventory: Path, runs: Path) -> str:
     return report["cuda"]
 
 
+@pytest.mark.models
 @needs_ray
 def test_hosts_check_reports_the_cluster(ray_cluster, tmp_path):
     inventory = write_inventory(tmp_path, ray_cluster)
@@ -307,6 +308,8 @@ def test_hosts_check_reports_the_cluster(ray_cluster, tmp_path):
     assert "SIGTERM" not in proc.stderr
 
 
+@pytest.mark.models
+@pytest.mark.worker
 @needs_ray
 def test_two_ray_tasks_equal_a_local_run(ray_cluster, tmp_path):
     """Two shards as two Ray actors, each given its own GPU by Ray: the merged run equals a
@@ -337,12 +340,14 @@ def test_two_ray_tasks_equal_a_local_run(ray_cluster, tmp_path):
     assert free_gpus(inventory, tmp_path / "two") == "ray 2.60.0: 2/2 GPU free"       # the actors ended
 
 
+@pytest.mark.models
+@pytest.mark.worker
 @needs_ray
 def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_cluster, tmp_path):
     """Cancel right after a detached start: the workers (loading or drafting) and their actors stop;
     `eval --resume` then finishes the run, every prompt exactly once (the skipping of finished
     prompts is the next test's)."""
-    from helpers import wait_for
+    from waiting import wait_for
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"
@@ -372,9 +377,12 @@ def test_cancel_stops_the_tasks_and_resume_finishes_without_duplicates(ray_clust
     assert [r["id"] for r in merged] == json.loads((run / "env.json").read_text())["suite"]["ids"]
 
 
+@pytest.mark.models
+@pytest.mark.worker
 @needs_ray
 def test_killed_task_is_named_and_resumed_without_duplicates(ray_cluster, tmp_path):
-    from helpers import prompt_events, wait_for
+    from runfolders import prompt_events
+    from waiting import wait_for
 
     inventory = write_inventory(tmp_path, ray_cluster)
     runs = tmp_path / "runs"
@@ -402,6 +410,7 @@ def test_killed_task_is_named_and_resumed_without_duplicates(ray_cluster, tmp_pa
     assert json.loads((run / "env.json").read_text())["placement"]["backend"] == "ray"
 
 
+@pytest.mark.worker
 @needs_ray
 def test_a_cluster_reached_only_through_an_ssh_host(ssh_lab, embedded_pair, tmp_path):
     """The head runs inside the lab's `eval` host (its network namespace: 127.0.0.1 there is not
@@ -436,6 +445,8 @@ else:
 """
 
 
+@pytest.mark.models
+@pytest.mark.worker
 @needs_ray
 def test_a_failed_placement_gives_back_the_gpus_it_placed(ray_cluster, tmp_path, monkeypatch):
     """Another job holds one of the cluster's two GPUs; `--gpus 2`: shard 0's actor takes the

@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 from orchestrator.cli import app
 from orchestrator.reports.report import write_report
 from orchestrator.runs.folders import RunError, load_runs, resolve
-from runfixtures import check_self_contained_html, make_run, md_table_values, read_rows, recompute
-from helpers import assert_images_decode, chromium, invoke, run_chromium
+from reportchecks import check_self_contained_html, md_table_values, recompute
+from fakeruns import make_run, read_rows
+from browser import assert_images_decode, chromium, run_chromium
+from clirun import invoke
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -35,7 +35,7 @@ def test_summary_disagreement_is_named():
 def test_the_report_extends_the_worker_summary_exactly(tmp_path):
     """One implementation: summary.json's fields in a report are the worker's summarize() output."""
     from remote.contract.metrics import summarize
-    from runfixtures import make_run, read_rows
+    from fakeruns import make_run, read_rows
 
     for mode in ("offline", "online"):
         rows = read_rows(make_run(tmp_path, f"r-{mode}", mode=mode, prompts=9))

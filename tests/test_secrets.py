@@ -52,6 +52,7 @@ def files_holding(root: Path, needle: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes()]
 
 
+@pytest.mark.worker
 def test_sglang_credentials_never_leave_the_inventory(ssh_lab, embedded_pair, tmp_path):
     from remote.target.model import load_target
     from sglang_server import serve_sglang

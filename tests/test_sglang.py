@@ -66,17 +66,20 @@ def closed_port() -> int:
     return port
 
 
+@pytest.mark.models
 def test_health_and_model_info(url):
     client = SGLangClient(url)
     client.health()
     assert client.model_info()["model_path"] == "tiny-qwen3"
 
 
+@pytest.mark.models
 def test_model_info_falls_back_to_the_old_route(target):
     with serve_sglang(target, model_info_path="/model_info") as u:
         assert SGLangClient(u).model_info()["model_path"] == "tiny-qwen3"
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("which", ["target", "lively"])
 def test_generate_equals_the_targets_own_greedy_output(which, request):
     model, url = request.getfixturevalue(which), request.getfixturevalue("url" if which == "target" else "lively_url")
@@ -87,6 +90,7 @@ def test_generate_equals_the_targets_own_greedy_output(which, request):
     assert out == ref[0, len(PROMPT):].tolist()
 
 
+@pytest.mark.models
 def test_stop_token_ids_are_honoured(lively_url):
     client = SGLangClient(lively_url)
     full = client.generate(PROMPT, 12)
@@ -99,6 +103,7 @@ def test_stop_token_ids_are_honoured(lively_url):
     assert client.generate(PROMPT, 12, stop_token_ids=[]) == full
 
 
+@pytest.mark.models
 def test_batch_answers_are_accepted(url):
     import json
     import urllib.request
@@ -134,12 +139,14 @@ def test_a_server_that_never_answers_times_out():
         assert time.monotonic() - t0 < 4
 
 
+@pytest.mark.models
 def test_http_500_carries_the_servers_message(url):
     with pytest.raises(SGLangError, match=r"answered HTTP 500 to POST /generate: IndexError: .*index out of range") as e:
         SGLangClient(url).generate([1, 2, 100000], 4)  # an id outside the embedding crashes the model
     assert e.value.status == 500
 
 
+@pytest.mark.models
 def test_http_404_is_clear(url):
     client = SGLangClient(url + "/no/such/prefix")
     with pytest.raises(SGLangError, match="HTTP 404 to GET /health"):
@@ -183,6 +190,7 @@ def test_basic_auth_from_the_url_reaches_the_server():
     assert seen == ["Basic " + base64.b64encode(b"alice:s3cret").decode()]
 
 
+@pytest.mark.models
 def test_multi_turn_through_sglang(lively_url, tok):
     """Turn by turn with SGLang as the reference: the second prompt holds the first completion."""
     client = SGLangClient(lively_url)

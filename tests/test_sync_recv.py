@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import wait_for
+from waiting import wait_for
 
 TOOL = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
 TOKEN = "t" * 32

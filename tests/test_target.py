@@ -5,6 +5,8 @@ import torch
 from remote.target.model import capture, decoder_layers, features, gdn_kernel_path
 from models import random_target
 
+pytestmark = pytest.mark.models
+
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 @torch.no_grad()

@@ -7,6 +7,7 @@ import torch
 from remote.target.model import decoder_layers, features_device, load_target, target_features
 from models import random_target
 
+pytestmark = pytest.mark.models
 LAYERS = [0, 2, 3]
 
 

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sidebyside import finished, started
+from waiting import finished, started
 
-pytestmark = [pytest.mark.timeout(1800), pytest.mark.xdist_group("tour")]
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.worker, pytest.mark.xdist_group("tour")]
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from orchestrator.reports import tracking
 from orchestrator.reports.report import write_report
-from runfixtures import make_run
+from fakeruns import make_run
 
 
 @pytest.fixture

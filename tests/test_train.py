@@ -1,4 +1,5 @@
 """The reference training step produces a drafter that really predicts the target."""
+import pytest
 import torch
 
 from remote.drafters.tiny import tiny_drafter
@@ -14,6 +15,7 @@ def test_loss_weights_and_supervision():
     assert anchors.tolist() == [1, 2, 3]          # p + 1 must be a supervised position
 
 
+@pytest.mark.models
 def test_training_lifts_teacher_forced_accuracy_far_above_chance():
     target = walk_target("qwen3")
     cfg, batches = walk_batches("qwen3")

@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_NEW = 32
-pytestmark = [pytest.mark.timeout(900),
+pytestmark = [pytest.mark.timeout(900), pytest.mark.models, pytest.mark.worker,
               pytest.mark.xdist_group("variants")]   # the last test compares with the first one's run
 
 

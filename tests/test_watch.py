@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import assert_images_decode, chromium, wait_for
+from browser import assert_images_decode, chromium
+from waiting import wait_for
 
 from orchestrator.sync.complete import Verdict
 from orchestrator.watch import RunLock, WatchState, select
@@ -74,7 +75,7 @@ def test_trajectory_answers_first_and_names_the_ddtree_budgets_that_ran(tmp_path
     from orchestrator.watch.loop import headline
     from orchestrator.watch.state import Point
     from orchestrator.watch.trajectory import tau_cis, write_trajectory
-    from runfixtures import make_run
+    from fakeruns import make_run
 
     runs = tmp_path / "runs"
     base = make_run(runs, "20261202-0900-zlab-ct129", "zlab", prompts=20, mean=5.0)
@@ -187,6 +188,7 @@ def same_files(a: Path, b: Path) -> None:
         assert (a / n).read_bytes() == (b / n).read_bytes(), n
 
 
+@pytest.mark.worker
 @pytest.mark.timeout(900)
 def test_watch_follows_training_each_checkpoint_once_never_half_written(lab, tmp_path):
     run = Run(lab, tmp_path)
@@ -220,6 +222,7 @@ def test_watch_follows_training_each_checkpoint_once_never_half_written(lab, tmp
     assert "Traceback" not in out
 
 
+@pytest.mark.worker
 @pytest.mark.timeout(900)
 def test_killed_mid_sync_and_mid_eval_resumes_without_loss_or_duplicates(lab, tmp_path):
     run = Run(lab, tmp_path)
@@ -282,7 +285,7 @@ def test_trajectory_shows_the_engine_tau_of_each_point(tmp_path):
     from orchestrator.watch.loop import headline
     from orchestrator.watch.state import Point
     from orchestrator.watch.trajectory import write_trajectory
-    from runfixtures import make_run
+    from fakeruns import make_run
 
     runs = tmp_path / "runs"
     st = WatchState(run="v5", settings={"suite": "gsm8k", "prompts": 4, "mode": "online", "max_new_tokens": 64,

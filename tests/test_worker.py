@@ -41,6 +41,7 @@ def offline_run(embedded_pair, tmp_path_factory):
 ONE_RUN = pytest.mark.xdist_group("worker-offline-run")     # the tests of offline_run share one worker
 
 
+@pytest.mark.worker
 @ONE_RUN
 def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pair):
     out, proc = offline_run
@@ -67,6 +68,7 @@ def test_offline_run_files_are_complete_and_consistent(offline_run, embedded_pai
     assert "--all-anchors" in env["command"]
 
 
+@pytest.mark.worker
 @pytest.mark.exactness
 @ONE_RUN
 def test_online_equals_offline_per_cycle_and_is_lossless(offline_run, embedded_pair, tmp_path):
@@ -83,6 +85,7 @@ def test_online_equals_offline_per_cycle_and_is_lossless(offline_run, embedded_p
     assert events(proc)[-1]["event"] == "end"
 
 
+@pytest.mark.worker
 def test_resume_skips_finished_prompts_and_drops_a_torn_line(embedded_pair, tmp_path):
     common = ["--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--out", tmp_path,
               "--device", "cpu", "--max-new-tokens", 48, "--ddtree", ""]
@@ -100,6 +103,7 @@ def test_resume_skips_finished_prompts_and_drops_a_torn_line(embedded_pair, tmp_
     assert json.loads((tmp_path / "summary.json").read_text())["prompts"] == 4
 
 
+@pytest.mark.worker
 def test_shards_partition_the_prompts(embedded_pair, tmp_path):
     ids = []
     for k in range(2):
@@ -109,6 +113,7 @@ def test_shards_partition_the_prompts(embedded_pair, tmp_path):
     assert len(ids[0]) == 3 and len(ids[1]) == 2 and not set(ids[0]) & set(ids[1])
 
 
+@pytest.mark.worker
 def test_multi_turn_rows_are_answered_turn_by_turn(embedded_pair, tmp_path):
     suite = tmp_path / "two.jsonl"
     suite.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["Say hello.", "Now again."]}) + "\n"
@@ -132,6 +137,7 @@ def test_multi_turn_rows_are_answered_turn_by_turn(embedded_pair, tmp_path):
     assert summary["tau_macro_turns"] == pytest.approx(sum(per_turn) / 3)
 
 
+@pytest.mark.worker
 def test_sglang_reference_path(embedded_pair, tmp_path):
     from remote.target.model import load_target
     from sglang_server import serve_sglang
@@ -150,6 +156,7 @@ def test_sglang_reference_path(embedded_pair, tmp_path):
     assert [r["acceptance_lengths"] for r in via_sglang] == [r["acceptance_lengths"] for r in local]
 
 
+@pytest.mark.worker
 @pytest.mark.parametrize("case", ["missing-target", "mismatch", "bad-jsonl", "sglang-down", "bad-args"])
 def test_clear_errors_before_heavy_work(case, embedded_pair, tmp_path):
     args = ["--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--out", tmp_path / "o",
@@ -183,6 +190,7 @@ def test_clear_errors_before_heavy_work(case, embedded_pair, tmp_path):
     assert not (tmp_path / "o" / "results.jsonl").exists()
 
 
+@pytest.mark.worker
 def test_one_token_completions_do_not_crash(embedded_pair, tmp_path):
     """A completion of one token (here --max-new-tokens 1; EOS first takes the same path) has no
     cycle: tau is None in the row, the progress event and the log line, in both modes."""
@@ -199,6 +207,7 @@ def test_one_token_completions_do_not_crash(embedded_pair, tmp_path):
         assert summary["tau_pooled"] is None and summary["tau_sglang"] is None
 
 
+@pytest.mark.worker
 def test_sampled_online_run_records_settings_and_is_reproducible(embedded_pair, tmp_path):
     common = ["--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
               "--device", "cpu", "--max-new-tokens", 24, "--mode", "online", "--temperature", "1",
@@ -220,6 +229,7 @@ def test_sampled_online_run_records_settings_and_is_reproducible(embedded_pair, 
     assert summary["tau_sglang"] == pytest.approx(tokens / summary["cycles"])   # completion_tokens / spec_verify_ct
 
 
+@pytest.mark.worker
 def test_sampled_offline_run_reports_the_expected_acceptance(embedded_pair, tmp_path):
     worker("--target", embedded_pair["target"], "--drafter", embedded_pair["drafter"], "--prompts", 2,
            "--device", "cpu", "--max-new-tokens", 32, "--temperature", "1", "--out", tmp_path)

@@ -1,12 +1,32 @@
-"""Independent `dflash-ops` commands of one test run side by side: on a 2-core machine most of an
-eval's time is one core starting Python processes (CLI, probe, inspection, memory plan, worker),
-so two at once take little more than one. Each still runs and is checked exactly as before."""
+"""Waiting in tests: for a condition (``wait_for``), for a ``dflash-ops`` subprocess to end
+(``finished``), and for an eval's run to have started (``started``), so that independent commands
+of one test can run side by side: on a 2-core machine most of an eval's time is one core starting
+Python processes (CLI, probe, inspection, memory plan, worker), so two at once take little more
+than one. Each still runs and is checked exactly as it would alone."""
 from __future__ import annotations
 
 import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
+
+
+def wait_for(predicate, timeout: float = 240, what: str = "condition", proc: subprocess.Popen | None = None,
+             interval: float = 0.05):
+    """``predicate()``'s first truthy value; AssertionError after ``timeout`` s, or as soon as ``proc``
+    (if given) has ended, with its last output."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            tail = proc.stdout.read()[-3000:] if proc.stdout else ""
+            raise AssertionError(f"exit {proc.returncode} before {what}: {tail}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
 
 
 def finished(proc: subprocess.Popen, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -18,6 +38,7 @@ def finished(proc: subprocess.Popen, timeout: float = 900) -> subprocess.Complet
         proc.communicate()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
 
 
 def started(runs: Path, proc: subprocess.Popen, code: Path, known: set[str] = frozenset(),
@@ -37,3 +58,4 @@ def started(runs: Path, proc: subprocess.Popen, code: Path, known: set[str] = fr
             return ids[0]
         assert time.monotonic() < deadline, f"timed out waiting for the run in {runs} to start"
         time.sleep(0.1)
+
