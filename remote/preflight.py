@@ -121,8 +121,8 @@ def code_digest() -> str:
     """sha256 of this worker's code and built-in suites (what pre-flight runs and reads)."""
     digest = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    for path in sorted([*here.glob("*.py"), *here.glob("suites/*")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted([*here.rglob("*.py"), *here.glob("suites/*.jsonl")]):
+        digest.update(path.relative_to(here).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
