@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-CODE_DIR = str(Path(__file__).resolve().parents[1])     # the folder holding this `remote` package
+CODE_DIR = str(Path(__file__).resolve().parents[2])     # the folder holding this `remote` package
 
 
 class ShardNode:
