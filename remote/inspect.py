@@ -85,6 +85,11 @@ def main(argv=None) -> int:
             print(f"rope      {v['rope']}")
             print(f"vocab     {v['vocab']}")
             print(f"knobs     {', '.join(f'{k}={x}' for k, x in v['knobs'].items())}")
+            if v["family"] != "dflash":
+                print(f"family    {v['family']} (SpecForge): drafts each block's tokens in order"
+                      + ("; confidence head: yes" if v["confidence_head"] else "; confidence head: no"))
+                for head in v["heads"]:
+                    print(f"head      {head}")
             if v["architecture"] == "dflash2":
                 print(f"dflash2   conv kernel {v['conv_kernel_size']} x group {v['conv_group_size']}, selector rank "
                       f"{v['selector_rank']} top-{v['selector_top_k']}")

@@ -90,7 +90,7 @@ def _draft_tokens(drafter, th, p, anchor_token, embed_weight, head, extra_contex
         hidden = drafter(noise, (cos[:, p:], sin[:, p:]), kv, [None] * len(drafter.layers))
     else:
         hidden, _ = drafter.draft(noise, p, th[:, :p])
-    return drafter.propose(drafter.draft_slots(hidden), anchor_token, head).tokens[0].tolist()
+    return drafter.propose(drafter.draft_slots(hidden), anchor_token, head, embed_weight=embed_weight).tokens[0].tolist()
 
 
 def main(argv=None) -> int:

@@ -308,6 +308,8 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
     from remote.drafters.checkpoint import open_checkpoint
     feature_device = features_device(target, open_checkpoint(ctx.drafter).config.target_layer_ids) if devices else device
     drafter, ckpt = load_drafter(ctx.drafter, device=feature_device, dtype=getattr(torch, dtype))
+    decoding = Decoding.of(settings, ckpt)
+    log(f"counted by {decoding.semantics}'s rules" + (f"; {decoding.note}" if decoding.note else ""))
     tokenizer = None
     try:
         from transformers import AutoTokenizer
@@ -336,7 +338,8 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
                         "block_size": drafter.block_size, "verify_block": drafter.config.verify_block,
                         "enable_thinking": THINKING[settings.thinking], **ctx.sampling.describe(), "seed": settings.seed,
                         "sampling_seed": "per prompt: sha256('<seed>:<prompt id>'), first 8 bytes",
-                        "ddtree_budgets": settings.budgets() if settings.mode == "offline" else [],
+                        "ddtree_budgets": decoding.budgets if settings.mode == "offline" else [],
+                        "semantics": decoding.semantics,
                         "all_anchors": settings.all_anchors, "reference": "sglang" if client else "local",
                         "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE,
                         "engine": bool(settings.engine)},
@@ -357,7 +360,8 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
             if row.id in done_ids:
                 continue
             t0 = time.perf_counter()
-            result = evaluate_row(ctx, row, target, drafter, tokenizer, client, stops, reference_turns, phase)
+            result = evaluate_row(ctx, decoding, row, target, drafter, tokenizer, client, stops, reference_turns,
+                                  phase)
             results.write(json.dumps(result) + "\n")
             results.flush()
             os.fsync(results.fileno())
@@ -382,6 +386,7 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     summary = summarize(rows, drafter.block_size, settings.mode, max_length=drafter.config.verify_block)
+    summary["semantics"] = decoding.semantics
     if invalid:
         summary = invalidated(summary, invalid)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -415,11 +420,44 @@ def invalidated(summary: dict, invalid: dict) -> dict:
 THINKING = {"default": None, "on": True, "off": False}
 
 
-def evaluate_row(ctx, row, target, drafter, tokenizer, client, stops, reference_turns, phase=None) -> dict:
+@dataclass(frozen=True)
+class Decoding:
+    """What the loaded drafter makes of the settings: whose rules count the cycles and the DDTree
+    budgets walked (a family whose drafts depend on the one before has none unless asked, and
+    refuses them asked)."""
+    semantics: str
+    budgets: list[int]
+    note: str = ""
+
+    @classmethod
+    def of(cls, settings: EvalSettings, ckpt) -> "Decoding":
+        from remote.contract.settings import SPECFORGE, ZLAB_RULES
+        from remote.drafters.config import DFLASH
+
+        cfg = ckpt.config
+        semantics = settings.semantics or (SPECFORGE if cfg.family != DFLASH or ckpt.format == SPECFORGE
+                                           else ZLAB_RULES)
+        budgets, note = settings.budgets(), ""
+        if cfg.family != DFLASH and cfg.sequential and budgets:
+            if settings.ddtree is not None:
+                raise WorkerError(f"--ddtree on a {cfg.family} drafter: its drafts depend on the token drafted "
+                                  f"before, so a tree's children would have to be drafted from their own parents, "
+                                  f"which this worker does not do; leave out --ddtree", exits.USAGE)
+            budgets, note = [], f"no DDTree: a {cfg.family} drafter's drafts depend on the token drafted before"
+        if semantics == SPECFORGE and settings.mode == "offline" and not settings.greedy:
+            raise WorkerError("--semantics specforge at --temperature > 0 offline: the offline estimate follows "
+                              "z-lab's rejection sampling; use --mode online (SpecForge's sampled cycles) or "
+                              "--semantics zlab", exits.USAGE)
+        return cls(semantics, budgets, note)
+
+
+def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, client, stops, reference_turns,
+                 phase=None) -> dict:
     """All turns of one prompt row -> one results row (docs/run-format.md)."""
     import torch
     from remote.contract.metrics import row_stats
-    from remote.decode.offline import evaluate_offline
+    from remote.contract.settings import SPECFORGE
+    from remote.decode.offline import SpecForgeRules, evaluate_offline
     from remote.decode.online import first_divergence, speculative_generate, target_decode
 
     device = next(target.parameters()).device
@@ -428,28 +466,41 @@ def evaluate_row(ctx, row, target, drafter, tokenizer, client, stops, reference_
     turn_stats: list[dict] = []
     if not sampling.greedy:
         torch.manual_seed(prompt_seed(ctx.settings.seed, row.id))
+    n_max = ctx.settings.max_new_tokens
+    rules = SpecForgeRules(n_max, frozenset(stops)) if decoding.semantics == SPECFORGE else None
+    overshoot = drafter.config.verify_block if rules else 0     # the reference past the output (offline)
+    continuations: list[list[int]] = []
 
     def complete(prompt_ids: list[int]) -> list[int]:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         if ctx.settings.mode == "online":   # the baseline first, as z-lab's benchmark runs them
             base = target_decode(target, ids, ctx.settings.max_new_tokens, stops, sampling)
-            spec = speculative_generate(target, drafter, ids, ctx.settings.max_new_tokens, stops, sampling)
+            spec = speculative_generate(target, drafter, ids, n_max, stops, sampling, decoding.semantics)
             divergence = first_divergence(spec.output_ids, base, str(dtype).replace("torch.", "")) \
                 if sampling.greedy else None
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
                                "target_wall_s": base.wall_s, "divergence": divergence,
-                               "lossless": divergence is None if sampling.greedy else None})
+                               "lossless": divergence is None if sampling.greedy else None,
+                               "confidences": spec.confidences})
             return spec.output_ids
+        if client is not None and overshoot:      # the output, and what the server says after it
+            full = client.generate(prompt_ids, n_max + overshoot, [], sampling)
+            cut = next((i + 1 for i, t in enumerate(full[:n_max]) if t in stops), min(n_max, len(full)))
+            continuations.append(full[cut:cut + overshoot])
+            return full[:cut]
         if client is not None:
-            return client.generate(prompt_ids, ctx.settings.max_new_tokens, stops, sampling)
-        return target_decode(target, ids, ctx.settings.max_new_tokens, stops, sampling).output_ids
+            return client.generate(prompt_ids, n_max, stops, sampling)
+        decoded = target_decode(target, ids, n_max, stops, sampling, overshoot=overshoot)
+        continuations.append(decoded.continuation or [])
+        return decoded.output_ids
 
     turns = reference_turns(row, tokenizer, complete, THINKING[ctx.settings.thinking])
     if ctx.settings.mode == "offline":
-        for turn in turns:
+        for i, turn in enumerate(turns):
             turn_stats.append(evaluate_offline(drafter, target, turn.prompt_ids, turn.output_ids,
-                                               max_blocks=ctx.settings.max_blocks, budgets=ctx.settings.budgets(),
-                                               all_anchors=ctx.settings.all_anchors, sampling=sampling))
+                                               max_blocks=ctx.settings.max_blocks, budgets=decoding.budgets,
+                                               all_anchors=ctx.settings.all_anchors, sampling=sampling, rules=rules,
+                                               continuation=continuations[i] if rules else ()))
     acceptance = [n for s in turn_stats for n in s["acceptance_lengths"]]
     result = {"id": row.id, "category": row.category, "reference": "sglang" if client else "local",
               "prompt_ids": list(turns[-1].prompt_ids), "output_ids": list(turns[-1].output_ids),
@@ -457,10 +508,12 @@ def evaluate_row(ctx, row, target, drafter, tokenizer, client, stops, reference_
     if len(turns) > 1:
         result["turns"] = [{"prompt_ids": list(t.prompt_ids), "output_ids": list(t.output_ids),
                             "acceptance_lengths": s["acceptance_lengths"]} for t, s in zip(turns, turn_stats)]
+    if any(s.get("confidences") for s in turn_stats):     # a confidence head: per cycle, per draft
+        result["confidences"] = [c for s in turn_stats for c in s.get("confidences") or []]
     if ctx.settings.mode == "offline":
-        if ctx.settings.budgets():
+        if decoding.budgets:
             result["ddtree"] = {}
-            for b in map(str, ctx.settings.budgets()):
+            for b in map(str, decoding.budgets):
                 lengths = [n for s in turn_stats for n in s["ddtree"][b]["acceptance_lengths"]]
                 result["ddtree"][b] = {"acceptance_lengths": lengths, "tau": row_stats(lengths)["tau"]}
         if ctx.settings.all_anchors:

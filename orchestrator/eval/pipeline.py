@@ -21,7 +21,7 @@ from typing import Callable
 from remote.contract import events
 from remote.contract import exits
 from remote.contract.credentials import AUTH_ENV, split_credentials
-from remote.contract.settings import BUILTIN_SUITES, CPU_WORKERS_ENV, EvalSettings
+from remote.contract.settings import BUILTIN_SUITES, CPU_WORKERS_ENV, SPECFORGE, EvalSettings
 from remote.contract.states import State
 
 from ..config.catalog import EMBEDDED
@@ -101,7 +101,10 @@ def new_run(runs_root: Path, hosts: list[str], choice, settings: EvalSettings, *
             gpus: str | None = None, verify_weights: bool = False) -> RunRecord:
     """A run of ``choice`` (a resolved drafter: names.DrafterChoice, its checkpoint located) with
     ``settings`` on ``hosts``: the request checked and the record made; nothing on a host yet.
-    `eval` and `watch` both start here, then :func:`start` and :func:`complete`."""
+    `eval` and `watch` both start here, then :func:`start` and :func:`complete`. A catalog drafter of
+    ``format: specforge`` is counted by SpecForge's rules unless the settings name others."""
+    if settings.semantics is None and choice.entry is not None and choice.entry.format == SPECFORGE:
+        settings = replace(settings, semantics=SPECFORGE)
     req = EvalRequest(hosts=list(hosts), settings=settings, drafter_ref=choice.resolved, target=choice.target,
                       sglang=sglang, gpus=gpus, verify_weights=verify_weights, drafter_path=choice.path,
                       drafter_run=choice.run.name if choice.run else None,

@@ -76,3 +76,18 @@ def plot_ddtree(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
         if m.get("tau_macro") is not None:
             chart.hline(m["tau_macro"], f"C{i}", f"{label} DFlash (no tree)", dash="2 2")
     return chart.svg()
+
+
+def plot_reliability(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
+    """A confidence head's reliability (pooled over drafted positions): observed acceptance per bin of
+    predicted survival, against the diagonal a calibrated head follows."""
+    series = [(l, m) for l, m in series if (m.get("confidence") or {}).get("calibration")]
+    if not series:
+        return None
+    chart = Chart("confidence head: reliability", "predicted survival (bin mean)", "observed acceptance",
+                  ylim=(0, 1.02))
+    chart.line([0, 1], [0, 1], "calibrated", "C7", dash="4 3", marker=False, opacity=0.6)
+    for i, (label, m) in enumerate(series):
+        rows = m["confidence"]["calibration"]["pooled"]["reliability"]
+        chart.line([r["mean_predicted"] for r in rows], [r["observed_rate"] for r in rows], label, f"C{i}")
+    return chart.svg()

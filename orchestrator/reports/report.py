@@ -66,6 +66,9 @@ def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
     """The run's τ in every convention (runs/metrics.py TAU_CONVENTIONS; per turn only where a
     prompt has several) and its speed when online."""
     rows = [("tau_macro", fnum(m["tau_macro"])), ("tau_pooled", fnum(m["tau_pooled"]))]
+    semantics = run.settings.get("semantics")
+    if semantics:
+        rows.append(("counted by", SEMANTICS_TEXT.get(semantics, semantics)))
     if multi_turn_note(m):
         rows.append(("tau_macro_turns", fnum(m.get("tau_macro_turns"))))
     rows.append(("tau_sglang", fnum(m.get("tau_sglang"))))
@@ -82,6 +85,35 @@ def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
         elif "lossless" in on:
             rows.append(("lossless (output == target greedy)", fnum(on["lossless"])))
     return rows + engine_report.summary_rows(run)
+
+
+SEMANTICS_TEXT = {"zlab": "z-lab's rules (dflash_generate: the last blocks cut to what is left)",
+                  "specforge": "SpecForge's rules (spec_generate: full last blocks, whole accepted runs counted, "
+                               "greedy drafts at T > 0)"}
+BUDGET_THRESHOLDS = (0.0, 1e-6, 0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def confidence_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """A confidence head judged (summary's ``confidence``, remote/contract/confidence.py): the
+    calibration of its survival per drafted position and pooled, its predicted τ, and what a verify
+    budget at a survival threshold would have given."""
+    c = m.get("confidence")
+    if not c:
+        return []
+    cal = c["calibration"]
+    head = ["position", "n", "mean predicted", "observed", "ECE", "AUROC", "Brier"]
+    row = lambda name, p: [name, str(p["n"]), fnum(p["mean_predicted"]), fnum(p["mean_observed"]),  # noqa: E731
+                           fnum(p["ece"]), fnum(p["auroc"]), fnum(p["brier"])]
+    calibration = [row(str(p["position"]), p) for p in cal["positions"]] + [row("pooled", cal["pooled"])]
+    tau = c["tau"]
+    points = [p for p in c["verify_budget"]["points"] if any(abs(p["threshold"] - t) < 1e-12 for t in BUDGET_THRESHOLDS)]
+    return [("Confidence head: calibration of the survival (SGLang's definitions, 15 bins)", head, calibration),
+            ("Confidence head: τ predicted (1 + Σ survival) vs measured", ["cycles", "predicted τ", "measured τ"],
+             [[str(tau["cycles"]), fnum(tau["predicted_tau"]), fnum(tau["measured_tau"])]]),
+            ("Verify budget: a cycle verifies only the drafts whose survival ≥ threshold",
+             ["threshold", "τ", "verified tokens / cycle", "τ per verified token"],
+             [[f"{p['threshold']:g}", fnum(p["tau"]), fnum(p["mean_verify_len"]), fnum(p["tau_per_verify_token"])]
+              for p in points])]
 
 
 def ddtree_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
@@ -188,13 +220,14 @@ def run_warnings(run: EvalRun) -> list[str]:
 
 
 def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
-    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position
+    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position, plot_reliability
 
     m, label = run.metrics, run.label
     return [("per-position", "Per-position acceptance", plot_per_position([(label, m)])),
             ("histogram", "Acceptance-length histogram", plot_histogram([(label, m)])),
             ("categories", "τ per prompt category", plot_categories([(label, m)])),
-            ("ddtree", "DDTree τ vs budget", plot_ddtree([(label, m)]))]
+            ("ddtree", "DDTree τ vs budget", plot_ddtree([(label, m)])),
+            ("reliability", "Confidence head: reliability", plot_reliability([(label, m)]))]
 
 
 def _detail_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -243,6 +276,8 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
     dd = ddtree_table(m)
     if dd:
         doc.table(*dd, heading="DDTree", level=3)
+    for heading, head, rows in confidence_tables(m):
+        doc.table(head, rows, heading=heading, level=3)
     for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",
                  TAU_CONVENTIONS):
         if note:

@@ -2,7 +2,7 @@
 (a run folder's acceptance lengths are checked against it). Stdlib only."""
 from __future__ import annotations
 
-ZLAB, SPECULATORS, STATE_DICT = "zlab", "speculators", "state_dict"
-READ_FORMATS = (ZLAB, SPECULATORS, STATE_DICT)     # what the worker loads (a catalog's `format:`)
+ZLAB, SPECULATORS, STATE_DICT, SPECFORGE = "zlab", "speculators", "state_dict", "specforge"
+READ_FORMATS = (ZLAB, SPECULATORS, STATE_DICT, SPECFORGE)   # what the worker loads (a catalog's `format:`)
 EXPORT_FORMATS = (ZLAB, SPECULATORS)               # what `export --to` writes
 MAX_BLOCK_SIZE = 1024

@@ -198,4 +198,8 @@ def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: i
     engine = engine_summary(rows)
     if engine:
         summary["engine"] = engine
+    cycles = [(c, n) for r in rows for c, n in zip(r.get("confidences") or [], r.get("acceptance_lengths") or [])]
+    if cycles:      # a confidence head (DSpark): judged against the cycles it predicted
+        from remote.contract import confidence
+        summary["confidence"] = confidence.summary(cycles)
     return summary

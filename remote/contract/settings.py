@@ -19,6 +19,10 @@ MODES = ("offline", "online")
 BUILTIN_SUITES = ("default", "humaneval", "hf:gsm8k", "hf:math500", "hf:humaneval", "hf:mbpp", "hf:mt-bench")
 THINKING = ("off", "on", "default")
 DTYPES = ("float32", "bfloat16", "float16")
+# whose rules a run counts cycles by: z-lab's dflash_generate, or SpecForge's spec_generate
+# (remote/decode/online.py says where they differ)
+ZLAB_RULES, SPECFORGE = "zlab", "specforge"
+SEMANTICS = (ZLAB_RULES, SPECFORGE)
 DEFAULT_BUDGETS = (8, 16, 32, 64)   # DDTree node budgets, greedy offline
 MAX_BUDGET = 1024
 
@@ -61,6 +65,9 @@ FIELDS = (
           "visible GPU", metavar="N|auto"),
     Field("max_memory", "--max-memory", "use at most this many GiB per device (memory plan and device_map)", float,
           metavar="GIB"),
+    Field("semantics", "--semantics", "whose rules decoding is counted by: zlab (dflash_generate) or specforge "
+          "(spec_generate: full last blocks, whole accepted runs, greedy drafts at T > 0); default: specforge for "
+          "SpecForge's Domino and DSpark drafters and a catalog `format: specforge`, else zlab", choices=SEMANTICS),
     Field("engine", "--engine", "also serve the run's prompts with the host's engine (the inventory's `engine:`), "
           "with and without the drafter, and record its own counters beside ours; implies --mode online", bool),
 )
@@ -100,6 +107,7 @@ class EvalSettings:
     target_devices: str | None = None   # "N" or "auto"
     max_memory: float | None = None     # GiB per device
     engine: bool = False                # also the host's serving engine (remote/engines/phase.py)
+    semantics: str | None = None        # None: by the drafter (the worker resolves it; env.json records it)
 
     def __post_init__(self):
         if self.engine and self.mode != "online":   # the engine is set beside our own online decoding
@@ -152,6 +160,9 @@ class EvalSettings:
             out.append(f"--target-devices must be a count >= 1 or auto, not {self.target_devices!r}")
         if self.max_memory is not None and self.max_memory <= 0:
             out.append("--max-memory must be > 0 (GiB per device)")
+        if self.semantics == SPECFORGE and (self.top_p < 1 or self.top_k > 0):
+            out.append("--semantics specforge samples as SpecForge's spec_generate does, with --temperature only: "
+                       "leave out --top-p and --top-k")
         return out
 
     @property

@@ -18,6 +18,15 @@ target's sampling distribution for that token (the reference prefix before it) a
 drafter's; ``E[τ](p) = 1 + Σ_k Π_{j≤k} α_j(p)``. It is exact for a cycle whose accepted drafts
 equal the reference; along other prefixes the target may assign other probabilities.
 
+**SpecForge's rules** (``semantics="specforge"``, :mod:`remote.decode.online`): full blocks
+everywhere, ``while start < P + max_new_tokens``, the whole accepted run counted, a stop token
+looked for after each cycle. The last cycles then compare drafts with the target's greedy tokens
+past ``max_new_tokens`` or past the stop token: the reference is the target's greedy decoding run
+that much further (``continuation``), and the walk is again the online decoding's, cycle for cycle.
+
+**Families whose drafts depend on the token drafted before** (DFlash2's selector, Domino, DSpark's
+Markov head) draft each block's tokens in order in the batched walk too, from their own drafts.
+
 **DDTree-N** (greedy): a best-first tree of N nodes grown from one draft pass by summed
 log-probability, accepted depth = the longest prefix of the reference that is a node. DFlash:
 per-slot top-k of the draft logits (the same children under every node). DFlash2: a node's
@@ -55,6 +64,7 @@ class DraftTable:
     tokens: dict = field(default_factory=dict)   # anchor -> draft target ids
     top: dict = field(default_factory=dict)      # anchor -> DDTree children data
     alpha: dict = field(default_factory=dict)    # anchor -> [α_k] (T > 0)
+    confidence: dict = field(default_factory=dict)   # anchor -> each draft's predicted acceptance (DSpark)
     blocks_drafted: int = 0
     ctx_kv: list | None = None         # context K/V of every position, computed once (first chunk)
 
@@ -112,7 +122,10 @@ class DraftTable:
         """``hidden [n, drafts, H]`` of the anchors' draft slots -> tokens, DDTree data, α."""
         d = self.drafter
         anchor_tokens = self.ids[torch.tensor(anchors, device=self.ids.device)]
-        drafts = d.propose(hidden, anchor_tokens, self.head).tokens.tolist()
+        proposal = d.propose(hidden, anchor_tokens, self.head, embed_weight=self.embed_weight)
+        drafts = proposal.tokens.tolist()
+        if proposal.confidence is not None:
+            self.confidence.update(zip(anchors, proposal.confidence.tolist()))
         if self.topk or self.sampling is not None:
             logits = d.logits(hidden, self.head).float()
         if self.topk and d.config.architecture == DFLASH2:
@@ -177,16 +190,19 @@ def slot_children(logp: torch.Tensor, idx: torch.Tensor) -> Callable:
 
 
 def greedy_walk(drafts, ref: list[int], prompt_len: int, verify_block: int, max_blocks: int | None = None,
-                accept=None) -> list[int]:
+                accept=None, rules: "SpecForgeRules | None" = None) -> list[int]:
     """Acceptance lengths of the walk over ``ref`` (prompt + completion). ``accept(start, n)``
     returns the accepted draft count at ``start`` (at most ``n``); default: longest matching prefix
-    of ``drafts[start]``."""
+    of ``drafts[start]``. ``rules``: SpecForge's (module docstring), ``ref`` then runs on past the
+    output by the continuation."""
     if accept is None:
         def accept(start, n):
             d, a = drafts[start], 0
             while a < n and d[a] == ref[start + 1 + a]:
                 a += 1
             return a
+    if rules is not None:
+        return rules.walk(ref, prompt_len, verify_block, accept, max_blocks)
     max_length, start = len(ref), prompt_len
     lengths: list[int] = []
     while start + 1 < max_length and (max_blocks is None or len(lengths) < max_blocks):
@@ -196,6 +212,26 @@ def greedy_walk(drafts, ref: list[int], prompt_len: int, verify_block: int, max_
         lengths.append(produced)
         start += produced
     return lengths
+
+
+@dataclass(frozen=True)
+class SpecForgeRules:
+    """SpecForge's cycle rules for a walk: ``max_length = prompt + max_new_tokens``; ``stop`` tokens."""
+    max_new_tokens: int
+    stop: frozenset = frozenset()
+
+    def walk(self, ref: list[int], prompt_len: int, verify_block: int, accept, max_blocks: int | None) -> list[int]:
+        max_length, start, lengths = prompt_len + self.max_new_tokens, prompt_len, []
+        while start < max_length and (max_blocks is None or len(lengths) < max_blocks):
+            if start + verify_block > len(ref):
+                raise ValueError(f"SpecForge's rules need the reference {start + verify_block - len(ref)} token(s) "
+                                 f"further (a continuation past the output)")
+            a = accept(start, verify_block - 1)
+            lengths.append(a + 1)
+            start += a + 1
+            if any(t in self.stop for t in ref[prompt_len:start + 1]):
+                break
+        return lengths
 
 
 def ddtree_depth(children: Callable, depth_max: int, truth: list[int], budget: int) -> int:
@@ -224,10 +260,20 @@ def ddtree_depth(children: Callable, depth_max: int, truth: list[int], budget: i
 
 
 def ddtree_walk(table: DraftTable, ref: list[int], prompt_len: int, verify_block: int, budget: int,
-                max_blocks: int | None = None) -> list[int]:
+                max_blocks: int | None = None, rules: SpecForgeRules | None = None) -> list[int]:
     def accept(start, n):
         return min(n, ddtree_depth(table.children(start), n, ref[start + 1:start + 1 + n], budget))
-    return greedy_walk(None, ref, prompt_len, verify_block, max_blocks, accept)
+    return greedy_walk(None, ref, prompt_len, verify_block, max_blocks, accept, rules)
+
+
+def walk_confidences(table: "DraftTable", ref: list[int], prompt_len: int, lengths: list[int]) -> list[list[float]]:
+    """Each cycle's drafts' predicted acceptance (a confidence head), the cycles as the walk took them."""
+    out, start = [], prompt_len
+    for n in lengths:
+        table[start]
+        out.append(table.confidence[start])
+        start += n
+    return out
 
 
 def all_anchor_hits(table: DraftTable, ref: list[int], prompt_len: int) -> dict:
@@ -263,10 +309,12 @@ def expected_acceptance(table: DraftTable, ref: list[int], prompt_len: int) -> d
 
 def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[int], *, max_blocks=None,
                      budgets=DEFAULT_BUDGETS, all_anchors: bool = False, chunk: int = 64,
-                     sampling: Sampling | None = None) -> dict:
+                     sampling: Sampling | None = None, rules: SpecForgeRules | None = None,
+                     continuation: list[int] = ()) -> dict:
     """One target forward over prompt + reference, then the greedy walk, DDTree walks and
     optionally the all-anchors hits; at T > 0 the expected acceptance instead. Returns the
-    per-turn fields of a results row."""
+    per-turn fields of a results row. ``rules``: SpecForge's, with the reference's ``continuation``
+    (the target's greedy tokens after ``output_ids``, module docstring)."""
     from remote.target.model import target_features
 
     sampled = sampling is not None and not sampling.greedy
@@ -274,8 +322,14 @@ def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[in
         raise ValueError("DDTree budgets at T > 0: a sampled tree is verified by the target's own sampling "
                          "at every node, which needs online decoding; offline at T > 0 reports the expected "
                          "acceptance only")
+    if rules is not None and sampled:
+        raise ValueError("SpecForge's rules at T > 0 offline: the expected acceptance is z-lab's estimate; decode "
+                         "online for SpecForge's sampled cycles")
+    if budgets and drafter.config.sequential and drafter.config.family != "dflash":
+        raise ValueError(f"DDTree on a {drafter.config.family} drafter: its drafts depend on the token drafted "
+                         f"before, so a tree's children would be drafted from their own parents; not defined here")
     device = next(target.parameters()).device
-    ref = list(prompt_ids) + list(output_ids)
+    ref = list(prompt_ids) + list(output_ids) + list(continuation)
     ids = torch.tensor(ref, dtype=torch.long, device=device)
     out, target_hidden = target_features(target, ids[None, :-1] if len(ref) > 1 else ids[None],
                                          drafter.config.target_layer_ids)
@@ -283,15 +337,18 @@ def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[in
     table = DraftTable(drafter, target_hidden.to(device=here, dtype=next(drafter.parameters()).dtype), ids.to(here),
                        target.get_input_embeddings().weight, target.get_output_embeddings(),
                        topk=max(budgets) if budgets else 0, chunk=chunk, sampling=sampling if sampled else None,
-                       target_logits=out.logits[0].to(here) if sampled else None)
+                       target_logits=out.logits[0].to(here) if sampled else None, cut_last_blocks=rules is None)
     P, verify_block = len(prompt_ids), drafter.config.verify_block
     if sampled:
         res = {"acceptance_lengths": [], "expected": expected_acceptance(table, ref, P)}
     else:
-        res = {"acceptance_lengths": greedy_walk(table, ref, P, verify_block, max_blocks)}
+        res = {"acceptance_lengths": greedy_walk(table, ref, P, verify_block, max_blocks, rules=rules)}
         if budgets:
-            res["ddtree"] = {str(n): {"acceptance_lengths": ddtree_walk(table, ref, P, verify_block, n, max_blocks)}
+            res["ddtree"] = {str(n): {"acceptance_lengths": ddtree_walk(table, ref, P, verify_block, n, max_blocks,
+                                                                        rules)}
                              for n in budgets}
+        if table.confidence:
+            res["confidences"] = walk_confidences(table, ref, P, res["acceptance_lengths"])
     if all_anchors:
         res["all_anchors"] = all_anchor_hits(table, ref, P)
     res["blocks_drafted"] = table.blocks_drafted

@@ -26,6 +26,23 @@ state (before 5.25; on 5.25 it fails on Qwen3.5), so the reference is not lossle
 
 So a hybrid target costs one extra target forward per partial-accept cycle (counted in
 ``target_forwards``). The cycle that ends generation skips the rollback: nothing runs after it.
+
+**SpecForge's rules** (``semantics="specforge"``: its drafters' ``spec_generate``,
+``specforge/modeling/draft/dflash.py``) differ from z-lab's in what is counted, not in what is
+output (greedy, both equal the target's own decoding):
+
+* every cycle drafts and verifies a full block, the last ones too, while ``start < max_length``
+  (one cycle more than z-lab's when exactly ``max_new_tokens`` are committed), and counts the whole
+  accepted run (``accepted + 1``) however far past ``max_new_tokens`` or a stop token it reaches;
+  the output is cut at ``max_new_tokens`` and at the first stop token afterwards;
+* a stop token is looked for after each cycle (a stop as the prefill's token still runs one cycle);
+* at T > 0 the drafter drafts greedily and the target samples every verified position in one draw
+  (``multinomial`` over the block, softmax of logits / T); the drafts equal to the target's samples
+  are accepted and its sample at the first mismatch is the bonus token: the output is a sample of
+  the target (lossless), the acceptance another than rejection sampling's.
+
+spec_generate also drops every token equal to the mask token id from the ids it returns; the output
+here keeps the target's tokens (the cycles are the same).
 """
 from __future__ import annotations
 
@@ -34,8 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
+from remote.contract.settings import SPECFORGE
 from remote.drafters.dflash import block_input_ids
-from remote.drafters.sampling import GREEDY, Sampling, rejection_sample
+from remote.drafters.sampling import GREEDY, Sampling, rejection_sample, sample
 from remote.target.model import capture, features
 from remote.target.cache import checkpoint, crop_attention, forward, has_linear_layers, new_cache, rewind
 
@@ -45,6 +63,7 @@ class DecodeResult:
     output_ids: list[int]      # completion only (the stop token included when one was produced)
     wall_s: float
     margins: list[float] | None = None   # greedy: each chosen token's :func:`margin`
+    continuation: list[int] | None = None   # ``overshoot``: the tokens after the output
 
 
 # the largest relative top-2 gap (:func:`margin`) that a forward over several tokens may flip
@@ -93,6 +112,7 @@ class SpecResult:
     acceptance_lengths: list[int]  # tokens committed per cycle, bonus included (1..verify_block)
     wall_s: float
     target_forwards: int           # prefill + verifies + hybrid rollback re-forwards
+    confidences: list[list[float]] | None = None   # per cycle, each draft's predicted acceptance (DSpark)
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -108,10 +128,12 @@ def _sync(device: torch.device) -> None:
 
 @torch.inference_mode()
 def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_token_ids: list[int] | None = None,
-                  sampling: Sampling = GREEDY) -> DecodeResult:
+                  sampling: Sampling = GREEDY, overshoot: int = 0) -> DecodeResult:
     """Plain decoding (z-lab's ``dflash_generate`` with ``block_size=1``): prefill, then one token
     per forward with a KV cache (lm_head on the last position only). Greedy, it is the
-    losslessness reference; either way, the speedup baseline."""
+    losslessness reference; either way, the speedup baseline. ``overshoot``: that many tokens more
+    after the output ends, stop tokens or not (``continuation``: what SpecForge's rules compare
+    the last cycles' drafts with, :mod:`remote.decode.offline`)."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     stop = set(stop_token_ids or ())
@@ -124,21 +146,28 @@ def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_to
     token = sampling.choose(logits[:, -1])[:, None]                      # [1, 1]
     output_ids = [int(token)]
     margins = [margin(logits[0, -1])] if sampling.greedy else None
-    while len(output_ids) < max_new_tokens and output_ids[-1] not in stop:
+    end = None
+    while end is None or len(output_ids) < end + overshoot:
+        if end is None and (len(output_ids) >= max_new_tokens or output_ids[-1] in stop):
+            end = len(output_ids)
+            continue
         logits = forward(target, token, cache, logits_to_keep=1).logits
         token = sampling.choose(logits[:, -1])[:, None]
         output_ids.append(int(token))
-        if margins is not None:
+        if margins is not None and end is None:
             margins.append(margin(logits[0, -1]))
     _sync(device)
-    return DecodeResult(output_ids=output_ids, wall_s=time.perf_counter() - t0, margins=margins)
+    return DecodeResult(output_ids=output_ids[:end], wall_s=time.perf_counter() - t0, margins=margins,
+                        continuation=output_ids[end:] if overshoot else None)
 
 
 @torch.inference_mode()
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
-                         stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY) -> SpecResult:
-    """DFlash speculative decoding, cycle for cycle as z-lab's ``dflash_generate`` (module
-    docstring). Greedy output equals ``target_decode(...)``; sampled output is distributed as it."""
+                         stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY,
+                         semantics: str = "zlab") -> SpecResult:
+    """DFlash speculative decoding, cycle for cycle as z-lab's ``dflash_generate``, or with
+    ``semantics="specforge"`` as SpecForge's ``spec_generate`` (module docstring). Greedy output
+    equals ``target_decode(...)``; sampled output is distributed as it."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
     stop = set(stop_token_ids or ())
@@ -150,6 +179,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     dtype = next(drafter.parameters()).dtype
     slot0 = 0 if cfg.sample_from_anchor else 1          # block slots before the first draft slot
     max_length = prompt_ids.shape[1] + max_new_tokens
+    specforge = semantics == SPECFORGE
+    confidences: list[list[float]] = []
 
     with capture(target, layer_ids) as store:
         _sync(device)
@@ -165,34 +196,41 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         output_ids = [int(token)]
         acceptance_lengths: list[int] = []
         start = prompt_ids.shape[1]
-        stopped = output_ids[-1] in stop
+        stopped = output_ids[-1] in stop and not specforge
+        going = (lambda: start < max_length) if specforge else (lambda: start + 1 < max_length)
 
-        while start + 1 < max_length and not stopped:
-            # draft: the block anchored at `start`, cut to the tokens this cycle verifies
-            verify_size = min(cfg.verify_block, max_length - start)
+        while going() and not stopped:
+            # draft: the block anchored at `start`, cut to the tokens this cycle verifies (z-lab)
+            verify_size = cfg.verify_block if specforge else min(cfg.verify_block, max_length - start)
             block = block_input_ids(token, slot0 + verify_size - 1, mask_id)[None]   # [1, n]
             hidden, ctx_kv = drafter.draft(drafter.embed(block, embed_weight).to(dtype), start,
                                            new_context.to(dtype), ctx_kv)
-            proposal = drafter.propose(drafter.draft_slots(hidden), token, head, sampling)
+            proposal = drafter.propose(drafter.draft_slots(hidden), token, head,
+                                       None if specforge else sampling, embed_weight)
             drafts = proposal.tokens.to(token.device)                      # [1, verify_size - 1]
+            if proposal.confidence is not None:
+                confidences.append(proposal.confidence[0].tolist())
 
             # verify: the token at `start` and the drafts, positions start..start+verify_size-1
             mark = checkpoint(cache) if hybrid else None
             verify_ids = torch.cat([token[:, None], drafts], 1)
             logits = forward(target, verify_ids, cache).logits
             target_forwards += 1
-            if sampling.greedy:
-                posterior = logits[0].argmax(-1)                           # [verify_size]
+            if sampling.greedy or specforge:
+                # SpecForge at T > 0: the target's samples at every position, in one draw
+                posterior = logits[0].argmax(-1) if sampling.greedy else sample(sampling.probs(logits[0]))
                 accepted = int((drafts[0] == posterior[:-1]).cumprod(0).sum())
                 bonus = int(posterior[accepted])
             else:
                 accepted, bonus = rejection_sample(drafts, sampling.probs(logits), *proposal.on(logits.device))
 
             # commit the accepted drafts and the bonus token
-            produced = min(accepted + 1, max_length - start - 1)
+            produced = accepted + 1 if specforge else min(accepted + 1, max_length - start - 1)
             new_tokens = (drafts[0, :accepted].tolist() + [bonus])[:produced]
             stopped_at = next((i for i, t in enumerate(new_tokens) if t in stop), None)
-            if stopped_at is not None:
+            if specforge:                    # the whole run counts; a stop anywhere ends the loop
+                stopped = stopped_at is not None or output_ids[0] in stop
+            elif stopped_at is not None:
                 produced, stopped = stopped_at + 1, True
                 new_tokens = new_tokens[:produced]
             output_ids += new_tokens
@@ -202,7 +240,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             new_context = features(store, layer_ids)[:, :produced]
             start += produced
             token = verify_ids.new_tensor([new_tokens[-1]])
-            if start + 1 >= max_length or stopped:
+            if not going() or stopped:
                 break                                                    # nothing runs after this cycle
 
             # cache: keep exactly positions < start (verify_ids[:, :produced] of this verify)
@@ -215,5 +253,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
 
         _sync(device)
         wall_s = time.perf_counter() - t0
+    if specforge:   # the whole runs were counted; the output is cut as spec_generate cuts it
+        output_ids = output_ids[:max_new_tokens]
+        cut = next((i for i, t in enumerate(output_ids) if t in stop), None)
+        output_ids = output_ids if cut is None else output_ids[:cut + 1]
     return SpecResult(output_ids=output_ids, acceptance_lengths=acceptance_lengths, wall_s=wall_s,
-                      target_forwards=target_forwards)
+                      target_forwards=target_forwards, confidences=confidences or None)

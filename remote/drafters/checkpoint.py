@@ -6,6 +6,14 @@ Formats
   ``architectures`` names ``DFlashDraftModel`` or ``DFlash2DraftModel``) and ``model.safetensors``
   (or a sharded index) with bare key names (``fc.weight``, ``layers.0...``). Values are read as z-lab
   reads them: ``dflash_config[name]`` first, then the config attribute, then z-lab's default.
+* ``specforge`` — SpecForge's DFlash family (``specforge.modeling.draft``): the z-lab layout with
+  ``dflash_config.projector_type`` naming the family's head (``domino``: ``emb_dim``,
+  ``gru_hidden_dim``; ``dspark``: ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``
+  or ``confidence_head_alpha`` > 0, ``confidence_head_with_markov``, ``attention_mode``), optional
+  ``pure_draft_prefix_len`` and ``shift_label``, ``architectures`` ``DominoDraftModel`` /
+  ``DSparkDraftModel`` (or ``DFlashDraftModel``); the heads' tensors ``prefix_gru.*``,
+  ``embed_proj.*``, ``markov_head.*``, ``confidence_head.*`` (early checkpoints: under
+  ``logit_head.``). A plain DFlash written by SpecForge without these keys is a z-lab checkpoint.
 * ``speculators`` — vLLM speculators (``speculators_model_type: dflash | dflash2``), the layer config
   under ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` index HF ``hidden_states`` and
   are therefore the z-lab ids **+ 1** (converted here, once); speculators' defaults
@@ -21,7 +29,9 @@ import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from remote.drafters.config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig, raw_size_problems
+from remote.contract.formats import SPECFORGE
+from remote.drafters.config import (ATTENTION_MODES, DFLASH, DFLASH2, DOMINO, DSPARK, FULL, MARKOV_HEADS, SIZE_LIMITS,
+                                     SLIDING, SPECULATORS, ZLAB, DrafterConfig, raw_size_problems)
 
 CONFIG_NAME = "config.json"
 WEIGHT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
@@ -67,6 +77,10 @@ SPECULATORS_REFUSED = {
     "mtp": "MTP (multi-token prediction heads, not a block drafter)",
 }
 ZLAB_ARCHITECTURES = {"DFlashDraftModel": DFLASH, "DFlash2DraftModel": DFLASH2}
+# SpecForge's classes by the family they draft (``architectures``) and the keys its dflash_config adds
+SPECFORGE_ARCHITECTURES = {"DominoDraftModel": DOMINO, "DSparkDraftModel": DSPARK}
+# early SpecForge checkpoints keep the families' heads under a ``logit_head.`` container
+LEGACY_HEAD_PREFIX = "logit_head."
 
 
 def _read_json(path: Path) -> dict:
@@ -90,6 +104,9 @@ INT, NUM, BOOL, STR, INTS, STRS, OBJ = ("an integer", "a number", "true or false
 _DFLASH_FIELDS = {"mask_token_id": INT, "target_layer_ids": INTS, "block_size": INT, "input_embedding_scale": NUM,
                   "output_multiplier": NUM, "final_logit_softcapping": NUM, "conv_kernel_size": INT,
                   "conv_group_size": INT, "selector_rank": INT, "selector_top_k": INT}
+_SPECFORGE_FIELDS = {"projector_type": STR, "pure_draft_prefix_len": INT, "shift_label": BOOL, "emb_dim": INT,
+                     "gru_hidden_dim": INT, "markov_rank": INT, "markov_head_type": STR, "enable_confidence_head": BOOL,
+                     "confidence_head_alpha": NUM, "confidence_head_with_markov": BOOL, "attention_mode": STR}
 _ZLAB_FIELDS = {**_DFLASH_FIELDS, "architectures": STRS, "vocab_size": INT, "num_target_layers": INT,
                 "target_hidden_size": INT, "dflash_config": OBJ, "is_causal": BOOL}
 _SPECULATORS_FIELDS = {**_DFLASH_FIELDS, "speculators_model_type": STR, "transformer_layer_config": OBJ,
@@ -133,9 +150,9 @@ def _flat_kinds() -> dict[str, str]:
 
 def check_config_types(raw: dict, fmt: str, where: str) -> None:
     """The JSON types of the fields the ``fmt`` reader takes from ``raw`` (see the kinds above)."""
-    if fmt == "zlab":
+    if fmt in ("zlab", SPECFORGE):
         _check_types(raw, _ZLAB_FIELDS, where)
-        _check_types(raw.get("dflash_config") or {}, _DFLASH_FIELDS, where, "dflash_config")
+        _check_types(raw.get("dflash_config") or {}, {**_DFLASH_FIELDS, **_SPECFORGE_FIELDS}, where, "dflash_config")
     elif fmt == "speculators":
         _check_types(raw, _SPECULATORS_FIELDS, where)
     else:
@@ -190,15 +207,60 @@ def _zlab_value(hf, name: str, default=None):
     return (getattr(hf, "dflash_config", None) or {}).get(name, getattr(hf, name, default))
 
 
+def _family_fields(raw: dict, dcfg: dict, where: str) -> dict:
+    """SpecForge's family and its heads' settings (module docstring), read as SpecForge's classes
+    read them; a family named twice two ways, an unknown one, a setting out of its range: refused."""
+    archs = [SPECFORGE_ARCHITECTURES[a] for a in raw.get("architectures") or [] if a in SPECFORGE_ARCHITECTURES]
+    projector = dcfg.get("projector_type")
+    if projector is not None and projector not in (DFLASH, DOMINO, DSPARK):
+        raise CheckpointError(f"{where}: dflash_config.projector_type {projector!r} is not a family this worker "
+                              f"knows (dflash, domino, dspark)")
+    family = archs[0] if archs else projector or DFLASH
+    if projector not in (None, family):
+        raise CheckpointError(f"{where}: architectures name a {family} drafter but dflash_config.projector_type is "
+                              f"{projector!r}")
+    out: dict = {"family": family, "pure_draft_prefix_len": int(dcfg.get("pure_draft_prefix_len", 0) or 0),
+                 "shift_label": bool(dcfg.get("shift_label", False))}
+    if family == DOMINO:
+        for name in ("emb_dim", "gru_hidden_dim"):
+            out[name] = int(_require(dcfg.get(name), f"dflash_config.{name}", where))
+    if family == DSPARK:
+        head = str(dcfg.get("markov_head_type", "vanilla")).lower()
+        if head not in MARKOV_HEADS:
+            raise CheckpointError(f"{where}: dflash_config.markov_head_type {dcfg.get('markov_head_type')!r} is not a "
+                                  f"DSpark Markov head ({', '.join(MARKOV_HEADS)})")
+        mode = str(dcfg.get("attention_mode", "gqa")).lower()
+        if mode not in ATTENTION_MODES:
+            raise CheckpointError(f"{where}: dflash_config.attention_mode {dcfg.get('attention_mode')!r} is not one of "
+                                  f"{', '.join(ATTENTION_MODES)}")
+        alpha = float(dcfg.get("confidence_head_alpha", 0.0) or 0.0)
+        out.update(markov_rank=int(dcfg.get("markov_rank", 0) or 0), markov_head_type=head, attention_mode=mode,
+                   confidence_head=bool(dcfg.get("enable_confidence_head", alpha > 0.0)),
+                   confidence_head_with_markov=bool(dcfg.get("confidence_head_with_markov", False)))
+    foreign = sorted(set(dcfg) & ({"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_alpha",
+                                   "confidence_head_with_markov", "attention_mode"} if family != DSPARK else set())
+                     | set(dcfg) & ({"emb_dim", "gru_hidden_dim"} if family != DOMINO else set()))
+    if foreign:
+        raise CheckpointError(f"{where}: dflash_config sets {', '.join(foreign)} but the drafter is a {family} drafter, "
+                              f"which has no such head")
+    return out
+
+
 def _zlab_config(raw: dict, where: str) -> DrafterConfig:
-    known = [a for a in raw.get("architectures") or [] if a in ZLAB_ARCHITECTURES]
-    unknown = [a for a in raw.get("architectures") or [] if "dflash" in a.lower() and a not in ZLAB_ARCHITECTURES]
+    supported = {**ZLAB_ARCHITECTURES, **SPECFORGE_ARCHITECTURES}
+    known = [a for a in raw.get("architectures") or [] if a in supported]
+    unknown = [a for a in raw.get("architectures") or [] if ("dflash" in a.lower() or a.endswith("DraftModel"))
+               and a not in supported]
     if unknown and not known:
         raise CheckpointError(f"{where}: drafter architecture {unknown[0]!r} is not supported "
-                              f"(supported: {', '.join(ZLAB_ARCHITECTURES)})")
+                              f"(supported: {', '.join(supported)})")
     architecture = DFLASH2 if "DFlash2DraftModel" in known else DFLASH
     hf = _transformers_config(raw, where, auto=False)
     dcfg = raw.get("dflash_config") or {}
+    strange = sorted(set(dcfg) - set(_DFLASH_FIELDS) - set(_SPECFORGE_FIELDS) - {"block_size"})
+    if strange:
+        raise CheckpointError(f"{where}: dflash_config keys this worker does not know: {', '.join(strange)} "
+                              f"(known: {', '.join(sorted({*_DFLASH_FIELDS, *_SPECFORGE_FIELDS}))})")
     top, inner = raw.get("block_size"), dcfg.get("block_size")
     if top is not None and inner is not None and int(top) != int(inner):
         raise CheckpointError(f"{where}: block size mismatch: block_size={top} at the top level but "
@@ -207,6 +269,7 @@ def _zlab_config(raw: dict, where: str) -> DrafterConfig:
     if architecture == DFLASH2:
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             extra[name] = int(_require(_zlab_value(hf, name), name, where))
+    extra.update(_family_fields(raw, dcfg, where))
     softcap = _zlab_value(hf, "final_logit_softcapping")
     is_causal = getattr(hf, "is_causal", None)
     return DrafterConfig(
@@ -317,12 +380,55 @@ def validate_config(cfg: DrafterConfig, where: str) -> None:
         if cfg.mask_rule == SPECULATORS and cfg.conv_kernel_size > cfg.block_size:
             raise CheckpointError(f"{where}: DFlash2 conv_kernel_size {cfg.conv_kernel_size} exceeds block_size "
                                   f"{cfg.block_size} (speculators refuses it)")
+    _validate_family(cfg, where)
+
+
+def _validate_family(cfg: DrafterConfig, where: str) -> None:
+    """SpecForge's own refusals for its families (their classes' ``__init__``), each by name."""
+    if cfg.family not in (DFLASH, DOMINO, DSPARK):
+        raise CheckpointError(f"{where}: unknown drafter family {cfg.family!r} (dflash, domino or dspark)")
+    if cfg.family == DFLASH:
+        return
+    if cfg.architecture != DFLASH or cfg.mask_rule != ZLAB or cfg.reduced_vocab or cfg.sample_from_anchor:
+        raise CheckpointError(f"{where}: a {cfg.family} drafter is SpecForge's DFlash backbone with its head; this one "
+                              f"also asks for {cfg.architecture} / {cfg.mask_rule} mask rules / a reduced vocabulary, "
+                              f"which SpecForge's class has not")
+    if not 0 <= cfg.pure_draft_prefix_len < cfg.block_size:
+        raise CheckpointError(f"{where}: pure_draft_prefix_len {cfg.pure_draft_prefix_len} is outside "
+                              f"0..{cfg.block_size - 1} (the block's draft slots)")
+    if cfg.family == DOMINO:
+        for name in ("emb_dim", "gru_hidden_dim"):
+            if not 1 <= getattr(cfg, name) <= SIZE_LIMITS["hidden_size"]:
+                raise CheckpointError(f"{where}: Domino {name} {getattr(cfg, name)} is outside "
+                                      f"1..{SIZE_LIMITS['hidden_size']}")
+        return
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % kv:
+        raise CheckpointError(f"{where}: DSpark needs num_key_value_heads ({kv}) to divide num_attention_heads "
+                              f"({heads})")
+    if cfg.attention_mode == "gqa" and kv >= heads:
+        raise CheckpointError(f"{where}: dflash_config.attention_mode gqa but num_key_value_heads {kv} is not fewer "
+                              f"than num_attention_heads {heads} (set attention_mode mha for equal counts)")
+    if cfg.attention_mode == "mha" and kv != heads:
+        raise CheckpointError(f"{where}: dflash_config.attention_mode mha but num_key_value_heads {kv} differs from "
+                              f"num_attention_heads {heads}")
+    if not 0 <= cfg.markov_rank <= SIZE_LIMITS["selector_rank"]:
+        raise CheckpointError(f"{where}: DSpark markov_rank {cfg.markov_rank} is outside "
+                              f"0..{SIZE_LIMITS['selector_rank']}")
+    if cfg.markov_head_type not in MARKOV_HEADS:
+        raise CheckpointError(f"{where}: unknown DSpark markov_head_type {cfg.markov_head_type!r} "
+                              f"({', '.join(MARKOV_HEADS)})")
+    if cfg.confidence_head_with_markov and not (cfg.confidence_head and cfg.markov_rank):
+        raise CheckpointError(f"{where}: confidence_head_with_markov needs a confidence head and markov_rank > 0")
 
 
 def detect_format(raw: dict) -> str:
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         return "speculators"
-    if "dflash_config" in raw or "DFlashDraftModel" in (raw.get("architectures") or []):
+    archs, dcfg = raw.get("architectures") or [], raw.get("dflash_config") or {}
+    if any(a in SPECFORGE_ARCHITECTURES for a in archs) or set(dcfg) & set(_SPECFORGE_FIELDS):
+        return SPECFORGE
+    if "dflash_config" in raw or "DFlashDraftModel" in archs:
         return "zlab"
     return "state_dict"
 
@@ -369,7 +475,8 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     fmt = detect_format(raw)
     check_config_types(raw, fmt, where)
     try:
-        cfg = {"zlab": _zlab_config, "speculators": _speculators_config, "state_dict": _flat_config}[fmt](raw, where)
+        cfg = {"zlab": _zlab_config, SPECFORGE: _zlab_config, "speculators": _speculators_config,
+               "state_dict": _flat_config}[fmt](raw, where)
         validate_config(cfg, where)
     except CheckpointError:
         raise
@@ -466,6 +573,8 @@ def read_tensors(ckpt: DrafterCheckpoint, shapes_only: bool = False) -> dict:
     renamed: dict = {}
     for k, v in out.items():
         name = _strip(k)
+        if name.startswith(LEGACY_HEAD_PREFIX) and ckpt.config.family != DFLASH:
+            name = name[len(LEGACY_HEAD_PREFIX):]
         if name in renamed:
             raise CheckpointError(f"{ckpt.path}: tensor {name!r} appears twice (as {k!r})")
         renamed[name] = v
@@ -474,9 +583,9 @@ def read_tensors(ckpt: DrafterCheckpoint, shapes_only: bool = False) -> dict:
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple]:
     import torch
-    from remote.drafters.dflash import DFlashDrafter
+    from remote.drafters.families import build_drafter
     with torch.device("meta"):
-        model = DFlashDrafter(cfg)
+        model = build_drafter(cfg)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
@@ -537,7 +646,7 @@ def check_vocab_maps(ckpt: DrafterCheckpoint, d2t, t2d) -> None:
 def load_drafter(path: str | Path, device="cpu", dtype=None):
     """Open, check and load a drafter. Returns ``(model in eval mode, DrafterCheckpoint)``."""
     import torch
-    from remote.drafters.dflash import DFlashDrafter
+    from remote.drafters.families import build_drafter
 
     ckpt = open_checkpoint(path)
     tensors = read_tensors(ckpt)
@@ -547,7 +656,7 @@ def load_drafter(path: str | Path, device="cpu", dtype=None):
     if ckpt.config.reduced_vocab:
         check_vocab_maps(ckpt, tensors["d2t"], tensors["t2d"])
     with torch.device("meta"):
-        model = DFlashDrafter(ckpt.config)
+        model = build_drafter(ckpt.config)
     state = {k: v for k, v in tensors.items() if k not in ignored}
     model.load_state_dict(state, assign=True, strict=True)
     dtype = dtype or state["fc.weight"].dtype

@@ -20,6 +20,10 @@ SIZE_LIMITS = {"block_size": MAX_BLOCK_SIZE, "hidden_size": 1 << 17, "intermedia
                "selector_top_k": 1 << 24}
 ZLAB, SPECULATORS = "zlab", "speculators"          # mask rules
 DFLASH, DFLASH2 = "dflash", "dflash2"              # architectures
+DOMINO, DSPARK = "domino", "dspark"                # SpecForge's families beside plain DFlash (``family``)
+FAMILIES = (DFLASH, DOMINO, DSPARK)
+MARKOV_HEADS = ("vanilla", "gated", "rnn")         # DSpark's previous-token heads
+ATTENTION_MODES = ("gqa", "mha")                   # DSpark: grouped or equal query/KV heads
 
 
 def raw_size_problems(raw: dict, where: str = "", depth: int = 0) -> list[str]:
@@ -75,6 +79,18 @@ class DrafterConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # SpecForge's families (remote/drafters/domino.py, dspark.py): a head after the DFlash backbone
+    # that drafts a block's tokens one after another, each from the ones before it
+    family: str = DFLASH                  # dflash | domino | dspark (SpecForge's projector_type)
+    pure_draft_prefix_len: int = 0        # leading draft slots the head leaves as the backbone drafts them
+    shift_label: bool = False             # Domino: the head reads slot k - 1 for token k
+    emb_dim: int | None = None            # Domino: the correction MLP's width
+    gru_hidden_dim: int | None = None     # Domino: the prefix GRU's state
+    markov_rank: int = 0                  # DSpark: rank of the previous-token logit bias (0: none)
+    markov_head_type: str = "vanilla"     # DSpark: vanilla | gated | rnn
+    confidence_head: bool = False         # DSpark: a predicted acceptance per drafted position
+    confidence_head_with_markov: bool = False   # DSpark: the confidence head also reads the previous token
+    attention_mode: str = "gqa"           # DSpark: gqa | mha, as the head counts say
 
     def __post_init__(self):
         if not self.layer_types:
@@ -92,6 +108,13 @@ class DrafterConfig:
         if len(self.target_layer_ids) > SIZE_LIMITS["num_target_layers"]:
             out.append(f"{len(self.target_layer_ids)} target_layer_ids (at most {SIZE_LIMITS['num_target_layers']})")
         return out
+
+    @property
+    def sequential(self) -> bool:
+        """Does a draft depend on the token drafted before it (DFlash2's selector, Domino, DSpark's
+        Markov head)? Then drafts are chosen one after another, and a tree's children depend on
+        their parent."""
+        return self.architecture == DFLASH2 or self.family == DOMINO or (self.family == DSPARK and self.markov_rank > 0)
 
     @property
     def num_target_features(self) -> int:
@@ -137,7 +160,21 @@ class DrafterConfig:
                           "final_logit_softcapping": self.final_logit_softcapping},
                 **({"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
                     "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
-                   if self.architecture == DFLASH2 else {})}
+                   if self.architecture == DFLASH2 else {}),
+                "family": self.family, "heads": self.heads(), "confidence_head": self.confidence_head}
+
+    def heads(self) -> list[str]:
+        """The family's heads after the backbone, as ``inspect`` names them."""
+        if self.family == DOMINO:
+            return [f"domino: a prefix GRU ({self.gru_hidden_dim}) over the block's earlier tokens and an MLP "
+                    f"({self.emb_dim}) adding a correction to each draft's logits"]
+        out = []
+        if self.family == DSPARK and self.markov_rank:
+            out.append(f"markov ({self.markov_head_type}, rank {self.markov_rank}): a previous-token logit bias")
+        if self.confidence_head:
+            out.append("confidence: a predicted acceptance per drafted position"
+                       + (" (reading the previous token too)" if self.confidence_head_with_markov else ""))
+        return out
 
     def transformers_config(self):
         """The ``Qwen3Config`` that transformers' parts (MLP, rotary embedding) are built from."""

@@ -388,10 +388,12 @@ def anchor_mask(rule: LayerRule, anchor_pos: int, n_slots: int, device) -> torch
 class Proposal:
     """Draft tokens of one block (target ids) and, when sampling, the distribution they came from:
     ``probs [b, n, V]`` over the target vocabulary, or ``[b, n, k]`` over ``candidates [b, n, k]``
-    (DFlash2's selector)."""
+    (DFlash2's selector); ``confidence [b, n]``: each draft's predicted acceptance, where the drafter
+    has a confidence head (DSpark)."""
     tokens: torch.Tensor
     probs: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
 
     def on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(probs, candidates)`` on ``device`` (a split target's logits may be on another GPU)."""
@@ -545,10 +547,11 @@ class DFlashDrafter(nn.Module):
         return full.index_copy_(-1, self.to_target_ids(torch.arange(probs.shape[-1], device=probs.device)), probs)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,
-                sampling: Sampling | None = None) -> Proposal:
+                sampling: Sampling | None = None, embed_weight: torch.Tensor | None = None) -> Proposal:
         """Draft tokens from the draft slots' ``hidden [b, n, H]``: argmax (greedy), or sampled from
         the drafter's tempered / top-k / top-p distribution; DFlash2 through its selector.
-        ``anchor_tokens [b]`` are the blocks' slot-0 tokens (the selector's first predecessor)."""
+        ``anchor_tokens [b]`` are the blocks' slot-0 tokens (the selector's first predecessor);
+        ``embed_weight``: the target's embedding (a family whose head reads the drafted tokens')."""
         logits = self.logits(hidden, target_head)
         anchor_tokens = anchor_tokens.to(hidden.device)
         greedy = sampling is None or sampling.greedy

@@ -47,7 +47,7 @@ from remote.drafters.checkpoint import (CONFIG_NAME, CheckpointError, DrafterChe
                                         check_vocab_maps, completeness_problems, layer_config_dict, open_checkpoint,
                                         read_tensors, sha256_file, speculators_config_dict, speculators_proposal_config,
                                         zlab_config_dict)
-from remote.drafters.config import DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
+from remote.drafters.config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
 from remote.contract.formats import EXPORT_FORMATS
 from remote.host.proc import alive
 
@@ -132,9 +132,17 @@ def _describe_rule(kind: str, key: tuple) -> str:
             + (f", window {window} from the {frm}" if window is not None else ""))
 
 
+def _family_refusals(cfg: DrafterConfig, fmt: str) -> list[str]:
+    """A SpecForge family's heads, which neither z-lab's nor speculators' format has a place for."""
+    if cfg.family == DFLASH:
+        return []
+    return [f"a {cfg.family} drafter's heads ({'; '.join(cfg.heads())}): {fmt} has no place for them (SpecForge's "
+            f"own format keeps them)"]
+
+
 def _as_zlab(cfg: DrafterConfig) -> tuple[DrafterConfig | None, list[str]]:
     want = [_rule_key(r) for r in cfg.layer_rules()]
-    reasons = []
+    reasons = _family_refusals(cfg, "z-lab's format")
     if cfg.sample_from_anchor:
         reasons.append("sample_from_anchor: every slot drafts (slot 0 too, B drafts per block); z-lab's block "
                        "always starts with the anchor (B - 1 drafts)")
@@ -162,7 +170,7 @@ def _as_zlab(cfg: DrafterConfig) -> tuple[DrafterConfig | None, list[str]]:
 
 def _as_speculators(cfg: DrafterConfig) -> tuple[DrafterConfig | None, list[str]]:
     want = [_rule_key(r) for r in cfg.layer_rules()]
-    reasons = []
+    reasons = _family_refusals(cfg, "speculators' format")
     for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
         if getattr(cfg, name) != default:
             reasons.append(f"{name} {getattr(cfg, name)}: speculators has no {name} (z-lab knob)")

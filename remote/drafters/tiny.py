@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from remote.drafters.dflash import DFlashDrafter, init_weights
+from remote.drafters.families import build_drafter
 from remote.drafters.config import FULL, SLIDING, DrafterConfig
 from remote.target.model import guard_cpu_kernels, target_features
 from remote.drafters.train import Batch
@@ -49,7 +50,7 @@ def tiny_drafter_config(target, layers: int = 2, block_size: int = 8, target_lay
 
 def tiny_drafter(cfg: DrafterConfig, seed: int = 0) -> DFlashDrafter:
     torch.manual_seed(seed)
-    model = DFlashDrafter(cfg)
+    model = build_drafter(cfg)
     init_weights(model, generator=torch.Generator().manual_seed(seed))
     return model.eval()
 

@@ -76,7 +76,12 @@ def drafter_num_speculative_tokens(drafter: str | Path) -> int:
     exactly this ``num_speculative_tokens``."""
     from remote.drafters.checkpoint import open_checkpoint
 
-    return open_checkpoint(drafter).config.num_drafts
+    cfg = open_checkpoint(drafter).config
+    if cfg.family != "dflash":
+        raise EngineError(f"vLLM serves DFlash drafters only (its speculative method {METHOD!r}); {drafter} is "
+                          f"SpecForge's {cfg.family} drafter, which SGLang serves (--speculative-algorithm "
+                          f"{'DSPARK' if cfg.family == 'dspark' else 'DFLASH'})", "refused")
+    return cfg.num_drafts
 
 
 def speculative_config(drafter: str | Path, num_speculative_tokens: int) -> dict:
