@@ -13,13 +13,32 @@ is ours / z-lab (same cycles, same forwards; the difference is per-cycle overhea
 uses the tests' trained permutation-walk pair instead (real partial and full accepts; takes
 minutes to train on CPU). ``--profile`` prints a cProfile of our decoding.
 
+``--specforge``: ours under SpecForge's rules (``semantics="specforge"``) against SpecForge 0.2.0's
+own ``DSparkDraftModel.spec_generate``, run in its environment by tests/specforge_ref.py (CPU,
+float32, greedy). The pair: a tiny pure-attention Qwen3 target at init std 0.5 (``--hidden``,
+``--layers``) saved to a temporary folder, and a DSpark drafter built there by the harness with
+SpecForge's class (2 layers, ``--block-size``, a vanilla Markov head of rank 8 and a confidence
+head), which ours loads with ``load_drafter``. Each repeat runs ours over every prompt in this
+process and the harness over the same prompts in a fresh process (its own untimed warm-up call
+first; the order of the two alternates), both with ``--threads`` torch threads; only the decoding
+calls are timed (SpecForge's: the harness's ``wall_s`` and ``cpu_s``, perf_counter and process_time
+around ``spec_generate``), not the harness's start-up; ratios in wall and in CPU time (the steadier
+one on a loaded machine). Outputs (ours less the mask-token ids spec_generate drops) and acceptance
+lengths must be identical in every repeat (asserted). Without SpecForge's environment it says so and
+exits 0.
+
     python benchmarks/bench_online.py [--prompts 4] [--new-tokens 64] [--hidden 128] [--layers 8]
+    python benchmarks/bench_online.py --specforge [--repeats 8] [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,6 +84,114 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+SPECFORGE_ENV = "DFLASH_OPS_SPECFORGE_PYTHON"
+HARNESS = Path(__file__).resolve().parents[1] / "tests" / "specforge_ref.py"
+
+
+def specforge_python() -> str | None:
+    """SpecForge's python: ``$DFLASH_OPS_SPECFORGE_PYTHON``, else where ``.ci/specforge-env`` installs
+    by default; None when it is not an executable (nothing is installed from here)."""
+    python = os.environ.get(SPECFORGE_ENV)
+    if not python:
+        venv = os.environ.get("DFLASH_OPS_SPECFORGE_VENV") or (
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-ops" / "specforge-venv")
+        python = str(Path(venv) / "bin" / "python")
+    return python if os.path.isfile(python) and os.access(python, os.X_OK) else None
+
+
+def harness(python: str, threads: int, *argv: str) -> dict:
+    """One tests/specforge_ref.py command in SpecForge's environment, ``threads`` torch threads."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    done = subprocess.run([python, str(HARNESS), *argv], capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"specforge_ref.py {argv[0]}: exit {done.returncode}\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)
+
+
+def bench_specforge(args):
+    """Ours (semantics="specforge") vs SpecForge's DSpark ``spec_generate``: module docstring."""
+    python = specforge_python()
+    if python is None:
+        print(f"SKIP --specforge: SpecForge's environment is not installed (run .ci/specforge-env and set "
+              f"{SPECFORGE_ENV}=$(.ci/specforge-env)); nothing measured")
+        return
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    from remote.decode.online import speculative_generate
+    from remote.drafters.checkpoint import load_drafter
+    from remote.drafters.tiny import tiny_target
+
+    logging.disable_progress_bar()          # save_pretrained's and from_pretrained's bars
+    n, threads = args.new_tokens, torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tiny_target("qwen3", hidden_size=args.hidden, num_layers=args.layers, tie=False,
+                    init_std=0.5).save_pretrained(tmp / "target")
+        info = harness(python, threads, "build", "dspark", str(tmp / "dspark"), "--target", str(tmp / "target"),
+                       "--seed", "0", "--block-size", str(args.block_size), "--layers", "2")
+        target = AutoModelForCausalLM.from_pretrained(tmp / "target", dtype=torch.float32).eval()
+        drafter, _ = load_drafter(tmp / "dspark")
+        mask = drafter.config.mask_token_id
+        assert mask == target.config.vocab_size - 1, mask         # prompts without it: spec_generate drops mask ids
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, mask, (1, args.prompt_len), generator=gen) for _ in range(args.prompts)]
+        (tmp / "prompts.json").write_text(json.dumps([p[0].tolist() for p in prompts]))
+        command = ["generate", str(tmp / "dspark"), str(tmp / "target"), "--prompts", str(tmp / "prompts.json"),
+                   "--max-new-tokens", str(n), "--warmup"]
+
+        def run_ours():
+            """[(wall s, CPU s, SpecResult)] per prompt, timed as the harness times spec_generate."""
+            out = []
+            for prompt in prompts:
+                c0, t0 = time.process_time(), time.perf_counter()
+                spec = speculative_generate(target, drafter, prompt, n, semantics="specforge")
+                out.append((time.perf_counter() - t0, time.process_time() - c0, spec))
+            return out
+
+        with torch.inference_mode():
+            speculative_generate(target, drafter, prompts[0], n, semantics="specforge")       # warm-up, untimed
+            times, dropped = {"wall": ([], []), "cpu": ([], [])}, 0     # kind -> (ours, SpecForge): [repeat][prompt]
+            for r in range(args.repeats):
+                if r % 2:
+                    theirs = harness(python, threads, *command)
+                    mine = run_ours()
+                else:
+                    mine = run_ours()
+                    theirs = harness(python, threads, *command)
+                assert theirs["threads"] == threads, f"SpecForge ran {theirs['threads']} threads, ours {threads}"
+                for i, (_, _, spec) in enumerate(mine):
+                    ours_out = [t for t in spec.output_ids if t != mask]
+                    assert ours_out == theirs["outputs"][i], f"repeat {r}, prompt {i}: outputs differ"
+                    assert spec.acceptance_lengths == theirs["acceptance_lengths"][i], \
+                        f"repeat {r}, prompt {i}: acceptance lengths differ"
+                    dropped += len(spec.output_ids) - len(ours_out)
+                for k, (kind, key) in enumerate((("wall", "wall_s"), ("cpu", "cpu_s"))):
+                    times[kind][0].append([m[k] for m in mine])
+                    times[kind][1].append(theirs[key])
+    method = info["config"]["dflash_config"]
+    lengths = [a for _, _, spec in mine for a in spec.acceptance_lengths]
+    P = len(prompts)
+    print(f"pair: target qwen3 {args.layers} layers x hidden {args.hidden} (init std 0.5, vocab "
+          f"{target.config.vocab_size}); DSpark drafter (SpecForge's class) {info['config']['num_hidden_layers']} "
+          f"layers, block {info['config']['block_size']}, target layers {method['target_layer_ids']}, "
+          f"{method['markov_head_type']} Markov head rank {method['markov_rank']}, confidence head "
+          f"{method['enable_confidence_head']}; {P} prompts of {args.prompt_len} x {n} new tokens, greedy; "
+          f"cpu float32, {threads} torch threads in both processes; {args.repeats} repeats")
+    print(f"mean acceptance length {sum(lengths) / len(lengths):.2f} over {len(lengths)} cycles; outputs "
+          f"(ours less {dropped // args.repeats} mask ids per repeat) and acceptance lengths identical in every repeat")
+    for kind, label in (("wall", "wall time"), ("cpu", "CPU time (process_time)")):
+        ours_t, sf_t = times[kind]
+        # per prompt, the min (median) over repeats, summed over prompts
+        best = [sum(min(r[i] for r in ts) for i in range(P)) for ts in (ours_t, sf_t)]
+        med = [sum(statistics.median(r[i] for r in ts) for i in range(P)) for ts in (ours_t, sf_t)]
+        each = [sum(b) / sum(a) for a, b in zip(ours_t, sf_t)]
+        print(f"{label}, ms per prompt (min / median over repeats): ours {1e3 * best[0] / P:.1f} / "
+              f"{1e3 * med[0] / P:.1f}   SpecForge spec_generate {1e3 * best[1] / P:.1f} / {1e3 * med[1] / P:.1f}")
+        print(f"  ratio SpecForge / ours (> 1: ours faster): min {best[1] / best[0]:.2f}x   median "
+              f"{med[1] / med[0]:.2f}x   (single repeats {min(each):.2f}x-{max(each):.2f}x)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4)
@@ -79,8 +206,19 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier on a shared machine)")
     ap.add_argument("--train", action="store_true", help="the trained walk pair from the tests (slow to build)")
     ap.add_argument("--profile", action="store_true", help="cProfile our decoding of the first prompt")
+    ap.add_argument("--specforge", action="store_true",
+                    help="ours vs SpecForge's DSpark spec_generate (its environment; CPU float32 only)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.specforge:
+        if (args.device, args.dtype) != ("cpu", "float32") or args.train or args.profile:
+            ap.error("--specforge runs on cpu in float32 (SpecForge's harness), without --train or --profile")
+        from remote.target.model import guard_cpu_kernels
+
+        guard_cpu_kernels("cpu")
+        torch.manual_seed(0)
+        bench_specforge(args)
+        return
 
     from dflash.model import DFlashDraftModel
 

@@ -19,13 +19,15 @@ project's tests (they run it as a subprocess: tests/test_specforge_ref.py). One 
         ``from_pretrained``; the target AutoModelForCausalLM in float32 on CPU; for each prompt (a
         list of ids) torch.manual_seed(S) then ``drafter.spec_generate(target, ids, N, stops, T)``.
         -> {"outputs": [[ids after the prompt]], "acceptance_lengths": [[per cycle]],
-            "wall_s": [per prompt], "threads": torch's intra-op threads}
+            "wall_s": [per prompt], "cpu_s": [per prompt], "threads": torch's intra-op threads}
         (spec_generate's output: cut to N, every mask-token id dropped, cut after the first stop id;
         the lengths as its loop counts them: the last cycle's whole, past N or past a stop.)
         wall_s: time.perf_counter around each spec_generate call alone (no loading, no JSON; the
-        lengths' read-back below costs one frame walk per call, no tracing); ``--warmup``: one
-        untimed call on the first prompt before the timed ones (the first call of a process pays
-        for lazy initialisation). benchmarks/bench_online.py --specforge times ours against it.
+        lengths' read-back below costs one frame walk per call, no tracing); cpu_s: time.process_time
+        around it (all of the process's threads; steadier than wall time on a loaded machine).
+        ``--warmup``: one untimed call on the first prompt before the timed ones (the first call of
+        a process pays for lazy initialisation). benchmarks/bench_online.py --specforge times ours
+        against it.
     batch JOBS
         JOBS: a JSON file, a list of command lines (lists of strings: build ... or generate ...),
         run one after another in this one process (importing torch, transformers and SpecForge takes
@@ -217,7 +219,7 @@ def generate(args) -> dict:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     prompts = json.loads(Path(args.prompts).read_text())
     recorder = CycleRecorder(target, inspect.unwrap(type(drafter).spec_generate).__code__)
-    outputs, lengths, wall = [], [], []
+    outputs, lengths, wall, cpu = [], [], [], []
     for i, prompt in enumerate(prompts):
         if drafter.mask_token_id in prompt:
             # spec_generate drops every mask-token id from its result, the prompt's too
@@ -232,15 +234,16 @@ def generate(args) -> dict:
             torch.manual_seed(args.seed)
             call()                                      # untimed, its result dropped
         torch.manual_seed(args.seed)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out, own = own_lengths(call, recorder)
         wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         recovered = recorder.lengths(len(prompt))
         if own != recovered:
             raise RuntimeError(f"acceptance lengths from the cache crops {recovered} != spec_generate's own {own}")
         outputs.append(out[0, len(prompt):].tolist())
         lengths.append(recovered)
-    return {"outputs": outputs, "acceptance_lengths": lengths, "wall_s": wall, "threads": torch.get_num_threads()}
+    return {"outputs": outputs, "acceptance_lengths": lengths, "wall_s": wall, "cpu_s": cpu, "threads": torch.get_num_threads()}
 
 
 def parser() -> argparse.ArgumentParser:

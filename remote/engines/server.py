@@ -267,6 +267,24 @@ class ServerProcess:
         self.stop()
 
 
+def check_served(name: str, url: str, got: dict, problems: list[str], speculative: bool,
+                 num_speculative_tokens: int | None) -> dict:
+    """``got`` (a client's ``served()``) when it serves what a run needs, else EngineError
+    (``mismatch``) naming every difference: the engine's own ``problems`` (model, drafter, algorithm)
+    and, the same for every engine, speculation on/off and the draft tokens per step."""
+    if speculative and not got["speculative"]:
+        problems.append("it runs without speculative decoding")
+    if not speculative and got["speculative"]:
+        problems.append("it runs with speculative decoding")
+    if speculative and num_speculative_tokens is not None and got["num_speculative_tokens"] is not None \
+            and got["num_speculative_tokens"] != int(num_speculative_tokens):
+        problems.append(f"it drafts {got['num_speculative_tokens']} tokens per step, not {num_speculative_tokens}")
+    if problems:
+        raise EngineError(f"the {name} at {url} does not serve what this run needs: " + "; ".join(problems),
+                          "mismatch")
+    return got
+
+
 class OwnServer:
     """An engine server this process started and owns (one subclass per engine): ``url``,
     ``client``, ``process``, ``argv``, ``settings``, ``startup_s``; ``stop()`` (also on leaving a

@@ -25,7 +25,7 @@ from pathlib import Path
 from remote.contract.engines import ENGINES
 from remote.engines.counts import Answer
 from remote.engines.server import (LOOPBACK, EngineError, HTTPClient, OwnServer, ServerProcess, check_port_free,
-                                   environment_python, environment_versions, free_port)
+                                   check_served, environment_python, environment_versions, free_port)
 
 KIND = "sglang"
 PYTHON_ENV, INSTALL = ENGINES[KIND].python_env, ENGINES[KIND].install
@@ -137,21 +137,11 @@ class SGLangEngineClient:
         problems = []
         if target is not None and not _same_path(got["model"], target):
             problems.append(f"it serves {got['model']}, not {target}")
-        if speculative and not got["speculative"]:
-            problems.append("it runs without speculative decoding")
-        if not speculative and got["speculative"]:
-            problems.append("it runs with speculative decoding")
         if speculative and got["speculative"] and str(got["algorithm"]).upper() != ALGORITHM:
             problems.append(f"its speculative algorithm is {got['algorithm']}, not {ALGORITHM}")
         if speculative and drafter is not None and got["drafter"] and not _same_path(got["drafter"], drafter):
             problems.append(f"its drafter is {got['drafter']}, not {drafter}")
-        if speculative and num_speculative_tokens is not None and got["num_speculative_tokens"] is not None \
-                and got["num_speculative_tokens"] != int(num_speculative_tokens):
-            problems.append(f"it drafts {got['num_speculative_tokens']} tokens per step, not {num_speculative_tokens}")
-        if problems:
-            raise EngineError(f"the SGLang server at {self.url} does not serve what this run needs: "
-                              + "; ".join(problems), "mismatch")
-        return got
+        return check_served("SGLang server", self.url, got, problems, speculative, num_speculative_tokens)
 
     def complete(self, prompt_ids: list[int], max_tokens: int, stop_token_ids: list[int] | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None) -> dict:

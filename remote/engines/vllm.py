@@ -34,7 +34,8 @@ from pathlib import Path
 from remote.contract.engines import ENGINES
 from remote.engines.counts import Answer
 from remote.engines.server import (LOOPBACK, EngineError, HTTPClient, OwnServer, ServerProcess, check_port_free,
-                                   environment_python, environment_versions, free_port, parse_prometheus)
+                                   check_served, environment_python, environment_versions, free_port,
+                                   parse_prometheus)
 
 KIND = "vllm"
 PYTHON_ENV, INSTALL = ENGINES[KIND].python_env, ENGINES[KIND].install
@@ -211,17 +212,7 @@ class VLLMClient:
             want = str(Path(target).expanduser())
             if got["root"] not in (want, str(Path(want).resolve())) and got["model"] != want:
                 problems.append(f"it serves {got['root'] or got['model']}, not {want}")
-        if speculative and not got["speculative"]:
-            problems.append("it runs without speculative decoding")
-        if not speculative and got["speculative"]:
-            problems.append("it runs with speculative decoding")
-        if speculative and num_speculative_tokens is not None and got["num_speculative_tokens"] is not None \
-                and got["num_speculative_tokens"] != int(num_speculative_tokens):
-            problems.append(f"it drafts {got['num_speculative_tokens']} tokens per step, not {num_speculative_tokens}")
-        if problems:
-            raise EngineError(f"the vLLM server at {self.url} does not serve what this run needs: "
-                              + "; ".join(problems), "mismatch")
-        return got
+        return check_served("vLLM server", self.url, got, problems, speculative, num_speculative_tokens)
 
     # -- generation
 
