@@ -386,7 +386,6 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
     order = {r.id: i for i, r in enumerate(suite.rows)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     summary = summarize(rows, drafter.block_size, settings.mode, max_length=drafter.config.verify_block)
-    summary["semantics"] = decoding.semantics
     if invalid:
         summary = invalidated(summary, invalid)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -131,6 +131,7 @@ def test_run_compared_with_itself_is_exactly_zero(runs):
     ({"ref_seed": 1}, "reference completions (output_ids) differ", ("30 of 30 common prompts",)),
     ({"env": {"settings": {"max_new_tokens": 512}}}, "decoding setting max_new_tokens differs", ("256", "512")),
     ({"env": {"settings": {"enable_thinking": True}}}, "decoding setting enable_thinking differs", ("false", "true")),
+    ({"env": {"settings": {"semantics": "specforge"}}}, "counting rules (semantics) differs", ("zlab", "specforge")),
     ({"prompts": 25}, "prompt ids differ", ("30 prompts", "25 prompts", "only in " + A)),
 ])
 def test_mismatched_runs_are_refused_with_the_mismatch_named(tmp_path, kwargs, field, values):

@@ -126,6 +126,8 @@ PAIRING_KEYS: list[PairingKey] = [
     PairingKey("decoding setting max_new_tokens", _setting("max_new_tokens")),
     PairingKey("decoding setting max_blocks", _setting("max_blocks")),
     PairingKey("decoding setting reference", _setting("reference")),
+    # whose rules counted the cycles (zlab unless a run records another: runs made before the setting)
+    PairingKey("counting rules (semantics)", _setting("semantics", "zlab")),
 ]
 
 
