@@ -76,14 +76,13 @@ class DSparkDrafter(DFlashDrafter):
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,
                 sampling: Sampling | None = None, embed_weight: torch.Tensor | None = None) -> Proposal:
+        if self.markov_head is None:     # the drafts are plain DFlash drafts
+            proposal = super().propose(hidden, anchor_tokens, target_head, sampling)
+            proposal.confidence = self.confidence(hidden, anchor_tokens, proposal.tokens)
+            return proposal
         base = self.logits(hidden, target_head)
         greedy = sampling is None or sampling.greedy
         prev = anchor_tokens.to(hidden.device).long()
-        if self.markov_head is None:
-            tokens = base.argmax(-1) if greedy else None
-            probs = None if greedy else sampling.probs(base)
-            tokens = tokens if greedy else sample(probs)
-            return Proposal(tokens, probs, confidence=self.confidence(hidden, anchor_tokens, tokens))
         picked, q_rows, state = [], [], None
         for k in range(hidden.shape[1]):
             bias, state = self.markov_head.step(prev, hidden[:, k], state)
