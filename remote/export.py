@@ -1,4 +1,4 @@
-"""``python -m remote.export SRC --to zlab|speculators [--out DIR] [--force] [--verifier NAME_OR_PATH]
+"""``python -m remote.export SRC --to zlab|speculators|specforge [--out DIR] [--force] [--verifier NAME_OR_PATH]
 [--num-target-layers N]``
 
 Writes the drafter checkpoint SRC in another format (:mod:`remote.drafters.export` says what maps

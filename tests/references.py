@@ -8,6 +8,7 @@ far more than the stated tolerance.
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -143,6 +144,14 @@ def train_speculators(model, target, sequences, prompt_len: int, steps: int = 30
 
 
 # ----------------------------------------------------------------------------- reference forwards
+
+def zlab_class(folder: Path):
+    """A z-lab checkpoint folder in z-lab's own class (``from_pretrained``)."""
+    from dflash.model import DFlash2DraftModel, DFlashDraftModel
+
+    dflash2 = "DFlash2DraftModel" in json.loads((folder / "config.json").read_text())["architectures"]
+    return (DFlash2DraftModel if dflash2 else DFlashDraftModel).from_pretrained(folder).eval()
+
 
 @torch.no_grad()
 def zlab_logits(model, target, target_hidden, ids, anchor: int, n_slots: int) -> torch.Tensor:

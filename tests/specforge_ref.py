@@ -28,6 +28,12 @@ project's tests (they run it as a subprocess: tests/test_specforge_ref.py). One 
         ``--warmup``: one untimed call on the first prompt before the timed ones (the first call of
         a process pays for lazy initialisation). benchmarks/bench_online.py --specforge times ours
         against it.
+    logits DRAFTER TARGET --prompts JSON
+        The logits of the first block a plain DFlash drafter drafts for each prompt, computed as
+        spec_generate computes them: the target's prefill, its greedy token as the block's anchor, the
+        drafter over the prompt's target features (``is_causal=False``, no mask) and ``target.lm_head``
+        over the block's last B - 1 slots. -> {"logits": [[B - 1 rows of vocab_size floats] per prompt]}
+        (the families draft position by position from the tokens chosen: no one block of logits)
     batch JOBS
         JOBS: a JSON file, a list of command lines (lists of strings: build ... or generate ...),
         run one after another in this one process (importing torch, transformers and SpecForge takes
@@ -246,6 +252,30 @@ def generate(args) -> dict:
     return {"outputs": outputs, "acceptance_lengths": lengths, "wall_s": wall, "cpu_s": cpu, "threads": torch.get_num_threads()}
 
 
+def logits(args) -> dict:
+    from specforge.modeling.draft.dflash import extract_context_feature
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    drafter = load_drafter(args.drafter)
+    if type(drafter) is not _classes()["dflash"]:
+        raise SystemExit(f"{args.drafter}: a {type(drafter).__name__} drafts position by position; logits is for "
+                         f"plain DFlash drafters")
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    B, out = drafter.block_size, []
+    with torch.inference_mode():
+        for prompt in json.loads(Path(args.prompts).read_text()):
+            n = len(prompt)
+            prefill = target(torch.tensor([prompt]), position_ids=torch.arange(n)[None], past_key_values=DynamicCache(),
+                             use_cache=True, logits_to_keep=1, output_hidden_states=True)
+            block = torch.full((1, B), drafter.mask_token_id, dtype=torch.long)
+            block[0, 0] = prefill.logits[0, -1].argmax()
+            hidden = drafter(target_hidden=extract_context_feature(prefill.hidden_states, drafter.target_layer_ids),
+                             noise_embedding=target.model.embed_tokens(block), position_ids=torch.arange(n + B)[None],
+                             past_key_values=DynamicCache(), use_cache=True, is_causal=False)
+            out.append(target.lm_head(hidden[:, -B + 1:])[0].tolist())
+    return {"logits": out}
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specforge_ref", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -266,6 +296,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--stop", type=int, nargs="+", action="extend", default=[], metavar="ID")
     g.add_argument("--warmup", action="store_true", help="one untimed call on the first prompt first")
+    lg = sub.add_parser("logits")
+    lg.add_argument("drafter")
+    lg.add_argument("target")
+    lg.add_argument("--prompts", required=True)
     j = sub.add_parser("batch")
     j.add_argument("jobs")
     return parser
@@ -287,7 +321,7 @@ def batch(jobs: str) -> dict:
     return {"results": results}
 
 
-COMMANDS = {"build": build, "generate": generate, "batch": lambda args: batch(args.jobs)}
+COMMANDS = {"build": build, "generate": generate, "logits": logits, "batch": lambda args: batch(args.jobs)}
 
 
 def main(argv=None) -> int:

@@ -25,7 +25,8 @@ from remote.target.model import target_features
 from remote.drafters.tiny import tiny_target
 from golden import SPECULATORS_VARIANTS, TOL, ZLAB_VARIANTS, ours_logits_per_anchor, prompts, reference_from
 from models import freeze, random_drafter, trained_drafter, walk_target
-from references import randomize, speculators_drafter, speculators_logits, zlab_drafter, zlab_generate, zlab_logits
+from references import (randomize, speculators_drafter, speculators_logits, zlab_class, zlab_drafter, zlab_generate,
+                        zlab_logits)
 
 pytestmark = pytest.mark.models
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +42,14 @@ SPECULATORS_TO_ZLAB_REFUSED = {
     "sliding-causal": "field sliding_window", "sliding-noncausal": "field sliding_window",
     "reduced-vocab": "draft_vocab_size 100 of 256", "sample-from-anchor": "sample_from_anchor",
     "dflash2": "field sliding_window"}
+# SpecForge's format (its classes draft with no attention mask, over the target's lm_head): what it refuses.
+ZLAB_TO_SPECFORGE_REFUSED = {
+    "sliding-causal": "field sliding_window", "sliding-noncausal": "field sliding_window",
+    "all-causal": "field is_causal", "knobs": "input_embedding_scale 1.7", "dflash2": "a DFlash2 drafter"}
+SPECULATORS_TO_SPECFORGE_REFUSED = {
+    "sliding-causal": "field sliding_window", "sliding-noncausal": "field sliding_window",
+    "reduced-vocab": "draft_vocab_size 100 of 256", "sample-from-anchor": "sample_from_anchor",
+    "dflash2": "a DFlash2 drafter"}
 # config.json keys that may differ after a round trip: the speculators_config a speculators export
 # always writes (vLLM requires it; speculators' own save writes null), and speculators' stamp of the
 # version that saved a checkpoint (z-lab has no place for it; the export writes none).
@@ -61,13 +70,6 @@ def sequence(random_target):
     ids = torch.randint(0, 250, (20,), generator=torch.Generator().manual_seed(5))
     _, th = target_features(random_target, ids[None], [0, 1, 2])
     return ids, th
-
-
-def zlab_class(folder: Path):
-    from dflash.model import DFlash2DraftModel, DFlashDraftModel
-
-    dflash2 = "DFlash2DraftModel" in json.loads((folder / "config.json").read_text())["architectures"]
-    return (DFlash2DraftModel if dflash2 else DFlashDraftModel).from_pretrained(folder).eval()
 
 
 def speculators_class(folder: Path):
@@ -164,6 +166,35 @@ def test_speculators_variants_export_to_zlab(variant, tmp_path, random_target, s
     assert_same_checkpoint(src, back, supplied={"num_target_layers": 4})
     again, _, _ = speculators_logits(speculators_class(back), th, ids, n_anchors=6)
     assert torch.equal(again, want)
+
+
+@pytest.mark.parametrize("source, variant", [("zlab", v) for v in ZLAB_VARIANTS]
+                         + [("speculators", v) for v in SPECULATORS_VARIANTS])
+@torch.no_grad()
+def test_variants_export_to_specforge_or_are_refused(source, variant, tmp_path, random_target, sequence):
+    """z-lab / speculators -> SpecForge: what SpecForge's classes cannot draw (sliding windows, causal
+    layers, DFlash2, z-lab's knobs, a reduced vocabulary, sample_from_anchor) is refused naming the
+    field; the rest reads back as SpecForge's format with the source's logits at every anchor, and
+    exported back to the source format is the source checkpoint (tests/test_specforge_ref.py loads
+    these exports in SpecForge's own class)."""
+    ids, th = sequence
+    src = tmp_path / source
+    build, variants, refused = ((zlab_drafter, ZLAB_VARIANTS, ZLAB_TO_SPECFORGE_REFUSED) if source == "zlab" else
+                                (speculators_drafter, SPECULATORS_VARIANTS, SPECULATORS_TO_SPECFORGE_REFUSED))
+    build(src, random_target, **variants[variant])
+    if variant in refused:
+        assert_refused(src, "specforge", refused[variant], verifier=random_target.folder)
+        return
+    out = Path(export(src, "specforge", verifier=random_target.folder)["out"])
+    raw = json.loads((out / "config.json").read_text())
+    assert open_checkpoint(out).format == "specforge" and raw["architectures"] == ["DFlashDraftModel"]
+    assert raw["dflash_config"]["target_layer_ids"] == [0, 1, 2] and raw["num_target_layers"] == 4
+    want, got = load_drafter(src)[0], load_drafter(out)[0]
+    for p in (1, 7, 18):
+        assert torch.equal(ours_logits_per_anchor(got, random_target, th, ids, p, got.block_size),
+                           ours_logits_per_anchor(want, random_target, th, ids, p, want.block_size))
+    back = Path(export(out, source, verifier=random_target.folder, force=True, out=tmp_path / "back")["out"])
+    assert_same_checkpoint(src, back, supplied={"num_target_layers": 4} if source == "speculators" else None)
 
 
 @torch.no_grad()
@@ -351,9 +382,12 @@ def test_inspect_shows_the_formats_a_checkpoint_exports_to(tmp_path, random_targ
     assert proc.returncode == 0, proc.stderr
     assert "export    speculators: yes" in proc.stdout
     assert "export    zlab: no (draft_vocab_size 100 of 256" in proc.stdout
+    assert "export    specforge: no (draft_vocab_size 100 of 256" in proc.stdout
     speculators_drafter(tmp_path / "full", random_target)
+    needs = ("DFlashDraftModel needs it (it computes a default layer list from it even when target_layer_ids is set): "
+             "pass --verifier DIR or --num-target-layers N")
     assert inspect(str(tmp_path / "full"))["exports"] == {
-        "speculators": None, "zlab": "num_target_layers: not recorded in the source, and z-lab's DFlashDraftModel "
-        "needs it (it computes a default layer list from it even when target_layer_ids is set): pass --verifier DIR "
-        "or --num-target-layers N"}
-    assert inspect(str(tmp_path / "full"), target=random_target.folder)["exports"] == {"speculators": None, "zlab": None}
+        "speculators": None, "zlab": f"num_target_layers: not recorded in the source, and z-lab's {needs}",
+        "specforge": f"num_target_layers: not recorded in the source, and SpecForge's {needs}"}
+    assert inspect(str(tmp_path / "full"), target=random_target.folder)["exports"] == {
+        "speculators": None, "zlab": None, "specforge": None}

@@ -171,7 +171,7 @@ def test_export_on_local_of_a_relative_folder_and_the_names_it_refuses(eval_lab,
     assert_same_drafter(src, tmp_path / "drafter.speculators")
     for args, message in (
             (["./drafter", "--to", "zlib"], "error: --to zlib: not a format dflash-ops writes (did you mean 'zlab'?); "
-                                          "formats: zlab, speculators"),
+                                          "formats: zlab, speculators, specforge"),
             (["./drafter", "--to", "zlab", "--host", "nowhere"], "error: unknown host 'nowhere'"),
             (["v9:step_999", "--to", "zlab", "--host", "local"], "error: unknown drafter 'v9'")):
         bad = invoke(*inventory, "export", *args)

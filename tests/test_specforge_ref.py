@@ -481,3 +481,55 @@ def test_vllm_is_asked_to_serve_a_dspark_drafter(drafters):
         with pytest.raises(EngineError, match=f"vLLM serves DFlash drafters only.*SpecForge's {family} drafter, which "
                                               f"SGLang serves \\(--speculative-algorithm {algorithm}\\)"):
             drafter_num_speculative_tokens(drafters[family][0])
+
+
+def test_exports_load_in_specforge_and_zlab_classes(target_dir, drafters, runs, tmp_path):
+    """SpecForge's DFlash drafter -> z-lab -> speculators -> SpecForge, and z-lab -> SpecForge: the
+    z-lab export in z-lab's own class and the SpecForge exports in SpecForge's own class draft the
+    source's logits, and SpecForge's spec_generate of an export is the source's, cycle for cycle.
+    Domino and DSpark drafters go to SpecForge's format only (tensors bit for bit, same drafts) and
+    are refused elsewhere, naming their heads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from remote.drafters.checkpoint import open_checkpoint, read_tensors
+    from remote.drafters.export import ExportRefused, export
+    from remote.target.model import target_features
+    from references import zlab_class, zlab_logits
+
+    def to(src: Path, fmt: str, name: str) -> Path:
+        return Path(export(src, fmt, out=tmp_path / name, verifier=str(target_dir))["out"])
+
+    zlab = to(drafters["dflash"][0], "zlab", "z")
+    chain = to(to(zlab, "speculators", "zs"), "specforge", "zsf")
+    direct = to(zlab, "specforge", "zf")
+    heads = {family: to(drafters[family][0], "specforge", family) for family in ("domino", "dspark")}
+    for family, folder in heads.items():
+        source = read_tensors(open_checkpoint(drafters[family][0]))
+        assert {k: v.tolist() for k, v in read_tensors(open_checkpoint(folder)).items()} == \
+               {k: v.tolist() for k, v in source.items()}
+        for fmt in ("zlab", "speculators"):
+            with pytest.raises(ExportRefused, match=f"a {family} drafter's heads .*--to specforge"):
+                export(drafters[family][0], fmt, out=tmp_path / f"{family}.{fmt}")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(PROMPTS))
+    folders = [drafters["dflash"][0], chain, direct]
+    jobs = [["logits", str(f), str(target_dir), "--prompts", str(prompts)] for f in folders]
+    jobs += [["generate", str(f), str(target_dir), "--prompts", str(prompts), "--max-new-tokens", str(N),
+              "--seed", str(SEED)] for f in (chain, direct, *heads.values())]
+    results = [ok(r) for r in harness_batch(jobs, tmp_path, "exports")]
+    source, *exported = (torch.tensor(r["logits"]) for r in results[:3])
+    for logits in exported:
+        assert torch.equal(logits, source)
+    for result, name in zip(results[3:], ("dflash", "dflash", "domino", "dspark")):
+        want = runs[name, "greedy"]
+        assert (result["outputs"], result["acceptance_lengths"]) == (want["outputs"], want["acceptance_lengths"])
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    model = zlab_class(zlab)
+    with torch.no_grad():
+        for prompt, want in zip(PROMPTS, source):
+            ids = torch.tensor(prompt + [int(target(torch.tensor([prompt])).logits[0, -1].argmax())])
+            _, th = target_features(target, ids[None], model.target_layer_ids)
+            got = zlab_logits(model, target, th, ids, len(prompt), BLOCK)[0, 1:]
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -51,7 +51,7 @@ def export_cmd(
     ctx: typer.Context,
     drafter: str = typer.Argument(..., help="LABEL[:CKPT] from the catalog (a training run's checkpoint: the named one, "
                                        "else the newest), a folder on the host, or 'embedded'."),
-    fmt: str = typer.Option(..., "--to", metavar="FORMAT", help="The format to write: zlab or speculators."),
+    fmt: str = typer.Option(..., "--to", metavar="FORMAT", help="The format to write: zlab, speculators or specforge."),
     host: Optional[str] = typer.Option(None, "--host", "-H",
                                        help="The host where the checkpoint is (default: the eval host; a training "
                                             "run's checkpoint that is only on the training host is exported there)."),

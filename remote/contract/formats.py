@@ -4,5 +4,5 @@ from __future__ import annotations
 
 ZLAB, SPECULATORS, STATE_DICT, SPECFORGE = "zlab", "speculators", "state_dict", "specforge"
 READ_FORMATS = (ZLAB, SPECULATORS, STATE_DICT, SPECFORGE)   # what the worker loads (a catalog's `format:`)
-EXPORT_FORMATS = (ZLAB, SPECULATORS)               # what `export --to` writes
+EXPORT_FORMATS = (ZLAB, SPECULATORS, SPECFORGE)    # what `export --to` writes
 MAX_BLOCK_SIZE = 1024

@@ -26,7 +26,7 @@ Formats
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from remote.contract.formats import SPECFORGE
@@ -79,6 +79,7 @@ SPECULATORS_REFUSED = {
 ZLAB_ARCHITECTURES = {"DFlashDraftModel": DFLASH, "DFlash2DraftModel": DFLASH2}
 # SpecForge's classes by the family they draft (``architectures``) and the keys its dflash_config adds
 SPECFORGE_ARCHITECTURES = {"DominoDraftModel": DOMINO, "DSparkDraftModel": DSPARK}
+SPECFORGE_CLASSES = {DFLASH: "DFlashDraftModel", **{family: cls for cls, family in SPECFORGE_ARCHITECTURES.items()}}
 # early SpecForge checkpoints keep the families' heads under a ``logit_head.`` container
 LEGACY_HEAD_PREFIX = "logit_head."
 
@@ -112,7 +113,7 @@ _ZLAB_FIELDS = {**_DFLASH_FIELDS, "architectures": STRS, "vocab_size": INT, "num
 _SPECULATORS_FIELDS = {**_DFLASH_FIELDS, "speculators_model_type": STR, "transformer_layer_config": OBJ,
                        "aux_hidden_state_layer_ids": INTS, "draft_vocab_size": INT, "num_target_layers": INT,
                        "target_hidden_size": INT, "sliding_window_non_causal": BOOL, "sample_from_anchor": BOOL}
-_NULLABLE = {"final_logit_softcapping", "num_target_layers", "target_hidden_size", "is_causal", "sliding_window",
+_NULLABLE = {"projector_type", "final_logit_softcapping", "num_target_layers", "target_hidden_size", "is_causal", "sliding_window",
              "draft_vocab_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
 _ANNOTATION_KINDS = {"int": INT, "float": NUM, "bool": BOOL, "str": STR, "list[int]": INTS, "list[str]": STRS,
                      "dict": OBJ}
@@ -546,6 +547,15 @@ def _strip(name: str) -> str:
     return name
 
 
+def tensor_name(cfg: DrafterConfig, stored: str) -> str:
+    """A stored tensor name as the drafter's modules name it: wrappers' prefixes stripped (``module.``),
+    DFlash2 codebooks without ``.weight``, the families' heads out of early SpecForge's ``logit_head.``."""
+    name = _strip(stored)
+    if name.startswith(LEGACY_HEAD_PREFIX) and cfg.family != DFLASH:
+        name = name[len(LEGACY_HEAD_PREFIX):]
+    return name
+
+
 def read_tensors(ckpt: DrafterCheckpoint, shapes_only: bool = False) -> dict:
     """Normalised name -> tensor (or shape tuple with ``shapes_only``; safetensors headers only)."""
     import torch
@@ -572,9 +582,7 @@ def read_tensors(ckpt: DrafterCheckpoint, shapes_only: bool = False) -> dict:
                     out[k] = tuple(v.shape) if shapes_only else v
     renamed: dict = {}
     for k, v in out.items():
-        name = _strip(k)
-        if name.startswith(LEGACY_HEAD_PREFIX) and ckpt.config.family != DFLASH:
-            name = name[len(LEGACY_HEAD_PREFIX):]
+        name = tensor_name(ckpt.config, k)
         if name in renamed:
             raise CheckpointError(f"{ckpt.path}: tensor {name!r} appears twice (as {k!r})")
         renamed[name] = v
@@ -703,6 +711,29 @@ def zlab_config_dict(cfg: DrafterConfig, base: dict | None = None) -> dict:
     if cfg.architecture == DFLASH2:
         dflash.update(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
                       selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    return raw
+
+
+def specforge_config_dict(cfg: DrafterConfig, base: dict | None = None, dflash_base: dict | None = None) -> dict:
+    """``config.json`` of a SpecForge-format drafter: z-lab's layout (:func:`zlab_config_dict`) with the
+    family's class in ``architectures`` and its ``dflash_config`` keys, as SpecForge's classes read
+    them. ``pure_draft_prefix_len`` and ``shift_label`` are always written (every SpecForge class
+    reads both), which is also what tells this reader a plain DFlash drafter is SpecForge's.
+    ``dflash_base``: ``dflash_config`` keys without drafting semantics carried from the source."""
+    if cfg.architecture != DFLASH or cfg.is_causal not in (None, False) or SLIDING in cfg.layer_types:
+        raise ValueError("only DFlash drafters with bidirectional full-attention layers can be written in "
+                         "SpecForge's format")
+    raw = zlab_config_dict(replace(cfg, is_causal=None), base=base)
+    raw["architectures"] = [SPECFORGE_CLASSES[cfg.family]]
+    dflash = {**(dflash_base or {}), **raw["dflash_config"],
+              "pure_draft_prefix_len": cfg.pure_draft_prefix_len, "shift_label": cfg.shift_label}
+    if cfg.family == DOMINO:
+        dflash.update(projector_type=DOMINO, emb_dim=cfg.emb_dim, gru_hidden_dim=cfg.gru_hidden_dim)
+    elif cfg.family == DSPARK:
+        dflash.update(projector_type=DSPARK, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+                      enable_confidence_head=cfg.confidence_head,
+                      confidence_head_with_markov=cfg.confidence_head_with_markov, attention_mode=cfg.attention_mode)
+    raw["dflash_config"] = dflash
     return raw
 
 

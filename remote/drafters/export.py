@@ -1,8 +1,8 @@
 """A drafter checkpoint written in another format (the command line is :mod:`remote.export`).
 
 Writes a drafter checkpoint SRC (a folder in any format :mod:`remote.drafters.checkpoint` reads: z-lab,
-speculators, a bare state dict) as a new checkpoint folder in the z-lab or the speculators format,
-beside SRC by default (``SRC.zlab``, ``SRC.speculators``). The new folder holds ``config.json``,
+speculators, SpecForge, a bare state dict) as a new checkpoint folder in the z-lab, the speculators or
+SpecForge's format, beside SRC by default (``SRC.zlab``, ``SRC.speculators``, ``SRC.specforge``). The new folder holds ``config.json``,
 ``model.safetensors`` (tensors bit for bit as read, same dtypes) and ``dflash-export.json``: the
 source (path, format, sha256 of every file read), what was mapped and how, what was not carried
 and why, and the sha256 of every file written.
@@ -24,6 +24,11 @@ What maps to what (z-lab ↔ speculators):
 * DFlash2's convolutions and candidate selector: the same tensors (codebooks written without
   ``.weight``, the released z-lab form, which both references and vLLM read).
 
+SpecForge's format is z-lab's layout with SpecForge's class and ``dflash_config`` keys
+(:func:`~remote.drafters.checkpoint.specforge_config_dict`); it alone holds the Domino and DSpark heads,
+and it holds only bidirectional full-attention DFlash drafters over the target's ``lm_head``
+(:func:`_as_specforge` says why).
+
 Refused, naming the field: what the target format cannot express (sliding windows counted from the
 other end, causal full layers in speculators, z-lab's knobs in speculators, ``sample_from_anchor``
 and reduced vocabularies in z-lab, a DFlash2 ``conv_kernel_size`` beyond the block in
@@ -43,12 +48,12 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from remote.drafters.checkpoint import (CONFIG_NAME, CheckpointError, DrafterCheckpoint, check_tensors,
-                                        check_vocab_maps, completeness_problems, layer_config_dict, open_checkpoint,
-                                        read_tensors, sha256_file, speculators_config_dict, speculators_proposal_config,
-                                        zlab_config_dict)
+from remote.drafters.checkpoint import (CONFIG_NAME, CheckpointError, DrafterCheckpoint,
+                                        check_tensors, check_vocab_maps, completeness_problems, layer_config_dict,
+                                        open_checkpoint, read_tensors, sha256_file, specforge_config_dict, tensor_name,
+                                        speculators_config_dict, speculators_proposal_config, zlab_config_dict)
 from remote.drafters.config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
-from remote.contract.formats import EXPORT_FORMATS
+from remote.contract.formats import EXPORT_FORMATS, SPECFORGE
 from remote.host.proc import alive
 
 FORMATS = EXPORT_FORMATS
@@ -78,6 +83,12 @@ _GENERIC = {"_name_or_path", "chunk_size_feed_forward", "dtype", "torch_dtype", 
 # Generic keys speculators' save writes at its top level (the first two there only).
 _SPECULATORS_TOP = ("dtype", "torch_dtype", "tie_word_embeddings", "transformers_version")
 _DEFAULT_NON_CAUSAL = {"dflash": False, "dflash2": True}     # speculators' sliding_window_non_causal defaults
+ZLAB_LAYOUT = (ZLAB, SPECFORGE)       # formats that keep z-lab's config layout (layer config at the top level)
+# SpecForge's dflash_config keys: the family's, read into the drafter's config and written again from it
+# where the target format is SpecForge's; confidence_head_alpha is a training loss weight (no drafting semantics)
+_SPECFORGE_OWN = {"projector_type", "pure_draft_prefix_len", "shift_label", "emb_dim", "gru_hidden_dim", "markov_rank",
+                  "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "attention_mode"}
+_SPECFORGE_CARRIED = {"confidence_head_alpha"}
 
 
 class ExportRefused(ValueError):
@@ -137,7 +148,38 @@ def _family_refusals(cfg: DrafterConfig, fmt: str) -> list[str]:
     if cfg.family == DFLASH:
         return []
     return [f"a {cfg.family} drafter's heads ({'; '.join(cfg.heads())}): {fmt} has no place for them (SpecForge's "
-            f"own format keeps them)"]
+            f"own format keeps them: --to specforge)"]
+
+
+def _as_specforge(cfg: DrafterConfig) -> tuple[DrafterConfig | None, list[str]]:
+    """SpecForge's classes are plain DFlash backbones (plus the family's heads) over the target's
+    ``lm_head``, and ``spec_generate`` drafts with ``is_causal=False`` and no attention mask: every
+    layer sees every key, so only bidirectional full-attention layers keep their rule."""
+    reasons = []
+    if cfg.architecture == DFLASH2:
+        reasons.append("a DFlash2 drafter (convolutions and a candidate selector): SpecForge's DFlashDraftModel has "
+                       "neither")
+    if cfg.sample_from_anchor:
+        reasons.append("sample_from_anchor: every slot drafts (B drafts per block); SpecForge's block starts with the "
+                       "anchor (B - 1 drafts)")
+    if cfg.reduced_vocab:
+        reasons.append(f"draft_vocab_size {cfg.draft_vocab_size} of {cfg.vocab_size} (lm_head.weight, d2t): SpecForge "
+                       f"drafts with the target's lm_head over all {cfg.vocab_size} ids")
+    for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
+        if getattr(cfg, name) != default:
+            reasons.append(f"{name} {getattr(cfg, name)}: SpecForge's classes have no {name} (z-lab knob)")
+    if (cfg.final_logit_softcapping or 0) > 0:
+        reasons.append(f"final_logit_softcapping {cfg.final_logit_softcapping}: SpecForge has no logit soft-capping "
+                       f"(z-lab knob)")
+    for i, (kind, rule) in enumerate(zip(cfg.layer_types, cfg.layer_rules())):
+        if rule.window is not None or rule.causal:
+            reasons.append(f"layer {i} ({_describe_rule(kind, _rule_key(rule))}): SpecForge's spec_generate drafts with "
+                           f"no attention mask (is_causal=False), so every layer attends to every key: field "
+                           f"{'sliding_window' if rule.window is not None else 'is_causal'}")
+    if reasons:
+        return None, reasons
+    return replace(cfg, mask_rule=ZLAB, is_causal=None, sliding_window_non_causal=False, draft_vocab_size=None,
+                   final_logit_softcapping=None), []
 
 
 def _as_zlab(cfg: DrafterConfig) -> tuple[DrafterConfig | None, list[str]]:
@@ -224,15 +266,24 @@ def _carry(ckpt: DrafterCheckpoint, fmt: str) -> _Carry:
     top level there too)."""
     raw, c = ckpt.raw, _Carry()
     dflash2 = ckpt.config.architecture == DFLASH2
-    if ckpt.format == "zlab":
+    if ckpt.format in ZLAB_LAYOUT:
         dcfg = raw.get("dflash_config") or {}
         for key, value in dcfg.items():
             if key in _DFLASH2_VALUES and not dflash2:
                 c.not_carried.append(f"dflash_config.{key} (read by DFlash2 only; this drafter is DFlash)")
             elif key == "block_size":
                 c.mapped.append("dflash_config.block_size -> block_size at the top level (z-lab reads either)")
+            elif key in _SPECFORGE_OWN:
+                if fmt != SPECFORGE:       # a plain DFlash drafter's (the families' heads are refused)
+                    c.not_carried.append(f"dflash_config.{key} {json.dumps(value)} (SpecForge's family settings; "
+                                         f"its spec_generate of a plain DFlash drafter does not read it)")
+            elif key in _SPECFORGE_CARRIED:
+                if fmt == SPECFORGE:
+                    c.dflash[key] = value
+                else:
+                    c.not_carried.append(f"dflash_config.{key} (a SpecForge training weight; no effect on drafting)")
             elif key not in _DFLASH_VALUES:
-                if fmt == "zlab":
+                if fmt in ZLAB_LAYOUT:
                     c.dflash[key] = value
                 else:
                     c.refusals.append(f"dflash_config.{key}: a key this exporter does not know (speculators has no "
@@ -243,20 +294,21 @@ def _carry(ckpt: DrafterCheckpoint, fmt: str) -> _Carry:
             elif key in _DFLASH2_VALUES and not dflash2:
                 c.not_carried.append(f"{key} (read by DFlash2 only; this drafter is DFlash)")
             elif key in _DFLASH_VALUES and key != "block_size" and key not in dcfg:
-                c.mapped.append(f"{key}: top level -> {'dflash_config' if fmt == 'zlab' else 'speculators field'} "
+                c.mapped.append(f"{key}: top level -> {'dflash_config' if fmt in ZLAB_LAYOUT else 'speculators field'} "
                                 f"(z-lab reads either place)")
             elif key not in _ZLAB_OWN and key not in _LAYER_OWN:
                 if fmt == "speculators" and key in _SPECULATORS_TOP:
                     c.top[key] = value
-                if fmt == "zlab" or key not in ("dtype", "torch_dtype"):
+                if fmt in ZLAB_LAYOUT or key not in ("dtype", "torch_dtype"):
                     c.layer[key] = value
     elif ckpt.format == "speculators":
         layer = raw.get("transformer_layer_config") or {}
         for key, value in layer.items():
             if key in _LAYER_OWN:
                 continue
-            if (key in _ZLAB_OWN or key == "auto_map") and fmt == "zlab":
-                c.not_carried.append(f"transformer_layer_config.{key} (speculators does not read it; z-lab would)")
+            if (key in _ZLAB_OWN or key == "auto_map") and fmt in ZLAB_LAYOUT:
+                c.not_carried.append(f"transformer_layer_config.{key} (speculators does not read it; "
+                                     f"{'z-lab' if fmt == ZLAB else 'SpecForge'} would)")
             else:
                 c.layer[key] = value
         for key, value in raw.items():
@@ -267,7 +319,7 @@ def _carry(ckpt: DrafterCheckpoint, fmt: str) -> _Carry:
                     else:
                         c.top[key] = value
                 elif value is not None:
-                    c.not_carried.append(f"{key} (speculators' own record; z-lab has no place for it)")
+                    c.not_carried.append(f"{key} (speculators' own record; {fmt} has no place for it)")
             elif key in _DFLASH2_VALUES and not dflash2:
                 c.not_carried.append(f"{key} (read by DFlash2 only; this drafter is DFlash)")
             elif key in _SPECULATORS_OWN:
@@ -275,13 +327,13 @@ def _carry(ckpt: DrafterCheckpoint, fmt: str) -> _Carry:
             elif key in _GENERIC or fmt == "speculators":
                 c.top[key] = value
             else:
-                c.refusals.append(f"{key}: a speculators field this exporter does not know (z-lab has no place for "
+                c.refusals.append(f"{key}: a speculators field this exporter does not know ({fmt} has no place for "
                                   f"it, and it may change what the drafter does)")
         kind = layer.get("model_type")
         if kind not in (None, "qwen3"):
             c.mapped.append(f"transformer_layer_config.model_type {kind} -> qwen3 (every layer field is written; "
-                            f"z-lab reads its config as a Qwen3Config)")
-    if fmt == "zlab":
+                            f"{fmt} reads its config as a Qwen3Config)")
+    if fmt in ZLAB_LAYOUT:
         c.layer = {**c.top, **c.layer}
         c.top = {}
     return c
@@ -327,21 +379,24 @@ def plan_export(ckpt: DrafterCheckpoint, fmt: str, verifier: str | None = None,
             mapped.append(f"num_target_layers {given}: from "
                           + ("--num-target-layers" if num_target_layers is not None else f"the verifier {name}"))
     carry = _carry(ckpt, fmt)
-    converted, refusals = (_as_zlab if fmt == "zlab" else _as_speculators)(cfg)
+    converted, refusals = {ZLAB: _as_zlab, SPECULATORS: _as_speculators, SPECFORGE: _as_specforge}[fmt](cfg)
     reasons = refusals + carry.refusals + reasons
-    if fmt == "zlab" and cfg.num_target_layers is None:
-        reasons.append("num_target_layers: not recorded in the source, and z-lab's DFlashDraftModel needs it (it "
-                       "computes a default layer list from it even when target_layer_ids is set): pass --verifier "
-                       "DIR or --num-target-layers N")
+    if fmt in ZLAB_LAYOUT and cfg.num_target_layers is None:
+        reasons.append(f"num_target_layers: not recorded in the source, and {'z-lab' if fmt == ZLAB else 'SpecForge'}'s "
+                       f"DFlashDraftModel needs it (it computes a default layer list from it even when "
+                       f"target_layer_ids is set): pass --verifier DIR or --num-target-layers N")
     if reasons:
         raise ExportRefused(fmt, reasons)
     if behaviour(converted) != behaviour(cfg):      # the conversions above only choose the format's flags
         raise RuntimeError(f"export to {fmt} would change the drafter: {behaviour(cfg)} -> {behaviour(converted)}")
     mapped += carry.mapped
-    if fmt == "zlab":
-        raw = zlab_config_dict(converted, base=carry.layer)
-        raw["dflash_config"] = {**carry.dflash, **raw["dflash_config"]}
-        if ckpt.format != "zlab":
+    if fmt in ZLAB_LAYOUT:
+        if fmt == ZLAB:
+            raw = zlab_config_dict(converted, base=carry.layer)
+            raw["dflash_config"] = {**carry.dflash, **raw["dflash_config"]}
+        else:
+            raw = specforge_config_dict(converted, base=carry.layer, dflash_base=carry.dflash)
+        if ckpt.format == SPECULATORS:
             mapped.append(f"aux_hidden_state_layer_ids {[i + 1 for i in cfg.target_layer_ids]} -> "
                           f"dflash_config.target_layer_ids {cfg.target_layer_ids} (z-lab id = hidden_states index - 1)")
     else:
@@ -349,10 +404,10 @@ def plan_export(ckpt: DrafterCheckpoint, fmt: str, verifier: str | None = None,
         if verifier:
             proposal = {**proposal, "verifier": {"name_or_path": name, "architectures": architectures}}
         raw = speculators_config_dict(converted, base=carry.top, layer_base=carry.layer, proposal=proposal)
-        if ckpt.format != "speculators":
+        if ckpt.format != SPECULATORS:
             mapped.append(f"target_layer_ids {cfg.target_layer_ids} -> aux_hidden_state_layer_ids "
                           f"{[i + 1 for i in cfg.target_layer_ids]} (hidden_states index = z-lab id + 1)")
-    if ckpt.format != fmt:
+    if ckpt.format != fmt and not {ckpt.format, fmt} <= set(ZLAB_LAYOUT):
         rules = [_describe_rule(k, _rule_key(r)) for k, r in zip(cfg.layer_types, cfg.layer_rules())]
         mapped.append(f"layer rules (unchanged): {rules}"
                       + (f" (is_causal {converted.is_causal})" if fmt == "zlab" and converted.is_causal is not None
@@ -512,11 +567,11 @@ def _save_weights(weights: dict, path: Path) -> None:
 
 def _renamed_tensors(ckpt: DrafterCheckpoint, kept: set[str]) -> list[str]:
     """``stored -> written`` for every kept tensor whose stored name :func:`read_tensors` normalised
-    (prefixes such as ``module.`` stripped, DFlash2 codebooks without ``.weight``)."""
+    (:func:`~remote.drafters.checkpoint.tensor_name`)."""
     import torch
     from safetensors import safe_open
 
-    from remote.drafters.checkpoint import _strip, _unnest
+    from remote.drafters.checkpoint import _unnest
 
     stored: list[str] = []
     for f in ckpt.weight_files:
@@ -526,7 +581,8 @@ def _renamed_tensors(ckpt: DrafterCheckpoint, kept: set[str]) -> list[str]:
         else:
             sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             stored += [k for k, v in _unnest(sd).items() if hasattr(v, "shape")]
-    return sorted(f"{k} -> {_strip(k)}" for k in stored if _strip(k) != k and _strip(k) in kept)
+    names = {k: tensor_name(ckpt.config, k) for k in stored}
+    return sorted(f"{k} -> {name}" for k, name in names.items() if name != k and name in kept)
 
 
 def _remove_stale_temporaries(dest: Path) -> None:
