@@ -203,3 +203,25 @@ def _created_from_id(run_id: str) -> str:
 def read_rows(run_dir: Union[str, Path]) -> list[dict]:
     with open(Path(run_dir) / "results.jsonl", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def add_confidences(run_dir: Union[str, Path], skill: float = 2.0, seed: int = 0) -> list[dict]:
+    """Give a run a DSpark confidence head: per cycle, one confidence per drafted position (B − 1),
+    sigmoid(±skill + noise), + for the positions the cycle accepted; results.jsonl and summary.json
+    (the worker's own `summarize`) rewritten. Returns the rows."""
+    run_dir = Path(run_dir)
+    env = json.loads((run_dir / "env.json").read_text(encoding="utf-8"))
+    B, mode = int(env["settings"]["block_size"]), env["settings"]["mode"]
+    rows = read_rows(run_dir)
+    for row in rows:
+        rng = _rng("confidences", run_dir.name, row["id"], seed)
+        row["confidences"] = [
+            [round(float(1 / (1 + np.exp(-(skill if k < length else -skill) - rng.normal()))), 6) for k in range(1, B)]
+            for length in row["acceptance_lengths"]]
+    with open(run_dir / "results.jsonl", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    from remote.contract.metrics import summarize
+
+    (run_dir / "summary.json").write_text(json.dumps(summarize(rows, B, mode), indent=2), encoding="utf-8")
+    return rows

@@ -320,6 +320,7 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
     """The comparison as a JSON-able dict. Refused comparisons come back with ``refused: True``
     (and no statistics) unless ``force``."""
     from ..runs.metrics import compute_metrics
+    from .confidence import pair_runs
     from .stats import paired_compare
 
     if len(runs) < 2:
@@ -400,6 +401,9 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
             c["ddtree"][bud] = {"n": dpr.n, "macro": asdict(dpr.macro), "pooled": asdict(dpr.pooled),
                                 "wins": dpr.wins, "ties": dpr.ties, "losses": dpr.losses}
         c["engine"] = engine_pairs(row_maps[0], rm, common, resamples, seed, confidence)
+        c["confidence"] = pair_runs({i: metrics[i].get("confidence") for i in (base.id, r.id)},
+                                    {base.id: row_maps[0], r.id: rm}, common, resamples=resamples, seed=seed,
+                                    confidence=confidence)
         if has_cats:
             c["categories"] = {}
             for cat in sorted({str(v) for v in cats.values() if v is not None}):
@@ -553,6 +557,90 @@ def category_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
     return head, rows
 
 
+def _ci_or_none(iv: Optional[dict]) -> str:
+    if iv is None:
+        return "—"
+    if iv["ci_low"] is None:
+        return f"{iv['diff']:+.3f} [no resample had a value]"
+    return _ci(iv)
+
+
+def _heads(result: dict) -> list[str]:
+    """The runs with a confidence head, in the comparison's order."""
+    return [r["id"] for r in result["runs"] if result["metrics"][r["id"]].get("confidence")]
+
+
+def confidence_tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """A confidence head compared (orchestrator/reports/confidence.py): the runs side by side, the
+    paired differences, per drafted position and the verify-budget curve; nothing when no run has
+    a head, and a run without one says so."""
+    from .confidence import MEASURES, NO_HEAD, headline
+
+    heads = _heads(result)
+    if not heads:
+        return []
+    ids = [r["id"] for r in result["runs"]]
+    M = result["metrics"]
+    nm = _names(result)
+    lines = {i: headline(M[i].get("confidence")) for i in ids}
+    side = [["cycles judged"] + [str(lines[i]["cycles"]) if lines[i] else NO_HEAD for i in ids],
+            ["drafted positions judged"] + [str(lines[i]["positions"]) if lines[i] else "—" for i in ids]]
+    for m in MEASURES:
+        side.append([m.label] + [fnum(lines[i][m.key]) if lines[i] else "—" for i in ids])
+        if m.key == "predicted_tau":
+            side.append(["τ measured (the same cycles)"] + [fnum(lines[i]["measured_tau"]) if lines[i] else "—"
+                                                            for i in ids])
+    diffs = []
+    labels = {m.key: m.label for m in MEASURES}
+    for c in result["comparisons"]:
+        h = c.get("confidence")
+        if h is None:
+            continue
+        pair = f"{nm[c['run']]} − {nm[c['vs']]}"
+        if h["missing"]:
+            why = "not paired: " + ", ".join(f"{nm[i]} has {NO_HEAD}" for i in h["missing"])
+            diffs.append([pair, "—", "0", why, "—"])
+            continue
+        diffs += [[pair, labels[k], str(h["n"]), _ci_or_none(iv), _p(iv and iv["p_value"])]
+                  for k, iv in h["measures"].items()]
+    tables = [("Confidence head: side by side (survival, pooled over drafted positions)",
+               ["measure"] + [nm[i] for i in ids], side)]
+    if diffs:
+        tables.append(("Confidence head: difference vs baseline",
+                       ["run vs baseline", "measure", "n", "Δ [95% CI]", "p"], diffs))
+    depth = max(len(M[i]["confidence"]["calibration"]["positions"]) for i in heads)
+    positions = []
+    for k in range(1, depth + 1):
+        row = [str(k)]
+        for i in heads:
+            p = (M[i]["confidence"]["calibration"]["positions"] + [None] * depth)[k - 1] or {}
+            row += [fnum(p.get("mean_predicted")), fnum(p.get("mean_observed")), fnum(p.get("ece"))]
+        positions.append(row)
+    tables.append(("Confidence head: per drafted position (no intervals: see the note)",
+                   ["k"] + [f"{nm[i]} {what}" for i in heads for what in ("predicted", "observed", "ECE")], positions))
+    paired = [c for c in result["comparisons"] if (c.get("confidence") or {}).get("verify_budget")]
+    curves = {i: {p["threshold"]: p for p in M[i]["confidence"]["verify_budget"]["points"]} for i in heads}
+    deltas = [{p["threshold"]: p for p in c["confidence"]["verify_budget"]} for c in paired]
+    budget = []
+    for t in curves[heads[0]]:
+        point = [curves[i].get(t) or {} for i in heads]
+        budget.append([f"{t:g}"] + [fnum(p.get("tau")) for p in point] + [fnum(p.get("mean_verify_len")) for p in point]
+                      + [_ci_or_none((d.get(t) or {}).get(key)) for d in deltas for key in ("tau", "mean_verify_len")])
+    tables.append(("Verify budget: a cycle verifies only the drafts whose survival ≥ threshold",
+                   ["threshold"] + [f"τ {nm[i]}" for i in heads] + [f"verified tokens / cycle {nm[i]}" for i in heads]
+                   + [f"Δ{what} {nm[c['run']]} [95% CI]" for c in paired for what in ("τ", " verified")], budget))
+    return tables
+
+
+def confidence_note(result: dict) -> str:
+    return ("Confidence head: the survival (the cumulative product of a cycle's per-position confidences) judged "
+            "against acceptance with SGLang's definitions (remote/contract/confidence.py), on the paired prompts. "
+            "Lower ECE, Brier and |τ predicted − measured| and a higher AUROC are better. Each measure is a function "
+            "of sums over prompts, so its difference (run − baseline) carries the same paired bootstrap CI over "
+            "prompts and permutation p as τ; per drafted position the values are shown without intervals (one "
+            "interval per position and measure would be many tests of little power; the pooled rows carry them).")
+
+
 def env_warning_lines(result: dict) -> list[str]:
     lines = []
     for d in result["env_differences"]:
@@ -570,14 +658,15 @@ def stats_note(result: dict) -> str:
 
 
 def compare_plots(result: dict) -> list[tuple[str, str, Optional[bytes]]]:
-    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position
+    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position, plot_reliability
 
     nm = _names(result)
     series = [(nm[r["id"]], result["metrics"][r["id"]]) for r in result["runs"]]
     return [("per-position", "Per-position acceptance", plot_per_position(series, with_anchors=False)),
             ("histogram", "Acceptance-length histogram", plot_histogram(series)),
             ("ddtree", "DDTree τ vs budget", plot_ddtree(series)),
-            ("categories", "τ per category", plot_categories(series))]
+            ("categories", "τ per category", plot_categories(series)),
+            ("reliability", "Confidence head: reliability", plot_reliability(series))]
 
 
 def default_out_dir(runs_root: Path, ids: Sequence[str]) -> Path:
@@ -603,6 +692,11 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     cat = category_rows(result)
     if cat:
         doc.table(*cat, heading="Per category (τ macro)")
+    heads = confidence_tables(result)
+    for heading, head, rows in heads:
+        doc.table(head, rows, heading=heading)
+    if heads:
+        doc.para(confidence_note(result), cls="note")
     pub = result.get("published")
     if pub:
         src = pub["source"]

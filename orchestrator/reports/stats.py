@@ -5,11 +5,13 @@ The *prompt* is the unit (REFERENCE §2): a bootstrap resamples prompts (the sam
 runs) and the significance test swaps the two runs' values within prompts. Inputs are per-prompt
 token and cycle counts aligned by prompt; τ per prompt = tokens / cycles. Cross-checked against
 ``scipy.stats.bootstrap(paired=True)`` and ``scipy.stats.permutation_test`` in tests/test_stats.py.
+:func:`paired_sums` does the same for any statistic of per-prompt sums (a confidence head's
+calibration, orchestrator/reports/confidence.py).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -23,8 +25,8 @@ class Interval:
     a: float                # value of the baseline run on the paired prompts
     b: float                # value of the other run
     diff: float             # b - a
-    ci_low: float
-    ci_high: float
+    ci_low: Optional[float]     # None: no resample had a value
+    ci_high: Optional[float]
     p_value: Optional[float] = None
 
 
@@ -169,3 +171,76 @@ def paired_compare(tok_a, cyc_a, tok_b, cyc_b, *, resamples: int = 10000, seed: 
     w, t, l = win_tie_loss(ta / ca, tb / cb)
     return PairedResult(n=len(ta), resamples=resamples, seed=seed, confidence=confidence, macro=macro,
                         pooled=pooled, wins=w, ties=t, losses=l, exact_test=exact)
+
+
+# --------------------------------------------------------------------------- statistics of sums over prompts
+
+def paired_sums(xa, xb, statistics: Sequence[Callable[[np.ndarray], np.ndarray]], *, resamples: int = 10000,
+                seed: int = 0, confidence: float = 0.95, cells: int = 2_000_000) -> list[Optional[Interval]]:
+    """Paired bootstrap CIs and permutation p-values of statistic(b) − statistic(a), for statistics
+    of sums over prompts (a ratio of sums, a binned calibration error, an AUROC from score counts).
+
+    ``xa``, ``xb``: (prompts × k) per-prompt values, aligned by prompt, that add up over prompts;
+    each statistic maps an (m × k) array of totals to m values, NaN where undefined. The bootstrap
+    resamples prompts (the same resamples for both runs and every statistic) and drops, per
+    statistic, the resamples where either value is undefined (no CI when none is left); the test
+    swaps the two runs' rows within a random subset of prompts (exact when 2^n ≤ resamples). An
+    interval is None where either run's own value is undefined. ``cells`` bounds the size of one
+    chunk of resamples (resamples × max(k, prompts))."""
+    xa, xb = np.asarray(xa, dtype=np.float64), np.asarray(xb, dtype=np.float64)
+    n, k = xa.shape
+    if n == 0:
+        raise ValueError("no paired prompts")
+    chunk = max(1, cells // max(k, n))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own = [[float(v) for v in f(np.stack([xa.sum(axis=0), xb.sum(axis=0)]))] for f in statistics]
+        boot: list[list[np.ndarray]] = [[] for _ in statistics]
+        for w in _weights(n, resamples, np.random.default_rng(seed), chunk):
+            ta, tb = w @ xa, w @ xb
+            for out, f in zip(boot, statistics):
+                out.append(f(tb) - f(ta))
+        p_values = _swap_test(xa, xb, statistics, [abs(b - a) for a, b in own], resamples, seed, chunk)
+    result: list[Optional[Interval]] = []
+    for (a, b), diffs, p in zip(own, boot, p_values):
+        if np.isnan(a) or np.isnan(b):
+            result.append(None)
+            continue
+        d = np.concatenate(diffs)
+        d = d[~np.isnan(d)]
+        lo, hi = _percentile(d, confidence) if len(d) else (None, None)
+        result.append(Interval(a, b, b - a, lo, hi, p))
+    return result
+
+
+def _swap_test(xa: np.ndarray, xb: np.ndarray, statistics, observed: list[float], resamples: int, seed: int,
+               chunk: int) -> list[Optional[float]]:
+    """Two-sided p-values of |statistic(b) − statistic(a)| with the runs swapped within prompts
+    (None where no swap gives a value)."""
+    d = xb - xa
+    if not d.any():
+        return [1.0] * len(statistics)
+    n = len(d)
+    ta, tb = xa.sum(axis=0), xb.sum(axis=0)
+    found, total = [0] * len(statistics), [0] * len(statistics)
+
+    def count(s: np.ndarray) -> None:
+        moved = s @ d
+        a, b = ta + moved, tb - moved
+        for j, (f, obs) in enumerate(zip(statistics, observed)):
+            diff = np.abs(f(b) - f(a))
+            ok = ~np.isnan(diff)
+            found[j] += int((diff[ok] >= obs - 1e-12 * max(1.0, obs)).sum())
+            total[j] += int(ok.sum())
+
+    if n <= 30 and 2 ** n <= resamples:
+        for start in range(0, 2 ** n, chunk):
+            codes = np.arange(start, min(2 ** n, start + chunk), dtype=np.int64)
+            count(((codes[:, None] >> np.arange(n)) & 1).astype(np.float64))
+        return [f / t if t else None for f, t in zip(found, total)]
+    rng = np.random.default_rng(seed + 1)
+    done = 0
+    while done < resamples:
+        m = min(chunk, resamples - done)
+        count(rng.integers(0, 2, size=(m, n)).astype(np.float64))
+        done += m
+    return [(f + 1) / (t + 1) if t else None for f, t in zip(found, total)]

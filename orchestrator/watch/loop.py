@@ -22,6 +22,7 @@ from remote.contract import events
 from remote.contract.settings import EvalSettings
 from remote.contract.states import State
 
+from ..reports.confidence import headline as confidence_headline
 from ..runs.record import RunRecord
 from .state import MAX_ATTEMPTS, Point, RunLock, WatchState
 
@@ -105,6 +106,7 @@ def headline(summary: dict) -> dict:
     engine = summary.get("engine")      # watch --engine: the serving engine's own τ and speedup
     if engine:
         out["engine"] = {k: engine.get(k) for k in ("kind", "tau_macro", "tau_pooled", "speedup")}
+    out["confidence"] = confidence_headline(summary.get("confidence"))     # None: the drafter has no confidence head
     return out
 
 

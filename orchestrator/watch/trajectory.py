@@ -1,6 +1,7 @@
 """``runs/watch-<RUN>/trajectory.md`` + self-contained ``trajectory.html``: eval τ vs training
 step with bootstrap CIs per point, per-position acceptance over steps (a heat map), the baseline
-drafter as a band, the training run's own logged metrics on the same axis, and the alarms."""
+drafter as a band, the training run's own logged metrics on the same axis, a confidence head's
+calibration per checkpoint (where the drafter has one), and the alarms."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,22 @@ def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | 
     return bootstrap_tau(toks, cycs) if toks else None
 
 
+def calibration(summary: dict, run_dir: Path | None) -> dict | None:
+    """A point's confidence-head numbers (reports/confidence.py ``headline``; None without a head).
+    A point recorded before the state kept them has them read from its eval run's summary.json."""
+    from ..reports.confidence import headline
+
+    if "confidence" in summary:
+        return summary["confidence"]
+    path = run_dir / "summary.json" if run_dir else None
+    if path is None or not path.exists():
+        return None
+    try:
+        return headline(json.loads(path.read_text()).get("confidence"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, float]] | None,
              train_tag: str | None) -> bytes | None:
     if not points:
@@ -47,8 +64,31 @@ def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, f
         ys = [(p["step"], p["ddtree"].get(b)) for p in points if p["ddtree"].get(b) is not None]
         if ys:
             chart.line(*zip(*ys), f"DDTree-{b} τ", f"C{i + 2}")
+    predicted = [(p["step"], p["calibration"]["predicted_tau"]) for p in points
+                 if (p["calibration"] or {}).get("predicted_tau") is not None]
+    if predicted:
+        chart.line(*zip(*predicted), "τ predicted by the confidence head", "C1", dash="2 2")
     if train:
         chart.line([s for s, _ in train], [v for _, v in train], f"training: {train_tag}", "C3", marker=False)
+    return chart.svg()
+
+
+CALIBRATION = (("ece", "ECE", "C0"), ("auroc", "AUROC", "C1"))
+
+
+def plot_calibration(points: list[dict], baseline: dict | None) -> bytes | None:
+    """ECE and AUROC of the confidence head per checkpoint; a checkpoint without a value is left
+    out of that line (never drawn as 0)."""
+    if not any(p["calibration"] for p in points):
+        return None
+    chart = Chart("confidence head over training", "training step", "ECE, AUROC (survival, pooled)", ylim=(0, 1.02))
+    for key, label, c in CALIBRATION:
+        xy = [(p["step"], p["calibration"][key]) for p in points if (p["calibration"] or {}).get(key) is not None]
+        if xy:
+            chart.line(*zip(*xy), label, c)
+        value = ((baseline or {}).get("calibration") or {}).get(key)
+        if value is not None:
+            chart.hline(value, c, f"baseline {baseline['label']} {label}", dash="4 3")
     return chart.svg()
 
 
@@ -81,7 +121,8 @@ def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
         out.append({"name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
                     "ddtree": s.get("ddtree") or {}, "acceptance": s.get("per_position_acceptance") or [],
                     "ci": tau_cis(runs_root / p.eval_run) if p.eval_run else None, "eval_run": p.eval_run,
-                    "prompts": s.get("prompts"), "engine": s.get("engine")})
+                    "prompts": s.get("prompts"), "engine": s.get("engine"),
+                    "calibration": calibration(s, runs_root / p.eval_run if p.eval_run else None)})
     return out
 
 
@@ -119,6 +160,17 @@ def trajectory_verdict(run: str, points: list[dict], baseline: dict, runs_root: 
     return lines
 
 
+CALIBRATION_NOTE = ("Confidence head: ECE, AUROC and the τ it predicts (1 + Σ survival) beside the τ "
+                    "measured on the same cycles, on the survival pooled over drafted positions, SGLang's definitions "
+                    "(remote/contract/confidence.py); a checkpoint without a head shows —.")
+
+
+def calibration_cells(c: dict | None) -> list[str]:
+    if not c:
+        return ["—", "—", "—"]
+    return [fnum(c["ece"], 3), fnum(c["auroc"], 3), f"{fnum(c['predicted_tau'], 3)} / {fnum(c['measured_tau'], 3)}"]
+
+
 def settings_note(settings: dict, budgets: list[str]) -> str:
     """What every point shares, as the points themselves show it (the DDTree budgets that ran)."""
     st = settings
@@ -143,11 +195,15 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     b = state.baseline
     if b.get("status") == "done":
         ci = tau_cis(runs_root / b["eval_run"]) if b.get("eval_run") else None
-        base = {"label": b["label"], "tau": b["summary"]["tau_macro"], "ci": ci[0] if ci else None}
+        base = {"label": b["label"], "tau": b["summary"]["tau_macro"], "ci": ci[0] if ci else None,
+                "calibration": calibration(b["summary"], runs_root / b["eval_run"] if b.get("eval_run") else None)}
     tags = sorted(train)
     engine = any(p["engine"] for p in points)       # watch --engine: the serving engine's own τ per point
+    head = any(p["calibration"] for p in points)    # a confidence head (DSpark): its calibration per point
     header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]", *[f"DDTree-{k}" for k in budgets],
-              *(["engine τ macro", "engine speedup"] if engine else []), *[f"training {t}" for t in tags], "eval run"]
+              *(["engine τ macro", "engine speedup"] if engine else []),
+              *(["head ECE", "head AUROC", "head τ predicted / measured"] if head else []),
+              *[f"training {t}" for t in tags], "eval run"]
     rows = []
     for p in points:
         ci = p["ci"]
@@ -157,6 +213,7 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
                      *[fnum(p["ddtree"].get(k), 3) for k in budgets],
                      *([fnum((p["engine"] or {}).get("tau_macro"), 3), fnum((p["engine"] or {}).get("speedup"), 2)]
                        if engine else []),
+                     *(calibration_cells(p["calibration"]) if head else []),
                      *[fnum(value_at(train[t], p["step"]), 4) for t in tags], p["eval_run"] or "—"])
     doc.table(header, rows, heading="Points")
     if base:
@@ -166,6 +223,9 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
              "no checkpoint evaluated yet")
     doc.plot("acceptance", "Per-position acceptance over training", plot_acceptance(points),
              "no per-position acceptance yet")
+    doc.plot("calibration", "Confidence head over training", plot_calibration(points, base))
+    if head:
+        doc.para(CALIBRATION_NOTE, "note")
     doc.plot("training", "Training metrics", plot_training(train, tau_tag))
     pending = [p for p in sorted(state.points.values(), key=lambda p: p.step) if p.status != "done"]
     if pending:
