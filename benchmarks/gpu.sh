@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared run (under 8 minutes on one CUDA GPU): the gpu-marked tests, then
-# the online and offline benchmarks on CUDA in bfloat16 (the drafter's batched path uses
-# flex_attention there), then one table. Without a CUDA GPU it says so and exits 0.
+# The GPU checks in one prepared run (under 8 minutes on one CUDA GPU, SGLang's step aside): the
+# gpu-marked tests, then those that start real SGLang servers (DFLASH for DFlash and Domino, DSPARK for
+# DSpark; skipped without DFLASH_OPS_SGLANG_PYTHON, the python of an SGLang environment), then the
+# online and offline benchmarks on CUDA in bfloat16 (the drafter's batched path uses flex_attention
+# there), then one table. Without a CUDA GPU it says so and exits 0.
 #
-#   benchmarks/gpu.sh            (PYTHON=... to pick the interpreter; LOG_DIR=... to keep the logs)
+#   benchmarks/gpu.sh            (PYTHON=... to pick the interpreter; LOG_DIR=... to keep the logs;
+#                                 DFLASH_OPS_SGLANG_PYTHON=... for the SGLang step)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -39,7 +42,8 @@ step() {                      # step NAME TIMEOUT_S GREP_PATTERN COMMAND...
     rows+=("$(printf '%-16s %-14s %5ss  %s' "$name" "$status" "$((SECONDS - t0))" "${line:-"-"}")")
 }
 
-step gpu-tests 300 "passed|failed|skipped" "$PY" -m pytest -q -m gpu tests/test_gpu.py
+step gpu-tests 300 "passed|failed|skipped" "$PY" -m pytest -q -m gpu tests/test_gpu.py -k "not sglang"
+step sglang 900 "passed|failed|skipped" "$PY" -m pytest -q -s -m gpu tests/test_gpu.py -k sglang
 step online 120 "ratio ours" "$PY" benchmarks/bench_online.py --device cuda --dtype bfloat16 \
     --hidden 1024 --layers 16 --new-tokens 128 --prompts 4 --repeats 2
 step offline 150 "ratio ours" "$PY" benchmarks/bench_offline.py --device cuda --dtype bfloat16 \

@@ -1,4 +1,5 @@
-"""The real vLLM engine for tests: where its environment is, and the tiny pair it serves.
+"""The real vLLM engine for tests: where its environment is, and the tiny pair it serves; drafters of
+SpecForge's families for that pair's target (what SGLang serves beside DFlash).
 
 The engine is found through ``$DFLASH_OPS_VLLM_PYTHON`` (CI sets it to ``.ci/vllm-env``'s
 environment), else in ``.ci/vllm-env``'s default folder; :data:`SKIP` is the module mark that skips
@@ -44,3 +45,40 @@ def engine_pair(tmp_path_factory) -> dict:
         return ensure(Path(reuse), QWEN3_RECIPE)
     built = buildcache.built("engine-pair", QWEN3_RECIPE, lambda out: ensure(out / "pair", QWEN3_RECIPE))
     return ensure(built / "pair", QWEN3_RECIPE)
+
+
+# the heads a tiny drafter of each SpecForge family gets (SGLang's DSPARK needs a Markov head), and the
+# spread of their random weights: enough to change some drafts of the trained backbone, not most
+FAMILY_HEADS = {"dspark": {"markov_rank": 8, "markov_head_type": "vanilla", "confidence_head": True},
+                "domino": {"emb_dim": 32, "gru_hidden_dim": 32}}
+HEAD_STD = 0.1
+
+
+def family_drafter(dflash: str | Path, family: str, out: str | Path, fmt: str = "state_dict", seed: int = 0) -> Path:
+    """A ``family`` drafter (SpecForge's Domino or DSpark) for the target of the DFlash drafter in
+    ``dflash``: that drafter's backbone weights and the family's heads at random (seeded, the
+    heads' linear layers ~ N(0, HEAD_STD)), written in the flat state-dict format into
+    ``out``/state_dict, and exported to ``fmt`` (``specforge``, what SGLang reads) into
+    ``out``/``fmt``. Returns the folder in ``fmt``."""
+    from dataclasses import replace
+
+    import torch
+
+    from remote.drafters.checkpoint import load_drafter, save_drafter
+    from remote.drafters.dflash import init_weights
+    from remote.drafters.tiny import tiny_drafter
+
+    base, _ = load_drafter(dflash)
+    drafter = tiny_drafter(replace(base.config, family=family, **FAMILY_HEADS[family]), seed=seed)
+    missing, unexpected = drafter.load_state_dict(base.state_dict(), strict=False)
+    heads = ("markov_head", "confidence_head", "prefix_gru", "embed_proj")
+    assert not unexpected and all(k.split(".")[0] in heads for k in missing), (missing, unexpected)
+    for name in ("markov_head", "embed_proj"):         # the heads that change the drafts
+        if hasattr(drafter, name):
+            init_weights(getattr(drafter, name), HEAD_STD, torch.Generator().manual_seed(seed))
+    flat = save_drafter(drafter, Path(out) / "state_dict", fmt="state_dict")
+    if fmt == "state_dict":
+        return flat
+    from remote.drafters.export import export
+
+    return Path(export(flat, fmt, Path(out) / fmt)["out"])

@@ -9,13 +9,20 @@
   "finish_reason": {"type": "length"|"stop", "matched"?}}}`` (a list in, a list out), by greedy decoding.
 
 - ``GET /get_server_info`` -> the server's settings (``model_path``, ``version``, ``dtype``, and with
-  a drafter ``speculative_algorithm: DFLASH``, ``speculative_draft_model_path``,
-  ``speculative_num_draft_tokens`` = the drafter's block).
+  a drafter ``speculative_algorithm``, ``speculative_draft_model_path``,
+  ``speculative_num_draft_tokens`` = the drafter's block, and the algorithm's own settings).
 
-With ``drafter`` the server decodes speculatively (``remote.decode.online.speculative_generate``) and
-answers SGLang's counters in ``meta_info``: ``spec_verify_ct`` (cycles), ``spec_accept_token_num``
-(drafts accepted), ``spec_draft_token_num``, ``spec_accept_histogram`` (cycles by drafts accepted)
-and ``spec_accept_length`` = ``completion_tokens / spec_verify_ct``, SGLang's own formula.
+With ``drafter`` the server decodes speculatively (``remote.decode.online.speculative_generate``, z-lab's
+rules) with the algorithm SGLang serves the drafter's family with: DSPARK for a DSpark drafter (its
+``speculative_dspark_block_size`` γ = the drafts per block), DFLASH for DFlash and Domino (a Domino
+drafter scored over the full vocabulary: ``speculative_domino_candidate_pool_size`` 0); ``algorithm``
+makes it say another. It answers SGLang's counters in ``meta_info``, the same for every algorithm and
+named as SGLang's newest release names them (``spec_decoding_meta.py``), with the aliases it keeps:
+``spec_verify_ct`` (cycles), ``spec_num_correct_drafts`` = ``spec_accepted_drafts`` (drafts accepted),
+``spec_num_proposed_drafts`` = ``spec_proposed_drafts`` (cycles × γ), ``spec_correct_drafts_histogram`` =
+``spec_accept_histogram`` (cycles by drafts accepted, as long as the most accepted needs),
+``spec_accept_rate`` (accepted / proposed) and ``spec_accept_length`` = ``completion_tokens /
+spec_verify_ct``, SGLang's own formulas.
 
 Greedy only (temperature 0); like SGLang, a matched stop token is the last id of ``output_ids``;
 ``ignore_eos`` leaves out the model's own EOS from the stop tokens.
@@ -48,16 +55,17 @@ def speculative(model, drafter, input_ids: list[int], max_new_tokens: int, stops
     ids = torch.tensor([input_ids], dtype=torch.long, device=next(model.parameters()).device)
     res = speculative_generate(model, drafter, ids, max_new_tokens, sorted(stops))
     output, lengths = res.output_ids, res.acceptance_lengths
-    k = drafter.config.num_drafts
-    hist = [0] * (k + 1)
-    for n in lengths:
-        hist[n - 1] += 1
     finish = {"type": "stop", "matched": output[-1]} if output and output[-1] in stops else \
         {"type": "length", "length": len(output)}
     meta = {"finish_reason": finish}
     if lengths:
-        meta.update(spec_verify_ct=len(lengths), spec_accept_token_num=sum(lengths) - len(lengths),
-                    spec_draft_token_num=len(lengths) * k, spec_accept_histogram=hist,
+        accepted, proposed = sum(lengths) - len(lengths), len(lengths) * drafter.config.num_drafts
+        hist = [0] * max(lengths)
+        for n in lengths:
+            hist[n - 1] += 1
+        meta.update(spec_verify_ct=len(lengths), spec_num_correct_drafts=accepted, spec_num_proposed_drafts=proposed,
+                    spec_accepted_drafts=accepted, spec_proposed_drafts=proposed, spec_correct_drafts_histogram=hist,
+                    spec_accept_histogram=hist, spec_accept_rate=accepted / proposed,
                     spec_accept_length=len(output) / len(lengths))
     return output, meta
 
@@ -100,16 +108,28 @@ def _answer(model, tokenizer, lock, req: dict, drafter=None) -> dict:
             "meta_info": {"id": "0", "prompt_tokens": len(input_ids), "completion_tokens": len(output), **meta}}
 
 
-def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None, hits: list | None = None,
-                 drafter=None, drafter_path: str | None = None):
-    lock = threading.Lock()
-    want = "Basic " + base64.b64encode(auth.encode()).decode() if auth else None
+def server_info(model, drafter=None, drafter_path: str | None = None, algorithm: str | None = None) -> dict:
+    """What ``/get_server_info`` says (module docstring)."""
     model_path = getattr(model.config, "_name_or_path", "") or f"tiny-{model.config.model_type}"
     info = {"model_path": model_path, "version": "stand-in", "dtype": str(model.dtype).replace("torch.", ""),
             "speculative_algorithm": None}
     if drafter is not None:
-        info.update(speculative_algorithm="DFLASH", speculative_draft_model_path=drafter_path,
-                    speculative_num_draft_tokens=drafter.config.num_drafts + 1)
+        family, drafts = drafter.config.family, drafter.config.num_drafts
+        info.update(speculative_algorithm=algorithm or ("DSPARK" if family == "dspark" else "DFLASH"),
+                    speculative_draft_model_path=drafter_path, speculative_num_draft_tokens=drafts + 1)
+        if info["speculative_algorithm"] == "DSPARK":
+            info["speculative_dspark_block_size"] = drafts
+        if family == "domino":
+            info["speculative_domino_candidate_pool_size"] = 0
+    return info
+
+
+def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None, hits: list | None = None,
+                 drafter=None, drafter_path: str | None = None, algorithm: str | None = None):
+    lock = threading.Lock()
+    want = "Basic " + base64.b64encode(auth.encode()).decode() if auth else None
+    info = server_info(model, drafter, drafter_path, algorithm)
+    model_path = info["model_path"]
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -174,13 +194,15 @@ def make_handler(model, tokenizer, model_info_path: str, auth: str | None = None
 
 @contextmanager
 def serve_sglang(model, tokenizer=None, model_info_path: str = "/get_model_info", host: str = "127.0.0.1",
-                 auth: str | None = None, hits: list | None = None, drafter=None, drafter_path: str | None = None):
+                 auth: str | None = None, hits: list | None = None, drafter=None, drafter_path: str | None = None,
+                 algorithm: str | None = None):
     """Serve ``model`` over SGLang's protocol on ``host``; yields the base URL. ``auth``
     (``user:password``): HTTP basic auth required (401 otherwise); ``hits`` collects
     (method, path, authorized) per request; ``drafter`` (loaded from ``drafter_path``): decode
-    speculatively with it and report SGLang's counters."""
+    speculatively with it and report SGLang's counters; ``algorithm``: the speculative algorithm it
+    says it serves (default: SGLang's for the drafter's family)."""
     server = ThreadingHTTPServer((host, 0), make_handler(model, tokenizer, model_info_path, auth, hits, drafter,
-                                                         drafter_path))
+                                                         drafter_path, algorithm))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()

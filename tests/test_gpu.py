@@ -9,6 +9,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
+SGLANG_PYTHON = os.environ.get("DFLASH_OPS_SGLANG_PYTHON")
+NEEDS_SGLANG = pytest.mark.skipif(not SGLANG_PYTHON, reason="no SGLang environment: set DFLASH_OPS_SGLANG_PYTHON to "
+                                                            "its python (a GPU host)")
 
 _FEATURES = """
 import sys, json, torch
@@ -92,28 +95,62 @@ def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path
     assert drift < 1.0, drift    # a few bf16 ulps are expected; a large drift means a kernel problem
 
 
+def engine_run(pair: dict, drafter, out: Path) -> tuple[dict, list[dict], dict]:
+    """``eval --engine`` on CUDA with SGLang started by the worker: (env.json, rows, summary.json)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", pair["target"], "--drafter",
+                           str(drafter), "--prompts", "3", "--out", str(out), "--device", "cuda",
+                           "--max-new-tokens", "64", "--engine", "--engine-kind", "sglang",
+                           "--engine-python", SGLANG_PYTHON],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return json.loads((out / "env.json").read_text()), rows, json.loads((out / "summary.json").read_text())
+
+
 @pytest.mark.models
 @pytest.mark.worker
-@pytest.mark.skipif(not os.environ.get("DFLASH_OPS_SGLANG_PYTHON"),
-                    reason="no SGLang environment: set DFLASH_OPS_SGLANG_PYTHON to its python (a GPU host)")
+@NEEDS_SGLANG
 def test_worker_engine_phase_with_a_real_sglang_server(tmp_path_factory, tmp_path):
     """eval --engine on a real SGLang server (DFLASH speculative algorithm) started by the worker:
     the engine's output equals ours, its counters are recorded and its τ is explained."""
     from enginelab import engine_pair
 
     pair = engine_pair(tmp_path_factory)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", pair["target"], "--drafter",
-                           pair["drafter"], "--prompts", "3", "--out", str(out), "--device", "cuda",
-                           "--max-new-tokens", "64", "--engine", "--engine-kind", "sglang",
-                           "--engine-python", os.environ["DFLASH_OPS_SGLANG_PYTHON"]],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    env, rows, summary = engine_run(pair, pair["drafter"], tmp_path / "out")
+    assert env["engine"]["served"]["drafter"]["algorithm"] == "DFLASH"
     for r in rows:
         e = r["engine"]
         assert e["kind"] == "sglang" and e["cycles"] and e["plain"]["output_ids"]
         assert e["tau"] == pytest.approx(e["tokens"] / e["cycles"])
         assert "unexplained" not in e["causes"], e["checks"]
-    assert json.loads((out / "summary.json").read_text())["engine"]["prompts"] == 3
+    assert summary["engine"]["prompts"] == 3
+
+
+@pytest.mark.models
+@pytest.mark.worker
+@NEEDS_SGLANG
+@pytest.mark.parametrize("family,algorithm", [("dspark", "DSPARK"), ("domino", "DFLASH")])
+def test_real_sglang_serves_specforge_families(family, algorithm, tmp_path_factory, tmp_path):
+    """eval --engine with SGLang started by the worker for a drafter of SpecForge's ``family`` (the
+    engine pair's trained backbone with the family's heads, in SpecForge's format): the server runs
+    the family's algorithm (DSPARK with γ = 7, DFLASH scoring the full vocabulary for Domino) with
+    the drafter's 7 drafts per verify; its τ is its own count (completion tokens / verify steps),
+    beside ours, and every difference from ours is explained (an output that leaves ours in bfloat16
+    included: ``divergence``)."""
+    from enginelab import engine_pair, family_drafter
+
+    pair = engine_pair(tmp_path_factory)
+    drafter = family_drafter(pair["drafter"], family, tmp_path / "drafter", fmt="specforge")
+    env, rows, summary = engine_run(pair, drafter, tmp_path / "out")
+    served = env["engine"]["served"]["drafter"]
+    assert served["algorithm"] == algorithm and served["num_speculative_tokens"] == 7, served
+    for r in rows:
+        e = r["engine"]
+        assert e["kind"] == "sglang" and e["cycles"] and e["plain"]["output_ids"]
+        assert e["tau"] == pytest.approx(e["tokens"] / e["cycles"]) and e["draft_tokens"] == 7 * e["cycles"]
+        assert "unexplained" not in e["causes"], e["checks"]
+    s = summary["engine"]
+    print(f"SGLang {algorithm} ({family}): engine τ {s['tau_pooled']:.3f}, ours {summary['tau_pooled']:.3f} "
+          f"over {s['prompts']} prompts; causes {s['causes']}")
+    assert s["prompts"] == 3

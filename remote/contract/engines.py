@@ -25,7 +25,7 @@ ENGINES = {
     "sglang": EngineKind(
         "sglang", "SGLang",
         "python3 -m venv VENV && VENV/bin/pip install 'sglang[all]' (a GPU host; a release with "
-        "--speculative-algorithm DFLASH)",
+        "--speculative-algorithm DFLASH, and DSPARK for DSpark drafters)",
         "DFLASH_OPS_SGLANG_PYTHON"),
 }
 KINDS = tuple(ENGINES)

@@ -19,7 +19,7 @@ class Answer:
     cycles: int | None = None
     tokens: int | None = None
     drafts: int | None = None             # verify steps that had drafts
-    draft_tokens: int | None = None
+    draft_tokens: int | None = None       # drafts proposed (SGLang: verify steps × K, verified or not)
     accepted: int | None = None           # draft tokens accepted
     accepted_per_pos: list[int] | None = None   # steps that accepted more than k drafts, k = 0..K-1
     histogram: list[int] | None = None    # steps by drafts accepted, 0..K

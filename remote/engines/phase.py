@@ -145,7 +145,8 @@ class EnginePhase:
             self.log(f"{server.process.name} ready in {server.startup_s:.0f}s at {server.url}")
         for name, server in self.servers.items():
             spec = name == "drafter"
-            self.served[name] = server.client.check_serves(self.target, self.num_drafts if spec else None, spec)
+            self.served[name] = server.client.check_serves(self.target, self.num_drafts if spec else None, spec,
+                                                           drafter=self.drafter if spec else None)
         return self
 
     def describe(self) -> dict:

@@ -1,17 +1,26 @@
-"""SGLang as the serving engine: start its server with a DFlash drafter (or none), generate from
-token ids through its native ``/generate``, and read the engine's own acceptance counters.
+"""SGLang as the serving engine: start its server with a drafter of the DFlash family (or none),
+generate from token ids through its native ``/generate``, and read the engine's own acceptance counters.
 
 (Reference completions from an SGLang server the user runs are :mod:`remote.engines.sglang_client`; this module
 is the engine beside our own decoding, ``eval --engine`` with ``engine: {kind: sglang, ...}``.)
 
-The server is ``python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH
+The server is ``python -m sglang.launch_server --model-path TARGET --speculative-algorithm ALGORITHM
 --speculative-draft-model-path DRAFTER --speculative-num-draft-tokens B`` (B: the drafter's block,
-the anchor included). What SGLang counts, per request (``meta_info``; ``tokenizer_manager.py``
-``_calculate_spec_decoding_metrics``):
+the anchor included), the algorithm by the drafter's family (:data:`ALGORITHMS`): DFLASH for DFlash
+and SpecForge's Domino (with ``--speculative-domino-candidate-pool-size 0``: every draft scored over
+the full vocabulary, as ours are; SGLang's default 2048 scores an approximate candidate pool),
+DSPARK for DSpark (with ``--speculative-dspark-block-size`` γ = B − 1, the drafted tokens: without
+it SGLang takes γ from the checkpoint's ``block_size``, which counts the anchor in SpecForge's
+checkpoints). What SGLang counts, per request and the same for every algorithm (``meta_info``;
+``tokenizer_manager_components/spec_decoding_meta.py``, earlier ``tokenizer_manager.py``), under the
+names of its releases, newest first (:data:`COUNTERS`):
 
 - ``spec_verify_ct``: verify steps (the prefill is none);
-- ``spec_accept_token_num``: draft tokens accepted; ``spec_draft_token_num`` = steps × (B − 1);
-- ``spec_accept_histogram[n]``: steps that accepted n drafts;
+- ``spec_num_correct_drafts`` (``spec_accepted_drafts``, ``spec_accept_token_num``): draft tokens accepted;
+- ``spec_num_proposed_drafts`` (``spec_proposed_drafts``, ``spec_draft_token_num``) = steps × (B − 1),
+  also where DSpark's verify budget verified fewer of them;
+- ``spec_correct_drafts_histogram`` (``spec_accept_histogram``)``[n]``: steps that accepted n drafts,
+  as long as the largest n seen;
 - ``spec_accept_length`` (the engine's τ) = ``completion_tokens / spec_verify_ct``: every output
   token over the steps, **the prefill's token included** (vLLM's τ leaves it out).
 
@@ -23,6 +32,7 @@ import time
 from pathlib import Path
 
 from remote.contract.engines import ENGINES
+from remote.drafters.config import DFLASH, DOMINO, DSPARK
 from remote.engines.counts import Answer
 from remote.engines.server import (LOOPBACK, EngineError, HTTPClient, OwnServer, ServerProcess, check_port_free,
                                    check_served, environment_python, environment_versions, free_port)
@@ -30,7 +40,11 @@ from remote.engines.server import (LOOPBACK, EngineError, HTTPClient, OwnServer,
 KIND = "sglang"
 PYTHON_ENV, INSTALL = ENGINES[KIND].python_env, ENGINES[KIND].install
 SERVER_MODULE = "sglang.launch_server"
-ALGORITHM = "DFLASH"                        # SGLang's speculative algorithm for DFlash drafters
+ALGORITHMS = {DFLASH: "DFLASH", DOMINO: "DFLASH", DSPARK: "DSPARK"}   # --speculative-algorithm by drafter family
+# meta_info's counters: ours -> SGLang's names, newest release first (the module docstring)
+COUNTERS = {"accepted": ("spec_num_correct_drafts", "spec_accepted_drafts", "spec_accept_token_num"),
+            "proposed": ("spec_num_proposed_drafts", "spec_proposed_drafts", "spec_draft_token_num"),
+            "histogram": ("spec_correct_drafts_histogram", "spec_accept_histogram")}
 START_TIMEOUT = 900.0
 GPU_SHARE_FLAG = "--mem-fraction-static"    # the share of GPU memory a server takes
 QUIRK = None                                # no known way it computes the drafter differently
@@ -45,27 +59,52 @@ def engine_versions(python: str, timeout: float = 120.0) -> dict:
     return environment_versions(engine_python(python), "sglang", "SGLang", INSTALL, timeout)
 
 
+def drafter_family(drafter: str | Path) -> str:
+    """The family of the drafter at ``drafter`` (from its config: no tensors are read)."""
+    from remote.drafters.checkpoint import open_checkpoint
+
+    return open_checkpoint(drafter).config.family
+
+
+def speculative_args(family: str, drafter: str | Path, block_size: int) -> list[str]:
+    """The server's speculative flags for a drafter of ``family`` (module docstring): its algorithm,
+    ``block_size`` draft tokens per verify (the anchor included), and that algorithm's own flags."""
+    argv = ["--speculative-algorithm", ALGORITHMS[family], "--speculative-draft-model-path", str(drafter),
+            "--speculative-num-draft-tokens", str(int(block_size))]
+    if family == DSPARK:
+        argv += ["--speculative-dspark-block-size", str(int(block_size) - 1)]
+    if family == DOMINO:
+        argv += ["--speculative-domino-candidate-pool-size", "0"]
+    return argv
+
+
 def server_argv(python: str, target: str | Path, drafter: str | Path | None = None, block_size: int | None = None,
                 port: int = 30000, host: str = LOOPBACK, dtype: str | None = None, seed: int = 0,
-                extra_args: list[str] | tuple = ()) -> list[str]:
-    """The server's argv; with a drafter, DFlash speculative decoding with ``block_size`` draft
-    tokens per verify (SGLang counts the anchor among them). The radix cache is off so every
-    request prefills (and drafts from) its whole prompt."""
+                extra_args: list[str] | tuple = (), family: str | None = None) -> list[str]:
+    """The server's argv; with a drafter, speculative decoding with ``block_size`` draft tokens per
+    verify by its family's algorithm (``family``, else read from the drafter's config). The radix
+    cache is off so every request prefills (and drafts from) its whole prompt; ``extra_args`` come
+    last, so they can set another value of any flag."""
     argv = [python, "-m", SERVER_MODULE, "--model-path", str(target), "--host", host, "--port", str(int(port)),
             "--random-seed", str(int(seed)), "--disable-radix-cache", "--enable-metrics"]
     if dtype:
         argv += ["--dtype", dtype]
     if drafter is not None:
-        argv += ["--speculative-algorithm", ALGORITHM, "--speculative-draft-model-path", str(drafter),
-                 "--speculative-num-draft-tokens", str(int(block_size))]
+        argv += speculative_args(family or drafter_family(drafter), drafter, block_size)
     return argv + [str(a) for a in extra_args]
+
+
+def _counter(meta: dict, name: str):
+    """The counter ``name`` (:data:`COUNTERS`) under whichever of SGLang's names the answer uses."""
+    return next((meta[key] for key in COUNTERS[name] if meta.get(key) is not None), None)
 
 
 def result(answer: dict, wall_s: float) -> dict:
     """One ``/generate`` answer as :func:`remote.engines.vllm.result` 's dict: ``drafts`` = verify
-    steps, ``accepted``, ``histogram`` (steps by drafts accepted), ``accepted_per_pos`` (from the
-    histogram), ``tau`` = SGLang's ``spec_accept_length`` with ``tokens`` = completion tokens and
-    ``cycles`` = verify steps; no per-step counts (SGLang reports none)."""
+    steps, ``accepted``, ``draft_tokens`` (proposed), ``histogram`` (steps by drafts accepted,
+    0..K), ``accepted_per_pos`` (from the histogram), ``tau`` = SGLang's ``spec_accept_length``
+    with ``tokens`` = completion tokens and ``cycles`` = verify steps; no per-step counts (SGLang
+    reports none). K = proposed / steps."""
     if isinstance(answer, list) and len(answer) == 1:
         answer = answer[0]
     if not isinstance(answer, dict) or not isinstance(answer.get("output_ids"), list):
@@ -78,14 +117,15 @@ def result(answer: dict, wall_s: float) -> dict:
                  {k: meta.get(k) for k in ("e2e_latency", "decode_throughput")})
     steps = meta.get("spec_verify_ct")
     if steps:
-        hist = [int(n) for n in meta.get("spec_accept_histogram") or []] or None
-        accepted = meta.get("spec_accept_token_num")
+        hist = [int(n) for n in _counter(meta, "histogram") or []] or None
+        accepted, proposed = _counter(meta, "accepted"), _counter(meta, "proposed")
         if accepted is None and hist:
             accepted = sum(n * c for n, c in enumerate(hist))
-        draft_tokens = meta.get("spec_draft_token_num")
-        k = int(draft_tokens) // int(steps) if draft_tokens else (len(hist) - 1 if hist else None)
+        k = int(proposed) // int(steps) if proposed else None
+        if hist and k is not None and len(hist) <= k:      # SGLang's ends at the most drafts a step accepted
+            hist += [0] * (k + 1 - len(hist))
         out.cycles, out.tokens, out.drafts = int(steps), completion, int(steps)
-        out.draft_tokens = int(draft_tokens) if draft_tokens is not None else None
+        out.draft_tokens = int(proposed) if proposed is not None else None
         out.accepted = int(accepted) if accepted is not None else None
         out.histogram, out.num_speculative_tokens = hist, k
         out.tau = float(meta.get("spec_accept_length") or completion / int(steps))
@@ -132,13 +172,20 @@ class SGLangEngineClient:
     def check_serves(self, target: str | Path | None = None, num_speculative_tokens: int | None = None,
                      speculative: bool = True, drafter: str | Path | None = None) -> dict:
         """The served settings, or EngineError (``mismatch``) naming what differs: the model, the
-        drafter, speculation on/off, the algorithm, the draft tokens per verify."""
+        drafter, speculation on/off, the algorithm (the one for ``drafter``'s family; without
+        ``drafter``, one of :data:`ALGORITHMS`), the draft tokens per verify."""
         got = self.served()
         problems = []
         if target is not None and not _same_path(got["model"], target):
             problems.append(f"it serves {got['model']}, not {target}")
-        if speculative and got["speculative"] and str(got["algorithm"]).upper() != ALGORITHM:
-            problems.append(f"its speculative algorithm is {got['algorithm']}, not {ALGORITHM}")
+        if speculative and got["speculative"]:
+            want = ALGORITHMS[drafter_family(drafter)] if drafter is not None else None
+            algorithm = str(got["algorithm"]).upper()
+            if want is not None and algorithm != want:
+                problems.append(f"its speculative algorithm is {got['algorithm']}, not {want}")
+            elif want is None and algorithm not in ALGORITHMS.values():
+                problems.append(f"its speculative algorithm is {got['algorithm']}, not "
+                                f"{' or '.join(sorted(set(ALGORITHMS.values())))}")
         if speculative and drafter is not None and got["drafter"] and not _same_path(got["drafter"], drafter):
             problems.append(f"its drafter is {got['drafter']}, not {drafter}")
         return check_served("SGLang server", self.url, got, problems, speculative, num_speculative_tokens)
@@ -177,9 +224,11 @@ class SGLangServer(OwnServer):
             port = free_port()
         else:
             check_port_free(port)
-        argv = server_argv(python, target, drafter, block_size, port, LOOPBACK, dtype, seed, extra_args)
+        family = drafter_family(drafter) if drafter is not None else None
+        argv = server_argv(python, target, drafter, block_size, port, LOOPBACK, dtype, seed, extra_args, family)
         process = ServerProcess(argv, log_path, name=cls.name)
         settings = {"target": str(target), "drafter": str(drafter) if drafter is not None else None,
+                    "algorithm": ALGORITHMS[family] if family else None,
                     "num_speculative_tokens": block_size - 1 if drafter is not None and block_size else None,
                     "dtype": dtype, "seed": seed, "port": port}
         return cls(process, f"http://{LOOPBACK}:{port}", argv, None, settings)
