@@ -443,10 +443,6 @@ class Decoding:
                                   f"before, so a tree's children would have to be drafted from their own parents, "
                                   f"which this worker does not do; leave out --ddtree", exits.USAGE)
             budgets, note = [], f"no DDTree: a {cfg.family} drafter's drafts depend on the token drafted before"
-        if semantics == SPECFORGE and settings.mode == "offline" and not settings.greedy:
-            raise WorkerError("--semantics specforge at --temperature > 0 offline: the offline estimate follows "
-                              "z-lab's rejection sampling; use --mode online (SpecForge's sampled cycles) or "
-                              "--semantics zlab", exits.USAGE)
         return cls(semantics, budgets, note)
 
 
@@ -467,7 +463,8 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
         torch.manual_seed(prompt_seed(ctx.settings.seed, row.id))
     n_max = ctx.settings.max_new_tokens
     rules = SpecForgeRules(n_max, frozenset(stops)) if decoding.semantics == SPECFORGE else None
-    overshoot = drafter.config.verify_block if rules else 0     # the reference past the output (offline)
+    # the reference past the output (offline, greedy: SpecForge's last cycles verify full blocks)
+    overshoot = drafter.config.verify_block if rules and sampling.greedy else 0
     continuations: list[list[int]] = []
 
     def complete(prompt_ids: list[int]) -> list[int]:
@@ -499,7 +496,7 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
             turn_stats.append(evaluate_offline(drafter, target, turn.prompt_ids, turn.output_ids,
                                                max_blocks=ctx.settings.max_blocks, budgets=decoding.budgets,
                                                all_anchors=ctx.settings.all_anchors, sampling=sampling, rules=rules,
-                                               continuation=continuations[i] if rules else ()))
+                                               continuation=continuations[i] if overshoot else ()))
     acceptance = [n for s in turn_stats for n in s["acceptance_lengths"]]
     result = {"id": row.id, "category": row.category, "reference": "sglang" if client else "local",
               "prompt_ids": list(turns[-1].prompt_ids), "output_ids": list(turns[-1].output_ids),

@@ -91,3 +91,100 @@ def test_metrics_definitions():
     assert 1 + sum(acc) == pytest.approx(t["tau_pooled"])
     s = summarize(rows, 4, "offline")
     assert s["acceptance_histogram"] == {"1": 2, "2": 0, "3": 1, "4": 3}
+
+
+# ----------------------------------------------------------------------------- families at T > 0
+
+FAMILY_HEADS = {"domino": dict(family="domino", emb_dim=16, gru_hidden_dim=16, pure_draft_prefix_len=1),
+                "dspark-rnn": dict(family="dspark", markov_rank=8, markov_head_type="rnn", confidence_head=True),
+                "dspark-gated": dict(family="dspark", markov_rank=8, markov_head_type="gated")}
+
+
+def family_of(trained, name: str):
+    """The trained DFlash drafter's backbone with a family's heads at random (std 0.5: they change drafts)."""
+    from dataclasses import replace
+
+    from remote.drafters.dflash import init_weights
+    from remote.drafters.tiny import tiny_drafter
+
+    _, base = trained
+    drafter = tiny_drafter(replace(base.config, **FAMILY_HEADS[name]), seed=3)
+    drafter.load_state_dict(base.state_dict(), strict=False)
+    for head in ("markov_head", "embed_proj", "prefix_gru"):
+        if hasattr(drafter, head):
+            init_weights(getattr(drafter, head), 0.5, torch.Generator().manual_seed(4))
+    return drafter.eval()
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", FAMILY_HEADS)
+@torch.no_grad()
+def test_teacher_forced_logits_are_the_ones_drafted_from(trained, name):
+    """A family's drafts, greedy and sampled, are drawn from ``teacher_forced_logits`` given the
+    drafts before them: the argmax of each row, and ``q`` rows equal to its tempered softmax."""
+    from remote.drafters.dflash import block_input_ids
+    from remote.drafters.sampling import Sampling
+
+    target, _ = trained
+    drafter = family_of(trained, name)
+    seq = walk_sequences(target, 1, new_tokens=20, seed=3)[0]
+    _, th = target_features(target, seq[:, :-1], drafter.config.target_layer_ids)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    table = DraftTable(drafter, th, seq[0], embed.weight, head)
+    table.compute(range(6, 12))
+    blocks = [block_input_ids(seq[0, p:p + 1], drafter.block_size, drafter.config.mask_token_id)[None]
+              for p in range(6, 12)]
+    hidden = torch.cat([drafter.draft_slots(drafter.draft(drafter.embed(b, embed.weight), p, th[:, :p])[0])
+                        for p, b in zip(range(6, 12), blocks)])
+    anchors = seq[0, 6:12]
+    greedy = drafter.propose(hidden, anchors, head, embed_weight=embed.weight)
+    assert greedy.tokens.tolist() == [table[p] for p in range(6, 12)]
+    prev = torch.cat([anchors[:, None], greedy.tokens[:, :-1]], 1)
+    assert torch.equal(drafter.teacher_forced_logits(hidden, prev, head, embed.weight).argmax(-1), greedy.tokens)
+    sampling = Sampling(0.8)
+    torch.manual_seed(0)
+    sampled = drafter.propose(hidden, anchors, head, sampling, embed.weight)
+    prev = torch.cat([anchors[:, None], sampled.tokens[:, :-1]], 1)
+    q = sampling.probs(drafter.teacher_forced_logits(hidden, prev, head, embed.weight))
+    torch.testing.assert_close(sampled.probs, q, atol=1e-6, rtol=0)
+    assert not torch.equal(drafter.teacher_forced_logits(hidden, prev.roll(1, 0), head, embed.weight),
+                           drafter.teacher_forced_logits(hidden, prev, head, embed.weight))   # the heads read them
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("name", ["domino", "dspark-rnn"])
+@torch.no_grad()
+def test_expected_acceptance_of_a_family_under_both_rules(trained, name):
+    """At T > 0 offline, z-lab's rules: α_k = Σ min(p_k, q_k) with the family's q_k given the
+    reference's tokens before draft k; SpecForge's: α_k = p_k(d_k) of the greedy draft. Computed
+    here anchor by anchor, one block at a time, from the target's own forward."""
+    from remote.decode.offline import SpecForgeRules
+    from remote.drafters.dflash import block_input_ids
+    from remote.drafters.sampling import Sampling
+
+    target, _ = trained
+    drafter = family_of(trained, name)
+    seq = walk_sequences(target, 1, new_tokens=24, seed=8)[0][0].tolist()
+    prompt, output = seq[:6], seq[6:]
+    sampling = Sampling(0.9)
+    zlab = evaluate_offline(drafter, target, prompt, output, budgets=(), sampling=sampling)["expected"]
+    specforge = evaluate_offline(drafter, target, prompt, output, budgets=(), sampling=sampling,
+                                 rules=SpecForgeRules(len(output)))["expected"]
+    ids = torch.tensor(seq)
+    out, th = target_features(target, ids[None, :-1], drafter.config.target_layer_ids)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    want = {"zlab": [0.0] * drafter.config.num_drafts, "specforge": [0.0] * drafter.config.num_drafts}
+    for p in range(len(prompt), len(seq) - 1):
+        n = min(drafter.config.num_drafts, len(seq) - 1 - p)
+        block = block_input_ids(ids[p:p + 1], n + 1, drafter.config.mask_token_id)[None]
+        hidden = drafter.draft_slots(drafter.draft(drafter.embed(block, embed.weight), p, th[:, :p])[0])
+        pk = sampling.probs(out.logits[0, p:p + n])
+        q = sampling.probs(drafter.teacher_forced_logits(hidden, ids[p:p + n][None], head, embed.weight))[0]
+        drafts = drafter.propose(hidden, ids[p:p + 1], head, embed_weight=embed.weight).tokens[0]
+        for k in range(n):
+            want["zlab"][k] += float(torch.minimum(pk[k], q[k]).sum())
+            want["specforge"][k] += float(pk[k, drafts[k]])
+    assert zlab["alpha_sum"] == pytest.approx(want["zlab"], abs=1e-5)
+    assert specforge["alpha_sum"] == pytest.approx(want["specforge"], abs=1e-5)
+    assert zlab["alpha_sum"] != pytest.approx(specforge["alpha_sum"], abs=1e-3)
+    assert zlab["anchors"] == specforge["anchors"] == len(output) - 1

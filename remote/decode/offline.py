@@ -15,8 +15,12 @@ it plus the bonus token: ``produced = min(a + 1, max_length - start - 1)``, ``st
 cycle accepts is random. Reported instead, labelled an estimate: for every anchor ``p`` of the
 completion and draft ``k``, ``α_k(p) = Σ_x min(p_k(x), q_k(x))`` with ``p_k`` the teacher-forced
 target's sampling distribution for that token (the reference prefix before it) and ``q_k`` the
-drafter's; ``E[τ](p) = 1 + Σ_k Π_{j≤k} α_j(p)``. It is exact for a cycle whose accepted drafts
-equal the reference; along other prefixes the target may assign other probabilities.
+drafter's (a family whose drafts read the drafts before them: given the reference's tokens,
+``teacher_forced_logits``); ``E[τ](p) = 1 + Σ_k Π_{j≤k} α_j(p)``. It is exact for a cycle whose
+accepted drafts equal the reference; along other prefixes the target may assign other
+probabilities. Under SpecForge's rules the drafter drafts greedily and a draft is accepted when the
+target's sample equals it, so ``α_k(p) = p_k(d_k)`` for the greedy draft ``d_k`` (drafted from the
+drafts before it), exact for a cycle whose drafts equal the reference as far as they are accepted.
 
 **SpecForge's rules** (``semantics="specforge"``, :mod:`remote.decode.online`): full blocks
 everywhere, ``while start < P + max_new_tokens``, the whole accepted run counted, a stop token
@@ -60,6 +64,7 @@ class DraftTable:
     chunk: int = 64
     sampling: Sampling | None = None   # T > 0: the expected acceptance along the reference
     target_logits: torch.Tensor | None = None   # [T-1, V] teacher-forced target logits (T > 0)
+    matched: bool = False              # T > 0 under SpecForge's rules: α_k = p_k(greedy draft)
     cut_last_blocks: bool = True       # False: full blocks everywhere (the training view, remote.parity)
     tokens: dict = field(default_factory=dict)   # anchor -> draft target ids
     top: dict = field(default_factory=dict)      # anchor -> DDTree children data
@@ -147,9 +152,13 @@ class DraftTable:
         self.blocks_drafted += len(anchors)
 
     def _alpha(self, anchor: int, hidden, logits) -> list[float]:
-        """α_k = Σ_x min(p_k(x), q_k(x)) for the anchor's drafts (module docstring)."""
+        """α_k for the anchor's drafts: Σ_x min(p_k(x), q_k(x)), or p_k(d_k) with ``matched`` (module
+        docstring)."""
         d, n = self.drafter, hidden.shape[1]
         p = self.sampling.probs(self.target_logits[anchor:anchor + n])                 # [n, V]
+        if self.matched:
+            drafts = torch.tensor(self.tokens[anchor], device=p.device)
+            return p.gather(-1, drafts[:, None])[:, 0].tolist()
         if d.config.architecture == DFLASH2:    # teacher-forced predecessors: the reference tokens
             sel = d.candidate_selector
             unary, cand = sel.candidates(logits)
@@ -160,6 +169,9 @@ class DraftTable:
                 q = Sampling(self.sampling.temperature).probs(scores)[0]
                 alphas.append(float(torch.minimum(p[k, cand[0, k]], q).sum()))
             return alphas
+        if d.config.sequential:        # the reference's tokens before each draft
+            prev = self.ids[anchor:anchor + n][None]
+            logits = d.teacher_forced_logits(hidden, prev, self.head, self.embed_weight).float()
         q = d.to_target_probs(self.sampling.probs(logits))[0]
         return torch.minimum(p, q).sum(-1).tolist()
 
@@ -322,9 +334,6 @@ def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[in
         raise ValueError("DDTree budgets at T > 0: a sampled tree is verified by the target's own sampling "
                          "at every node, which needs online decoding; offline at T > 0 reports the expected "
                          "acceptance only")
-    if rules is not None and sampled:
-        raise ValueError("SpecForge's rules at T > 0 offline: the expected acceptance is z-lab's estimate; decode "
-                         "online for SpecForge's sampled cycles")
     if budgets and drafter.config.sequential and drafter.config.family != "dflash":
         raise ValueError(f"DDTree on a {drafter.config.family} drafter: its drafts depend on the token drafted "
                          f"before, so a tree's children would be drafted from their own parents; not defined here")
@@ -337,7 +346,8 @@ def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[in
     table = DraftTable(drafter, target_hidden.to(device=here, dtype=next(drafter.parameters()).dtype), ids.to(here),
                        target.get_input_embeddings().weight, target.get_output_embeddings(),
                        topk=max(budgets) if budgets else 0, chunk=chunk, sampling=sampling if sampled else None,
-                       target_logits=out.logits[0].to(here) if sampled else None, cut_last_blocks=rules is None)
+                       target_logits=out.logits[0].to(here) if sampled else None, cut_last_blocks=rules is None or sampled,
+                       matched=sampled and rules is not None)
     P, verify_block = len(prompt_ids), drafter.config.verify_block
     if sampled:
         res = {"acceptance_lengths": [], "expected": expected_acceptance(table, ref, P)}

@@ -546,6 +546,16 @@ class DFlashDrafter(nn.Module):
         full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
         return full.index_copy_(-1, self.to_target_ids(torch.arange(probs.shape[-1], device=probs.device)), probs)
 
+    def teacher_forced_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor, target_head: nn.Module,
+                              embed_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Each draft's logits ``[b, n, V]`` given the tokens before it (``prev_tokens [b, n]``: the
+        block's anchor, then the tokens taken to be drafted before each draft, e.g. a reference's).
+        DFlash's drafts do not read them; a family whose head does (Domino, DSpark's Markov head)
+        conditions draft ``k`` on ``prev_tokens[:, :k + 1]``, and :meth:`propose` drafts from these
+        logits with its own drafts as ``prev_tokens``. (DFlash2's selector scores candidates
+        instead: :class:`CandidateSelector`.)"""
+        return self.logits(hidden, target_head)
+
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,
                 sampling: Sampling | None = None, embed_weight: torch.Tensor | None = None) -> Proposal:
         """Draft tokens from the draft slots' ``hidden [b, n, H]``: argmax (greedy), or sampled from

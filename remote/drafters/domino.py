@@ -40,18 +40,20 @@ class DominoDrafter(DFlashDrafter):
         """Slots ``1..`` (slot ``k + 1`` drafts token ``p + k + 1``), or ``0..B-2`` with ``shift_label``."""
         return hidden[..., :-1, :] if self.config.shift_label else hidden[..., 1:, :]
 
-    def corrected_logits(self, hidden: torch.Tensor, base: torch.Tensor, block_ids: torch.Tensor,
-                         embed_weight: torch.Tensor, k: int) -> torch.Tensor:
-        """Draft ``k``'s logits ``[b, V]`` given the block's tokens so far (``block_ids [b, n + 1]``:
-        the anchor, the drafts before ``k``, mask tokens after)."""
-        if k < self.config.pure_draft_prefix_len:
-            return base[:, k]
-        n = hidden.shape[1]
-        emb = F.embedding(block_ids.to(embed_weight.device), embed_weight).to(hidden.device, hidden.dtype)
-        states = self.prefix_gru(emb[:, :n])[0]                                      # [b, n, G]: state j saw 0..j
+    def teacher_forced_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor, target_head: nn.Module,
+                              embed_weight: torch.Tensor | None = None, base: torch.Tensor | None = None) -> torch.Tensor:
+        """Every draft's corrected logits ``[b, n, V]`` given the block's tokens ``prev_tokens [b, n]``
+        (the anchor and the tokens before each draft): the GRU over their embeddings (state ``k`` has
+        seen ``prev_tokens[:, :k + 1]``) and the head over every draft slot. ``base``: the slots'
+        logits when already computed."""
+        if embed_weight is None:
+            raise ValueError("a Domino drafter drafts from the target's embeddings of the block's tokens")
+        base = self.logits(hidden, target_head) if base is None else base
         start = self.config.pure_draft_prefix_len
+        emb = F.embedding(prev_tokens.to(embed_weight.device), embed_weight).to(hidden.device, hidden.dtype)
+        states = self.prefix_gru(emb)[0]                                             # [b, n, G]
         correction = self.embed_proj(torch.cat([hidden[:, start:], states[:, start:]], dim=-1))
-        return base[:, k] + correction[:, k - start]
+        return torch.cat([base[:, :start], base[:, start:] + correction], dim=1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,
                 sampling: Sampling | None = None, embed_weight: torch.Tensor | None = None) -> Proposal:
@@ -64,8 +66,9 @@ class DominoDrafter(DFlashDrafter):
                                device=hidden.device)
         block_ids[:, 0] = anchor_tokens.to(hidden.device)
         q_rows = []
-        for k in range(n):
-            logits = self.corrected_logits(hidden, base, block_ids, embed_weight, k)
+        for k in range(n):       # as SpecForge: the whole block with mask tokens after k, row k kept
+            logits = base[:, k] if k < self.config.pure_draft_prefix_len else \
+                self.teacher_forced_logits(hidden, block_ids[:, :n], target_head, embed_weight, base)[:, k]
             if greedy:
                 block_ids[:, k + 1] = logits.argmax(-1)
             else:

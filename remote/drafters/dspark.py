@@ -98,6 +98,17 @@ class DSparkDrafter(DFlashDrafter):
         return Proposal(tokens, torch.stack(q_rows, 1) if q_rows else None,
                         confidence=self.confidence(hidden, anchor_tokens, tokens))
 
+    def teacher_forced_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor, target_head: nn.Module,
+                              embed_weight: torch.Tensor | None = None) -> torch.Tensor:
+        base = self.logits(hidden, target_head)
+        if self.markov_head is None:
+            return base
+        rows, state = [], None
+        for k in range(hidden.shape[1]):
+            bias, state = self.markov_head.step(prev_tokens[:, k].to(hidden.device), hidden[:, k], state)
+            rows.append(base[:, k] + bias)
+        return torch.stack(rows, 1)
+
     def confidence(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor | None:
         """Each draft's predicted acceptance ``σ(head) [b, n]`` (float32), or None without the head."""
         if not self.config.confidence_head:
