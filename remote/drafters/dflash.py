@@ -197,14 +197,16 @@ class DecoderLayer(nn.Module):
 
     @staticmethod
     def _wrapped(sublayer, conv, x, block_len):
-        if conv is None:
-            return sublayer(x)
+        """DFlash2: ``sublayer`` between the convolution's two halves."""
         b, q, H = x.shape
         x, kernel = conv.prepare(x.view(b, q // block_len, block_len, H))
         y = sublayer(x.view(b, q, H)).view(b, q // block_len, block_len, H)
         return conv.finish(y, kernel).view(b, q, H)
 
     def forward(self, x, block_rope, ctx_kv, mask, attend, block_len):
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx_kv, mask, attend)
+            return x + self.mlp(self.post_attention_layernorm(x))
         attn = lambda h: self.self_attn(h, block_rope, ctx_kv, mask, attend)  # noqa: E731
         x = x + self._wrapped(attn, self.attention_conv, self.input_layernorm(x), block_len)
         return x + self._wrapped(self.mlp, self.mlp_conv, self.post_attention_layernorm(x), block_len)
