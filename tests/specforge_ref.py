@@ -34,6 +34,27 @@ project's tests (they run it as a subprocess: tests/test_specforge_ref.py). One 
         drafter over the prompt's target features (``is_causal=False``, no mask) and ``target.lm_head``
         over the block's last B - 1 slots. -> {"logits": [[B - 1 rows of vocab_size floats] per prompt]}
         (the families draft position by position from the tokens chosen: no one block of logits)
+    metrics DRAFTER TARGET --sequences JSON
+        SpecForge's training-side metrics of the drafter on sequences (JSON: a list of
+        {"ids": [...], "prompt_len": P}; the loss mask 1 on the completion, positions >= P), computed by
+        SpecForge's own code: its training wrapper of the family (OnlineDFlashModel, OnlineDominoModel
+        with the drafter's shift_label, OnlineDSparkModel; sdpa, num_anchors the longest sequence, so
+        that _sample_anchor_positions takes every supervised anchor, in order) over the target's
+        features (extract_context_feature of its hidden states; DSpark: target_last_hidden_states its
+        last, normed one), each sequence a TrainBatch through the family's train strategy, the whole
+        set through specforge.eval.Evaluator. The family's objective (``_<family>_objective_chunk_terms``,
+        objective_chunk_blocks 0: one call per sequence) is wrapped to keep its inputs and the terms it
+        returns; its own terms are summed over the sequences before any ratio. Per block column
+        (slot) the correct count and the denominator: DSpark's own ``correct_position_num`` /
+        ``position_den``; for DFlash and Domino (which sum only) the same objective called again with
+        the accuracy mask kept at that one column. DSpark: ``tau_probabilistic`` (Σ tau_num / Σ tau_den)
+        and, with a confidence head, ``confidence_tau``: the drafter's ``predict_confidence`` on the
+        objective's own hidden states and previous tokens, σ of it in place of the accept probability in
+        tau_probabilistic's reduction (1 + Σ cumprod(σ · eval_mask) per block, mean over the blocks with a
+        position; SpecForge computes no such number: this reduction is the harness's).
+        -> {"family", "evaluator": {eval/* of Evaluator.run}, "correct", "denominator",
+            "per_position": {"correct": [B], "count": [B]}, "accept_len" (Domino: Σ accept_num / Σ accept_den),
+            "expected_tau", "confidence_tau" (DSpark)}
     batch JOBS
         JOBS: a JSON file, a list of command lines (lists of strings: build ... or generate ...),
         run one after another in this one process (importing torch, transformers and SpecForge takes
@@ -276,6 +297,93 @@ def logits(args) -> dict:
     return {"logits": out}
 
 
+def metrics(args) -> dict:
+    from specforge.algorithms.common import dflash_family_model as wrappers
+    from specforge.eval import Evaluator
+    from specforge.modeling.draft.dflash import extract_context_feature
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.training.strategies import base as strategies
+    from transformers import AutoModelForCausalLM
+
+    drafter = load_drafter(args.drafter)
+    family = {cls: name for name, cls in _classes().items()}[type(drafter)]
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    sequences = json.loads(Path(args.sequences).read_text())
+    common = dict(draft_model=drafter, target_lm_head=target.lm_head, target_embed_tokens=target.model.embed_tokens,
+                  mask_token_id=drafter.mask_token_id, block_size=drafter.block_size, attention_backend="sdpa",
+                  num_anchors=max(len(s["ids"]) for s in sequences), objective_chunk_blocks=0)
+    if family == "dflash":
+        model = wrappers.OnlineDFlashModel(**common)
+        strategy = strategies.DFlashTrainStrategy(model)
+    elif family == "domino":
+        model = wrappers.OnlineDominoModel(**common, shift_label=bool(drafter.shift_label))
+        strategy = strategies.DominoTrainStrategy(model)
+    else:
+        model = wrappers.OnlineDSparkModel(**common)
+        strategy = strategies.DSparkTrainStrategy(model)
+    model.eval()
+    name = f"_{family}_objective_chunk_terms"
+    objective, calls = getattr(model, name), []
+
+    def kept(*terms_args):
+        terms = objective(*terms_args)
+        calls.append((terms_args, terms))
+        return terms
+
+    setattr(model, name, kept)
+    batches = []
+    with torch.no_grad():
+        for i, seq in enumerate(sequences):
+            ids = torch.tensor([seq["ids"]])
+            out = target(ids, output_hidden_states=True)
+            tensors = {"input_ids": ids, "loss_mask": (torch.arange(ids.shape[1]) >= seq["prompt_len"]).float()[None],
+                       "hidden_states": extract_context_feature(out.hidden_states, drafter.target_layer_ids)}
+            if family == "dspark":
+                tensors["target_last_hidden_states"] = out.hidden_states[-1]
+            batches.append(TrainBatch(sample_ids=[str(i)], strategy=family, tensors=tensors))
+    evaluated = Evaluator().run(strategy.forward_loss, batches)
+    if len(calls) != len(sequences):
+        raise RuntimeError(f"{len(calls)} objective calls for {len(sequences)} sequences")
+
+    def total(index: int) -> torch.Tensor:
+        return sum(terms[index].double() for _, terms in calls)
+
+    result = {"family": family, "evaluator": {k: v for k, v in evaluated.items()}}
+    B = drafter.block_size
+    with torch.no_grad():
+        if family == "dspark":        # (.., correct_num 4, eval_den 5, .., correct_position_num 7, position_den 8, .., tau_num 12, tau_den 13)
+            result.update(correct=float(total(4)), denominator=float(total(5)),
+                          per_position={"correct": total(7).tolist(), "count": total(8).tolist()},
+                          expected_tau=float(total(12) / total(13)))
+            if drafter.confidence_head is not None:
+                tau, blocks = 0.0, 0
+                for (hidden, prev_ids, _, _, eval_mask, _), _ in calls:
+                    confidence = drafter.predict_confidence(hidden, prev_token_ids=prev_ids).sigmoid()
+                    valid = eval_mask.any(-1)
+                    tau += float(((confidence * eval_mask).cumprod(-1).sum(-1) + 1.0)[valid].sum())
+                    blocks += int(valid.sum())
+                result["confidence_tau"] = tau / blocks
+        else:
+            # DFlash (loss_num, loss_den, correct_num 2, accuracy_den 3); its accuracy mask: weight_mask (index 2)
+            # Domino (.., correct_num 3, .., accuracy_den 5, accept_num 6, .., accept_den 8); its mask: eval_weight_mask (4)
+            at, correct_i, den_i = (2, 2, 3) if family == "dflash" else (4, 3, 5)
+            correct, count = [0.0] * B, [0.0] * B
+            for terms_args, _ in calls:
+                for k in range(B):
+                    one = torch.zeros(B)
+                    one[k] = 1.0
+                    narrowed = list(terms_args)
+                    narrowed[at] = terms_args[at] * one
+                    terms = objective(*narrowed)
+                    correct[k] += float(terms[correct_i])
+                    count[k] += float(terms[den_i])
+            result.update(correct=float(total(correct_i)), denominator=float(total(den_i)),
+                          per_position={"correct": correct, "count": count})
+            if family == "domino":
+                result["accept_len"] = float(total(6) / total(8))
+    return result
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specforge_ref", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -300,6 +408,10 @@ def parser() -> argparse.ArgumentParser:
     lg.add_argument("drafter")
     lg.add_argument("target")
     lg.add_argument("--prompts", required=True)
+    mt = sub.add_parser("metrics")
+    mt.add_argument("drafter")
+    mt.add_argument("target")
+    mt.add_argument("--sequences", required=True)
     j = sub.add_parser("batch")
     j.add_argument("jobs")
     return parser
@@ -321,7 +433,8 @@ def batch(jobs: str) -> dict:
     return {"results": results}
 
 
-COMMANDS = {"build": build, "generate": generate, "logits": logits, "batch": lambda args: batch(args.jobs)}
+COMMANDS = {"build": build, "generate": generate, "logits": logits, "metrics": metrics,
+            "batch": lambda args: batch(args.jobs)}
 
 
 def main(argv=None) -> int:

@@ -185,6 +185,9 @@ def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
     assert report["agree"] and report["draft_disagreements"] == 0 and report["anchors"] > 0
     assert report["accuracy"]["training"] == report["accuracy"]["eval"]
     assert "agree draft for draft" in par.stdout
+    # a z-lab DFlash drafter is one SpecForge trains: its training-side accuracy is our training way's
+    assert report["specforge"]["accuracy_tau"] == pytest.approx(report["tau_estimate"]["training"])
+    assert "SpecForge's teacher-forced accuracy (dflash)" in par.stdout and len(report["gaps"]) == 1
 
 
 def test_detach_json_then_attach(eval_lab, tmp_path):

@@ -294,8 +294,9 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
                max_anchors: int = typer.Option(2000, "--max-anchors", help="Anchors to check (from the run's completions)."),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Teacher-forced per-position accuracy of the run's checkpoint computed the training way
-    (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions."""
-    from ..eval.parity import ParityError, run_parity, three_way
+    (batched anchor mask) and the eval way (per anchor), side by side, on the run's own completions;
+    for a drafter SpecForge trains, SpecForge's own training-side numbers and the gaps to ours."""
+    from ..eval.parity import ParityError, run_parity, specforge_rows, three_way
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("done",), need="results.jsonl")
@@ -312,6 +313,13 @@ def parity_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     ways = three_way(record, report)
     out.print(console.table(f"τ of the same checkpoint on {record.id}'s prompts (pooled)", ["how", "τ", "counted as"],
                             [list(w) for w in ways], right=("τ",)))
+    sf_rows = specforge_rows(report)
+    if sf_rows:
+        sf = report["specforge"]
+        head = ["token scored", "from slot", "accuracy", "positions"]
+        out.print(console.table(f"SpecForge's teacher-forced accuracy ({sf['family']})", head, sf_rows, right=head))
+        for gap in report.get("gaps") or []:
+            out.print(f"- {safe(gap)}")
     if not report["agree"]:
         raise ParityError(f"training and eval paths disagree on {report['draft_disagreements']} draft tokens")
     out.print("[green]training and eval paths agree draft for draft[/] "

@@ -1,6 +1,7 @@
 """`dflash-ops parity RUN`: teacher-forced per-position accuracy of a finished run's checkpoint,
 computed the training way (batched anchor mask) and the eval way (per anchor) on the run's own
-completions, on the host that ran it (``python -m remote.parity``)."""
+completions, on the host that ran it (``python -m remote.parity``); for a drafter SpecForge trains,
+SpecForge's own training-side numbers on the same anchors and the gaps between them and ours."""
 from __future__ import annotations
 
 import json
@@ -39,11 +40,12 @@ def run_parity(record: RunRecord, inventory: Inventory, max_anchors: int = 2000)
 
 
 def three_way(record: RunRecord, report: dict) -> list[tuple[str, str, str]]:
-    """τ of the same checkpoint on the run's prompts, four ways, each as (what, τ, how it is
-    counted): teacher-forced the training way and the eval way (``report``'s estimates: 1 + Σ
-    cumulative accuracy), our online decoding, and for an `eval --engine` run the serving
-    engine's own count, with the causes of its difference from ours that the worker's checks
-    showed (reports/engine.py). Pooled τ throughout (Σ over anchors or cycles)."""
+    """τ of the same checkpoint on the run's prompts, each as (what, τ, how it is counted):
+    teacher-forced the training way and the eval way (``report``'s estimates: 1 + Σ cumulative
+    accuracy), our online decoding, SpecForge's training-side τs where ``report`` has them
+    (remote/parity.py ``SpecForgeTally``), and for an `eval --engine` run the serving engine's own
+    count, with the causes of its difference from ours that the worker's checks showed
+    (reports/engine.py). Pooled τ throughout (Σ over anchors or cycles)."""
     from ..reports.engine import causes_text, engine_name
     from ..runs.folders import load_run
     from ..reports.render import fnum
@@ -56,10 +58,35 @@ def three_way(record: RunRecord, report: dict) -> list[tuple[str, str, str]]:
     if run.mode == "online":
         rows.append(("ours, online (speculative decoding)", fnum(m.get("tau_pooled"), 3),
                      "Σ committed tokens / Σ cycles"))
+    sf = report.get("specforge") or {}
+    if sf:
+        rows.append(("SpecForge, accuracy-derived (training metric)", fnum(sf["accuracy_tau"], 3),
+                     "the same, teacher-forced, SpecForge's positions"))
+    if "accept_len" in sf:
+        rows.append(("SpecForge accept_len (Domino)", fnum(sf["accept_len"], 3),
+                     "1 + each block's teacher-forced accepted prefix, mean"))
+    if "expected_tau" in sf:
+        rows.append(("SpecForge expected τ (DSpark)", fnum(sf["expected_tau"], 3),
+                     "1 + Σ cumulative accept probability, mean over blocks"))
+    if "confidence_tau" in sf:
+        rows.append(("DSpark confidence head's τ", fnum(sf["confidence_tau"], 3), "the same with σ(head)"))
     e = m.get("engine")
     if e:
         causes = e.get("causes") or {}
         rows.append((f"{engine_name(run)}, its own count", fnum(e.get("tau_pooled"), 3),
                      "why it differs from ours: " + (causes_text(causes, e.get("prompts") or 0) if causes
                                                      else "it does not")))
+    return rows
+
+
+def specforge_rows(report: dict) -> list[list[str]]:
+    """SpecForge's per-position accuracy of ``report["specforge"]``, one row per block position:
+    (token ``p+1+i``, the slot that drafts it, accuracy, positions counted), then the pooled total
+    (Σ correct / Σ positions, as SpecForge's evaluator pools it); [] without it."""
+    sf = report.get("specforge")
+    if not sf:
+        return []
+    rows = [[f"p+{i + 1}", str(sf["first_slot"] + i), f"{a:.3f}", str(n)]
+            for i, (a, n) in enumerate(zip(sf["per_position"], sf["per_position_count"]))]
+    rows.append(["all", "", f"{sf['accuracy']:.3f}", str(sf["denominator"])])
     return rows
