@@ -13,30 +13,18 @@ of that block a hit where SpecForge scores the positions we draft), so that the 
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import buildcache
+from specforge_env import MARKS, PROMPTS, env_stamp, harness_batch, ok
+from specforge_env import target_dir as built_target
 
-SPECFORGE = os.environ.get("DFLASH_OPS_SPECFORGE_PYTHON", "")
-HARNESS = Path(__file__).with_name("specforge_ref.py")
+pytestmark = MARKS
 
-pytestmark = [
-    pytest.mark.skipif(not (SPECFORGE and os.path.isfile(SPECFORGE) and os.access(SPECFORGE, os.X_OK)),
-                       reason="SpecForge's environment is not installed: run .ci/specforge-env and set "
-                              "DFLASH_OPS_SPECFORGE_PYTHON=$(.ci/specforge-env)"),
-    pytest.mark.models,
-    pytest.mark.xdist_group("specforge"),     # one SpecForge process at a time beside test_specforge_ref.py's
-]
-
-TARGET_RECIPE = {"kind": "qwen3", "init_std": 0.5, "tie": False, "seed": 0}   # test_specforge_ref.py's target
 BLOCK, N = 8, 24
-PROMPTS = [[21, 219, 165, 77, 218, 42, 161, 60], [22, 17, 7, 105, 80, 79, 84, 240]]
 DRAFTERS = {   # name: (family, --set overrides)
     "dflash": ("dflash", []),
     "domino-shift": ("domino", ["dflash_config.shift_label=true", "dflash_config.pure_draft_prefix_len=1"]),
@@ -46,32 +34,20 @@ DRAFTERS = {   # name: (family, --set overrides)
 
 
 def harness(jobs: list[list[str]], folder: Path, name: str) -> list[dict]:
-    """The harness's results of the command lines ``jobs``, in one process (its ``batch``)."""
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps(jobs))
-    done = subprocess.run([SPECFORGE, str(HARNESS), "batch", str(path)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"specforge_ref.py batch: exit {done.returncode}\n{done.stderr[-4000:]}"
-    results = json.loads(done.stdout)["results"]
-    for r in results:
-        assert "error" not in r, f"{r['error']}\n{r['traceback']}"
-    return results
+    """The harness's results of the command lines ``jobs``, in one process (none failed)."""
+    return [ok(r) for r in harness_batch(jobs, folder, name)]
 
 
 @pytest.fixture(scope="module")
 def target_dir() -> Path:
-    def build(out):
-        from remote.drafters.tiny import tiny_target
-
-        tiny_target(**TARGET_RECIPE).save_pretrained(out / "target")
-
-    return buildcache.built("specforge-target", TARGET_RECIPE, build) / "target"
+    return built_target()
 
 
 @pytest.fixture(scope="module")
 def drafters(target_dir) -> dict[str, Path]:
     common = ["--target", str(target_dir), "--seed", "0", "--block-size", str(BLOCK)]
     recipe = {"target": target_dir.parent.name, "drafters": DRAFTERS, "common": common[2:],
-              "harness": hashlib.sha256(HARNESS.read_bytes() + SPECFORGE.encode()).hexdigest()[:16]}
+              "harness": env_stamp()}
 
     def build(out):
         harness([["build", family, str(out / name), *common, *[a for s in sets for a in ("--set", s)]]

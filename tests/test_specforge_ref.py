@@ -12,67 +12,25 @@ runs in two processes at once, each a batch of commands (its imports take most o
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import buildcache
+from specforge_env import MARKS, PROMPTS, env_stamp, harness_batch, ok
+from specforge_env import target_dir as built_target
 
-PYTHON_ENV = "DFLASH_OPS_SPECFORGE_PYTHON"
-SPECFORGE = os.environ.get(PYTHON_ENV, "")
-HARNESS = Path(__file__).with_name("specforge_ref.py")
-WHY = (f"SpecForge's environment is not installed: run .ci/specforge-env and set {PYTHON_ENV}=$(.ci/specforge-env) "
-       "to compare with SpecForge's spec_generate" if not SPECFORGE else
-       f"{PYTHON_ENV}={SPECFORGE} is not an executable (.ci/specforge-env prints the one to name)")
-
-pytestmark = [
-    pytest.mark.skipif(not (SPECFORGE and os.path.isfile(SPECFORGE) and os.access(SPECFORGE, os.X_OK)), reason=WHY),
-    pytest.mark.models,
-    pytest.mark.xdist_group("specforge"),     # the module's builds and harness runs are shared
-]
+pytestmark = MARKS
 
 FAMILIES = ("dflash", "domino", "dspark")
-TARGET_RECIPE = {"kind": "qwen3", "init_std": 0.5, "tie": False, "seed": 0}
 BLOCK = 8
 N = 24              # max_new_tokens
 ORACLE_N = 20       # not a multiple of the block: the last cycle still verifies a whole block
 SEED = 7
 MASK = 255          # the drafters' mask_token_id: the target's last id
 ORACLE_BIAS = 100.0
-
-
-def harness(*args: str) -> dict:
-    done = subprocess.run([SPECFORGE, str(HARNESS), *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"specforge_ref.py {' '.join(args)}: exit {done.returncode}\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout)
-
-
-def harness_batch(jobs: list[list[str]], folder: Path, name: str) -> list[dict]:
-    """The harness's results of the command lines ``jobs``, run in one process."""
-    path = folder / f"{name}.json"
-    path.write_text(json.dumps(jobs))
-    return harness("batch", str(path))["results"]
-
-
-def ok(result: dict) -> dict:
-    assert "error" not in result, f"{result['error']}\n{result['traceback']}"
-    return result
-
-
-def _env_stamp() -> str:
-    """What the harness's builds depend on besides their recipe: its source and SpecForge's environment."""
-    pins = Path(SPECFORGE).parent.parent / "dflash-ops-pins.txt"      # written by .ci/specforge-env
-    env = pins.read_text() if pins.is_file() else SPECFORGE
-    return hashlib.sha256(HARNESS.read_bytes() + b"\0" + env.encode()).hexdigest()[:16]
-
-
-# two prompts of 8 ids (torch.randint(0, 255, (2, 8), generator=torch.Generator().manual_seed(11)))
-PROMPTS = [[21, 219, 165, 77, 218, 42, 161, 60], [22, 17, 7, 105, 80, 79, 84, 240]]
 
 
 def as_specforge(ids: list[int]) -> list[int]:
@@ -120,13 +78,7 @@ def oracle_cycles(ref: list[int], table: dict[int, int], n: int, stop: int | Non
 
 @pytest.fixture(scope="module")
 def target_dir() -> Path:
-    """A tiny random Qwen3 (pure attention, 4 layers, vocab 256), saved with save_pretrained."""
-    def build(out):
-        from remote.drafters.tiny import tiny_target
-
-        tiny_target(**TARGET_RECIPE).save_pretrained(out / "target")
-
-    return buildcache.built("specforge-target", TARGET_RECIPE, build) / "target"
+    return built_target()
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +108,7 @@ def drafters(target_dir, reference) -> dict:
     common = ["--target", str(target_dir), "--seed", "0", "--block-size", str(BLOCK)]
     oracle_sets = ["--set", "dflash_config.markov_rank=256", "--set", "dflash_config.enable_confidence_head=false"]
     names = [*FAMILIES, "oracle"]
-    recipe = {"target": target_dir.parent.name, "harness": _env_stamp(), "common": common[2:], "oracle": oracle_sets,
+    recipe = {"target": target_dir.parent.name, "harness": env_stamp(), "common": common[2:], "oracle": oracle_sets,
               "table": sorted(table.items()), "bias": ORACLE_BIAS}
 
     def build(out):
