@@ -24,6 +24,7 @@ differs from the target's own greedy output other than at a near-tie (the row is
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,8 +46,11 @@ class WorkerError(Exception):
         self.code = code
 
 
+EVENTS = None      # the stream events go to: stdout as main() found it (whatever else prints goes to stderr)
+
+
 def emit(event: str, **fields) -> None:
-    print(json.dumps({events.KEY: event, **fields}), flush=True)
+    print(json.dumps({events.KEY: event, **fields}), file=EVENTS or sys.stdout, flush=True)
 
 
 def log(message: str) -> None:
@@ -309,11 +313,16 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
     feature_device = features_device(target, open_checkpoint(ctx.drafter).config.target_layer_ids) if devices else device
     drafter, ckpt = load_drafter(ctx.drafter, device=feature_device, dtype=getattr(torch, dtype))
     decoding = Decoding.of(settings, ckpt)
+    if settings.mode == "online" and decoding.budgets:
+        from remote.decode.tree import tree_problem
+        problem = tree_problem(target, drafter.config)
+        if problem:
+            raise WorkerError(problem, exits.USAGE)
     log(f"counted by {decoding.semantics}'s rules" + (f"; {decoding.note}" if decoding.note else ""))
     tokenizer = None
     try:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(ctx.target)
+        tokenizer = AutoTokenizer.from_pretrained(ctx.target, trust_remote_code=False)
     except Exception as e:  # rows with input_ids need no tokenizer
         if any(r.input_ids is None for r in rows_to_do):
             raise WorkerError(f"cannot load the target's tokenizer from {ctx.target}: {e}")
@@ -338,7 +347,7 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
                         "block_size": drafter.block_size, "verify_block": drafter.config.verify_block,
                         "enable_thinking": THINKING[settings.thinking], **ctx.sampling.describe(), "seed": settings.seed,
                         "sampling_seed": "per prompt: sha256('<seed>:<prompt id>'), first 8 bytes",
-                        "ddtree_budgets": decoding.budgets if settings.mode == "offline" else [],
+                        "ddtree_budgets": decoding.budgets,
                         "semantics": decoding.semantics,
                         "all_anchors": settings.all_anchors, "reference": "sglang" if client else "local",
                         "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE,
@@ -399,13 +408,16 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
 
 def invalid_reason(row: dict) -> dict | None:
     """``summary.json``'s ``invalid`` when ``row`` diverged from the target's greedy output other than
-    at a near-tie: no τ measured on such a run is a result."""
-    d = row.get("divergence")
-    if not d or d["near_tie"]:
+    at a near-tie (its linear decoding or one of its DDTree budgets'): no τ measured on such a run is
+    a result."""
+    found = [("", row.get("divergence"))] + [(f"DDTree-{b} ", t.get("divergence"))
+                                              for b, t in (row.get("ddtree") or {}).items()]
+    which, d = next(((w, d) for w, d in found if d and not d["near_tie"]), ("", None))
+    if d is None:
         return None
     turn = f" (turn {d['turn'] + 1})" if "turn" in d else ""
     return {"prompt": row["id"], **d,
-            "message": f"greedy online output differs from the target's own greedy output on prompt {row['id']}"
+            "message": f"greedy online {which}output differs from the target's own greedy output on prompt {row['id']}"
                        f"{turn} at {d['describe']}: speculative decoding is not exact on this host, so no τ of this "
                        f"run is a result (rows kept in results.jsonl; summary.json is marked invalid)"}
 
@@ -422,8 +434,8 @@ THINKING = {"default": None, "on": True, "off": False}
 @dataclass(frozen=True)
 class Decoding:
     """What the loaded drafter makes of the settings: whose rules count the cycles and the DDTree
-    budgets walked (a family whose drafts depend on the one before has none unless asked, and
-    refuses them asked)."""
+    budgets (offline: walked; online: each decoded; a family whose drafts depend on the one before
+    has none unless asked, and refuses them asked)."""
     semantics: str
     budgets: list[int]
     note: str = ""
@@ -451,9 +463,10 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
     """All turns of one prompt row -> one results row (docs/run-format.md)."""
     import torch
     from remote.contract.metrics import row_stats
-    from remote.contract.settings import SPECFORGE
+    from remote.contract.settings import FULL_BLOCK_RULES
     from remote.decode.offline import SpecForgeRules, evaluate_offline
     from remote.decode.online import first_divergence, speculative_generate, target_decode
+    from remote.decode.tree import tree_generate
 
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
@@ -462,7 +475,7 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
     if not sampling.greedy:
         torch.manual_seed(prompt_seed(ctx.settings.seed, row.id))
     n_max = ctx.settings.max_new_tokens
-    rules = SpecForgeRules(n_max, frozenset(stops)) if decoding.semantics == SPECFORGE else None
+    rules = SpecForgeRules(n_max, frozenset(stops)) if decoding.semantics in FULL_BLOCK_RULES else None
     # the reference past the output (offline, greedy: SpecForge's last cycles verify full blocks)
     overshoot = drafter.config.verify_block if rules and sampling.greedy else 0
     continuations: list[list[int]] = []
@@ -472,12 +485,18 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
         if ctx.settings.mode == "online":   # the baseline first, as z-lab's benchmark runs them
             base = target_decode(target, ids, ctx.settings.max_new_tokens, stops, sampling)
             spec = speculative_generate(target, drafter, ids, n_max, stops, sampling, decoding.semantics)
-            divergence = first_divergence(spec.output_ids, base, str(dtype).replace("torch.", "")) \
-                if sampling.greedy else None
+            def diverged(output_ids):
+                return first_divergence(output_ids, base, str(dtype).replace("torch.", "")) if sampling.greedy else None
+            trees = {}
+            for b in decoding.budgets:      # each budget its own decoding of the prompt
+                tree = tree_generate(target, drafter, ids, n_max, b, stops, sampling, decoding.semantics)
+                trees[str(b)] = {"acceptance_lengths": tree.acceptance_lengths, "output_ids": tree.output_ids,
+                                 "wall_s": tree.wall_s, "divergence": diverged(tree.output_ids)}
+            divergence = diverged(spec.output_ids)
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
                                "target_wall_s": base.wall_s, "divergence": divergence,
                                "lossless": divergence is None if sampling.greedy else None,
-                               "confidences": spec.confidences})
+                               "confidences": spec.confidences, "ddtree": trees})
             return spec.output_ids
         if client is not None and overshoot:      # the output, and what the server says after it
             full = client.generate(prompt_ids, n_max + overshoot, [], sampling)
@@ -506,12 +525,18 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
                             "acceptance_lengths": s["acceptance_lengths"]} for t, s in zip(turns, turn_stats)]
     if any(s.get("confidences") for s in turn_stats):     # a confidence head: per cycle, per draft
         result["confidences"] = [c for s in turn_stats for c in s.get("confidences") or []]
+    if decoding.budgets:
+        result["ddtree"] = {}
+        for b in map(str, decoding.budgets):
+            lengths = [n for s in turn_stats for n in s["ddtree"][b]["acceptance_lengths"]]
+            result["ddtree"][b] = {"acceptance_lengths": lengths, "tau": row_stats(lengths)["tau"]}
+            if ctx.settings.mode == "online":
+                trees = [s["ddtree"][b] for s in turn_stats]
+                result["ddtree"][b].update(output_ids=trees[-1]["output_ids"], wall_s=sum(t["wall_s"] for t in trees))
+                if sampling.greedy:
+                    result["ddtree"][b]["lossless"] = not any(t["divergence"] for t in trees)
+                    result["ddtree"][b].update(divergence_row(trees))
     if ctx.settings.mode == "offline":
-        if decoding.budgets:
-            result["ddtree"] = {}
-            for b in map(str, decoding.budgets):
-                lengths = [n for s in turn_stats for n in s["ddtree"][b]["acceptance_lengths"]]
-                result["ddtree"][b] = {"acceptance_lengths": lengths, "tau": row_stats(lengths)["tau"]}
         if ctx.settings.all_anchors:
             result["all_anchors"] = {k: [sum(v) for v in zip(*(s["all_anchors"][k] for s in turn_stats))]
                                      for k in ("correct", "count")}
@@ -521,15 +546,20 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
         result["wall_s"] = sum(s["wall_s"] for s in turn_stats)
         result["target_wall_s"] = sum(s["target_wall_s"] for s in turn_stats)
         result["lossless"] = all(s["lossless"] for s in turn_stats) if sampling.greedy else None
-        first = next(((t, s["divergence"]) for t, s in enumerate(turn_stats) if s.get("divergence")), None)
-        if first:
-            t, d = first
-            result["divergence"] = {**({"turn": t} if len(turn_stats) > 1 else {}), "position": d.position,
-                                    "ours": d.ours, "target": d.target, "margin": d.margin,
-                                    "near_tie": d.near_tie, "describe": d.describe()}
+        result.update(divergence_row(turn_stats))
         if phase is not None and not (result.get("divergence") and not result["divergence"]["near_tie"]):
             result["engine"] = serve_engine(ctx, phase, row, turns, turn_stats, target, drafter, tokenizer, stops)
     return result
+
+
+def divergence_row(turn_stats: list[dict]) -> dict:
+    """``{"divergence": ...}`` of the first turn whose output left the target's greedy output, else ``{}``."""
+    first = next(((t, s["divergence"]) for t, s in enumerate(turn_stats) if s.get("divergence")), None)
+    if not first:
+        return {}
+    t, d = first
+    return {"divergence": {**({"turn": t} if len(turn_stats) > 1 else {}), "position": d.position, "ours": d.ours,
+                           "target": d.target, "margin": d.margin, "near_tie": d.near_tie, "describe": d.describe()}}
 
 
 def serve_engine(ctx, phase, row, turns, turn_stats, target, drafter, tokenizer, stops) -> dict:
@@ -574,9 +604,12 @@ def merge_expected(parts: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
+    global EVENTS
     ctx = parse_args(argv)
+    EVENTS = sys.stdout
     try:
-        run(ctx)
+        with contextlib.redirect_stdout(sys.stderr):
+            run(ctx)
         return 0
     except WorkerError as e:
         emit(events.ERROR, message=str(e))

@@ -9,7 +9,9 @@ far more than the stated tolerance.
 from __future__ import annotations
 
 import json
+import os
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -235,3 +237,57 @@ class RollbackTarget:
         self.target(ids[:, :keep], position_ids=pos[:, :keep], past_key_values=cache, use_cache=True)
         self.last = None
         cache.crop(0)
+
+
+# ----------------------------------------------------------------------------- DDTree's official code
+
+# DDTree's code (github liranringel/ddtree, MIT), unchanged, beside the repository; it is not a package
+DDTREE = Path(os.environ.get("DFLASH_OPS_DDTREE_REF", Path(__file__).resolve().parents[2] / "shared/references/ddtree"))
+
+
+@lru_cache(maxsize=None)
+def ddtree_reference():
+    """DDTree's ``ddtree.py`` as a module. Its imports name top-level ``model`` and ``dflash``
+    (its own files, not z-lab's ``dflash`` package), so they are imported from its folder with
+    those names set aside, and put back afterwards. Its CUDA timer is replaced by
+    ``time.perf_counter`` (CPU), and its caches crop as transformers did when it was written:
+    ``crop(n)`` with ``n >= 0`` keeps the first ``n`` positions (5.25 refuses a positive count)."""
+    from transformers import DynamicCache
+    import importlib.util
+    import sys
+
+    def ours(name: str) -> bool:
+        return name in ("model", "dflash") or name.startswith(("model.", "dflash."))
+
+    saved = {name: sys.modules.pop(name) for name in [n for n in sys.modules if ours(n)]}
+    sys.path.insert(0, str(DDTREE))
+    try:
+        spec = importlib.util.spec_from_file_location("ddtree_reference", DDTREE / "ddtree.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(DDTREE))
+        for name in [n for n in sys.modules if ours(n)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+    class KeepFirstCrop(DynamicCache):
+        def crop(self, max_length: int) -> None:
+            remove = self.get_seq_length() - max_length if max_length >= 0 else -max_length
+            if remove > 0:
+                super().crop(-remove)
+
+    module.cuda_time = time.perf_counter
+    module.DynamicCache = KeepFirstCrop
+    return module
+
+
+def ddtree_drafter(folder: Path):
+    """A z-lab checkpoint folder in DDTree's own drafter class (its ``model/dflash.py``)."""
+    return ddtree_reference().DFlashDraftModel.from_pretrained(folder).eval()
+
+
+def ddtree_generate(model, target, prompt, max_new_tokens: int, budget: int, stop=None, temperature: float = 0.0):
+    """DDTree's ``ddtree_generate`` on CPU: the completion and the acceptance lengths."""
+    out = ddtree_reference().ddtree_generate(model, target, prompt, model.mask_token_id, max_new_tokens,
+                                             model.block_size, stop, temperature, budget)
+    return out.output_ids[0, prompt.shape[1]:].tolist(), list(out.acceptance_lengths)

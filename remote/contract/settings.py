@@ -19,10 +19,13 @@ MODES = ("offline", "online")
 BUILTIN_SUITES = ("default", "humaneval", "hf:gsm8k", "hf:math500", "hf:humaneval", "hf:mbpp", "hf:mt-bench")
 THINKING = ("off", "on", "default")
 DTYPES = ("float32", "bfloat16", "float16")
-# whose rules a run counts cycles by: z-lab's dflash_generate, or SpecForge's spec_generate
-# (remote/decode/online.py says where they differ)
-ZLAB_RULES, SPECFORGE = "zlab", "specforge"
-SEMANTICS = (ZLAB_RULES, SPECFORGE)
+# whose rules a run counts cycles by: z-lab's dflash_generate, SpecForge's spec_generate or DDTree's
+# ddtree_generate (remote/decode/online.py says where they differ)
+ZLAB_RULES, SPECFORGE, DDTREE = "zlab", "specforge", "ddtree"
+SEMANTICS = (ZLAB_RULES, SPECFORGE, DDTREE)
+# the rules that verify full blocks while start < max_length and count whole accepted runs: SpecForge's
+# and DDTree's loops count alike (and both sample at T > 0 with the temperature only)
+FULL_BLOCK_RULES = (SPECFORGE, DDTREE)
 DEFAULT_BUDGETS = (8, 16, 32, 64)   # DDTree node budgets, greedy offline
 MAX_BUDGET = 1024
 
@@ -53,8 +56,9 @@ FIELDS = (
     Field("dtype", "--dtype", "default: bfloat16 on CUDA, float32 on CPU", choices=DTYPES),
     Field("thinking", "--thinking", "chat template thinking: off (as z-lab's published runs), on, or default (the "
           "template's own)", choices=THINKING),
-    Field("ddtree", "--ddtree", f"offline DDTree node budgets, comma-separated, each 1..{MAX_BUDGET} ('' to skip; "
-          f"default {','.join(map(str, DEFAULT_BUDGETS))} when greedy, none at T > 0)", metavar="B,B,..."),
+    Field("ddtree", "--ddtree", f"DDTree node budgets, comma-separated, each 1..{MAX_BUDGET} ('' to skip): offline, "
+          f"the walk's trees (default {','.join(map(str, DEFAULT_BUDGETS))} when greedy, none at T > 0); online, each "
+          f"budget its own tree decoding of every prompt (default none)", metavar="B,B,..."),
     Field("temperature", "--temperature", "0 = greedy; > 0 samples (online: lossless speculative sampling; offline: "
           "the expected τ, an estimate)", float, metavar="T"),
     Field("top_p", "--top-p", "nucleus sampling mass (1 = off)", float, metavar="P"),
@@ -65,8 +69,9 @@ FIELDS = (
           "visible GPU", metavar="N|auto"),
     Field("max_memory", "--max-memory", "use at most this many GiB per device (memory plan and device_map)", float,
           metavar="GIB"),
-    Field("semantics", "--semantics", "whose rules decoding is counted by: zlab (dflash_generate) or specforge "
-          "(spec_generate: full last blocks, whole accepted runs, greedy drafts at T > 0); default: specforge for "
+    Field("semantics", "--semantics", "whose rules decoding is counted by: zlab (dflash_generate), specforge "
+          "(spec_generate: full last blocks, whole accepted runs, greedy drafts at T > 0) or ddtree (ddtree_generate: "
+          "counted as specforge, linear and tree decoding alike); default: specforge for "
           "SpecForge's Domino and DSpark drafters and a catalog `format: specforge`, else zlab", choices=SEMANTICS),
     Field("engine", "--engine", "also serve the run's prompts with the host's engine (the inventory's `engine:`), "
           "with and without the drafter, and record its own counters beside ours; implies --mode online", bool),
@@ -160,9 +165,10 @@ class EvalSettings:
             out.append(f"--target-devices must be a count >= 1 or auto, not {self.target_devices!r}")
         if self.max_memory is not None and self.max_memory <= 0:
             out.append("--max-memory must be > 0 (GiB per device)")
-        if self.semantics == SPECFORGE and (self.top_p < 1 or self.top_k > 0):
-            out.append("--semantics specforge samples as SpecForge's spec_generate does, with --temperature only: "
-                       "leave out --top-p and --top-k")
+        if self.semantics in FULL_BLOCK_RULES and (self.top_p < 1 or self.top_k > 0):
+            reference = "SpecForge's spec_generate" if self.semantics == SPECFORGE else "DDTree's ddtree_generate"
+            out.append(f"--semantics {self.semantics} samples as {reference} does, with --temperature only: "
+                       f"leave out --top-p and --top-k")
         return out
 
     @property

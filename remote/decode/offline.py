@@ -22,8 +22,8 @@ probabilities. Under SpecForge's rules the drafter drafts greedily and a draft i
 target's sample equals it, so ``α_k(p) = p_k(d_k)`` for the greedy draft ``d_k`` (drafted from the
 drafts before it), exact for a cycle whose drafts equal the reference as far as they are accepted.
 
-**SpecForge's rules** (``semantics="specforge"``, :mod:`remote.decode.online`): full blocks
-everywhere, ``while start < P + max_new_tokens``, the whole accepted run counted, a stop token
+**SpecForge's rules** (``semantics="specforge"``, and ``"ddtree"``: DDTree's ``ddtree_generate``
+counts alike; :mod:`remote.decode.online`): full blocks everywhere, ``while start < P + max_new_tokens``, the whole accepted run counted, a stop token
 looked for after each cycle. The last cycles then compare drafts with the target's greedy tokens
 past ``max_new_tokens`` or past the stop token: the reference is the target's greedy decoding run
 that much further (``continuation``), and the walk is again the online decoding's, cycle for cycle.
@@ -31,15 +31,14 @@ that much further (``continuation``), and the walk is again the online decoding'
 **Families whose drafts depend on the token drafted before** (DFlash2's selector, Domino, DSpark's
 Markov head) draft each block's tokens in order in the batched walk too, from their own drafts.
 
-**DDTree-N** (greedy): a best-first tree of N nodes grown from one draft pass by summed
-log-probability, accepted depth = the longest prefix of the reference that is a node. DFlash:
-per-slot top-k of the draft logits (the same children under every node). DFlash2: a node's
-children are the next slot's candidates scored by the selector with the node's token as the
-predecessor, so the tree follows the selector's chain distribution.
+**DDTree-N** (greedy): the best-first tree of N nodes that online tree decoding verifies, grown
+from the same draft pass (:mod:`remote.decode.tree`); accepted depth = the longest prefix of the
+reference that is a node. DFlash: per-slot top-k of the draft logits (the same children under
+every node). DFlash2: a node's children are the next slot's candidates scored by the selector
+with the node's token as the predecessor, so the tree follows the selector's chain distribution.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,6 +46,7 @@ import torch
 
 from remote.drafters.dflash import DFLASH2, DFlashDrafter, block_input_ids
 from remote.contract.settings import DEFAULT_BUDGETS
+from remote.decode.tree import block_children, ddtree_depth, slot_children  # noqa: F401  (the walk's trees)
 from remote.drafters.sampling import Sampling
 
 
@@ -67,7 +67,7 @@ class DraftTable:
     matched: bool = False              # T > 0 under SpecForge's rules: α_k = p_k(greedy draft)
     cut_last_blocks: bool = True       # False: full blocks everywhere (the training view, remote.parity)
     tokens: dict = field(default_factory=dict)   # anchor -> draft target ids
-    top: dict = field(default_factory=dict)      # anchor -> DDTree children data
+    top: dict = field(default_factory=dict)      # anchor -> DDTree children (remote.decode.tree)
     alpha: dict = field(default_factory=dict)    # anchor -> [α_k] (T > 0)
     confidence: dict = field(default_factory=dict)   # anchor -> each draft's predicted acceptance (DSpark)
     blocks_drafted: int = 0
@@ -131,21 +131,11 @@ class DraftTable:
         drafts = proposal.tokens.tolist()
         if proposal.confidence is not None:
             self.confidence.update(zip(anchors, proposal.confidence.tolist()))
-        if self.topk or self.sampling is not None:
+        if self.sampling is not None:
             logits = d.logits(hidden, self.head).float()
-        if self.topk and d.config.architecture == DFLASH2:
-            sel = d.candidate_selector
-            unary, cand = sel.candidates(logits)
-            proj = sel.hidden_projection(hidden)
-        elif self.topk:
-            logp, idx = logits.log_softmax(-1).topk(min(self.topk, logits.shape[-1]), dim=-1)
-            idx = d.to_target_ids(idx)
-        for j, a in enumerate(anchors):
-            self.tokens[a] = drafts[j]
-            if self.topk and d.config.architecture == DFLASH2:
-                self.top[a] = (unary[j], cand[j], proj[j], int(anchor_tokens[j]))
-            elif self.topk:
-                self.top[a] = slot_children(logp[j].cpu(), idx[j].cpu())
+        self.tokens.update(zip(anchors, drafts))
+        if self.topk:
+            self.top.update(zip(anchors, block_children(d, hidden, self.head, anchor_tokens, self.topk)))
         if self.sampling is not None:
             for j, a in enumerate(anchors):
                 self.alpha[a] = self._alpha(a, hidden[j:j + 1], logits[j:j + 1])
@@ -178,27 +168,7 @@ class DraftTable:
     def children(self, anchor: int) -> Callable:
         """DDTree children of a node at ``anchor``: ``children(prefix) -> (log-probs desc, tokens)``."""
         self[anchor]
-        top = self.top[anchor]
-        if callable(top):
-            return top
-        unary, cand, proj, anchor_token = top
-        sel = self.drafter.candidate_selector
-
-        def selector_children(prefix: tuple) -> tuple[list, list]:
-            depth = len(prefix)
-            prev = torch.tensor([prefix[-1] if prefix else anchor_token], device=cand.device)
-            with torch.no_grad():
-                logp = sel.scores(unary[None, depth], cand[None, depth], proj[None, depth], prev)[0].float().log_softmax(-1)
-            logp, order = logp.sort(descending=True)
-            return logp.tolist(), cand[depth][order].tolist()
-        return selector_children
-
-
-def slot_children(logp: torch.Tensor, idx: torch.Tensor) -> Callable:
-    """DFlash's DDTree children: slot ``len(prefix)``'s top-k (``logp/idx [drafts, k]``, sorted),
-    whatever the prefix."""
-    lp, ix = logp.tolist(), idx.tolist()
-    return lambda prefix: (lp[len(prefix)], ix[len(prefix)])
+        return self.top[anchor]
 
 
 def greedy_walk(drafts, ref: list[int], prompt_len: int, verify_block: int, max_blocks: int | None = None,
@@ -244,31 +214,6 @@ class SpecForgeRules:
             if any(t in self.stop for t in ref[prompt_len:start + 1]):
                 break
         return lengths
-
-
-def ddtree_depth(children: Callable, depth_max: int, truth: list[int], budget: int) -> int:
-    """Depth accepted by a DDTree of ``budget`` nodes (root excluded) grown best-first by summed
-    log-prob (``children(prefix) -> (log-probs sorted descending, tokens)``) to at most
-    ``depth_max`` levels, against the target's tokens ``truth``; the tree is prefix-closed, so the
-    accepted depth is the longest prefix of ``truth`` that is a node."""
-    tree: set[tuple[int, ...]] = set()
-    if depth_max < 1:
-        return 0
-    first = children(())
-    heap = [(-first[0][0], (), 0, first)]     # (-score, parent prefix, rank among its children, children)
-    while heap and len(tree) < budget:
-        neg, parent, rank, kids = heapq.heappop(heap)
-        node = parent + (kids[1][rank],)
-        tree.add(node)
-        if len(node) < depth_max:                                  # first child
-            grand = children(node)
-            heapq.heappush(heap, (neg - grand[0][0], node, 0, grand))
-        if rank + 1 < len(kids[0]):                                # next sibling
-            heapq.heappush(heap, (neg + kids[0][rank] - kids[0][rank + 1], parent, rank + 1, kids))
-    a = 0
-    while a < min(len(truth), depth_max) and tuple(truth[:a + 1]) in tree:
-        a += 1
-    return a
 
 
 def ddtree_walk(table: DraftTable, ref: list[int], prompt_len: int, verify_block: int, budget: int,

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from remote.contract.settings import SPECFORGE
+from remote.contract.settings import FULL_BLOCK_RULES
 from remote.drafters.dflash import block_input_ids
 from remote.drafters.sampling import GREEDY, Sampling, rejection_sample, sample
 from remote.target.model import capture, features
@@ -166,7 +166,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                          stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY,
                          semantics: str = "zlab") -> SpecResult:
     """DFlash speculative decoding, cycle for cycle as z-lab's ``dflash_generate``, or with
-    ``semantics="specforge"`` as SpecForge's ``spec_generate`` (module docstring). Greedy output
+    ``semantics="specforge"`` (or ``"ddtree"``, which counts alike) as SpecForge's ``spec_generate``
+    (module docstring). Greedy output
     equals ``target_decode(...)``; sampled output is distributed as it."""
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
@@ -179,7 +180,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     dtype = next(drafter.parameters()).dtype
     slot0 = 0 if cfg.sample_from_anchor else 1          # block slots before the first draft slot
     max_length = prompt_ids.shape[1] + max_new_tokens
-    specforge = semantics == SPECFORGE
+    specforge = semantics in FULL_BLOCK_RULES      # DDTree's loop counts as SpecForge's
     confidences: list[list[float]] = []
 
     with capture(target, layer_ids) as store:

@@ -194,3 +194,20 @@ def self_test(config, device="cpu", prompt_len: int = 12, verify: int = 8, keep:
     if not diff <= 1e-3 * max(1.0, float(want.abs().max())):
         return f"next-token logits after the rollback differ from a fresh forward by {diff:.3g}"
     return None
+
+
+def keep_attention(cache, past: int, keep: list[int]) -> None:
+    """Of the positions every attention layer appended after its first ``past`` (the nodes of a tree
+    verify), keep only those at offsets ``keep`` (ascending), moved to positions ``past, past + 1,
+    ...``: the accepted path of a tree, in order. Attention K/V only: a linear-attention layer's state
+    is not kept per position, so a cache with one is refused."""
+    if has_linear_layers(cache):
+        raise NotImplementedError("linear-attention state cannot be compacted per position")
+    appended = cache.get_seq_length() - past
+    if keep != list(range(len(keep))):          # a path that is not the tree's first nodes: move it up
+        for layer in cache.layers:
+            index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device) + past
+            for name in ATTENTION_STATE:
+                states = getattr(layer, name)
+                states[..., past:past + len(keep), :] = states.index_select(-2, index)
+    crop_attention(cache, appended - len(keep))
