@@ -23,11 +23,13 @@ def runs_cmd(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """List runs: id, drafter:checkpoint, target, mode, suite, prompts, decoding settings, τ, host, date, status."""
-    from ..runs.folders import run_rows, select_runs
+    from ..runs.folders import readable, run_rows, select_runs
 
     names = context_names(ctx, runs_dir=runs_dir)
     d = names.runs_root
-    rows = run_rows(select_runs(names.runs_of(drafter, host), suite=suite, status=status))
+    listed = readable(select_runs(names.runs_of(drafter, host), suite=suite, status=status))
+    say_skipped(names.runs.skipped + listed.skipped)
+    rows = run_rows(listed)
     if as_json:
         console.print_json(rows)
         return
@@ -50,6 +52,12 @@ def runs_cmd(
                                       right=("prompts", "τ macro"), markup=True))
 
 
+def say_skipped(skipped: list[str]) -> None:
+    """The run folders a listing left out, one warning line each saying why."""
+    for why in skipped:
+        console.warning_line(f"skipped a run folder that cannot be read: {why}")
+
+
 def show_cmd(
     ctx: typer.Context,
     run: str = typer.Argument(..., help="A run id (or a unique prefix), a drafter label or LABEL:CKPT (its newest "
@@ -61,7 +69,7 @@ def show_cmd(
     """Print a run's verdict, its summary and the paths of its report (written if missing or stale)."""
     from ..reports.render import fnum
     from ..reports.report import current_report, ddtree_table, report_verdict, run_warnings, summary_rows
-    r = context_names(ctx, runs_dir=runs_dir).eval_run(run)
+    r = context_names(ctx, runs_dir=runs_dir).eval_run(run).check()    # a damaged folder: one line, nothing written
     md_path, html_path = current_report(r, rewrite)
     m = r.metrics
     warnings = run_warnings(r)
@@ -112,6 +120,7 @@ def compare_cmd(
     candidates = [names.eval_runs(label) for label in runs] if len(runs) > 1 else []
     result = compare_labels(runs, candidates, names.runs_root, force=force, resamples=resamples, seed=seed,
                             published=published, use_published=not no_published, out=Path(out) if out else None)
+    say_skipped(list(dict.fromkeys(names.runs.skipped + result["skipped"])))
     if as_json:
         console.print_json(result)
     con = console.out()

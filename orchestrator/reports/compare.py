@@ -20,7 +20,7 @@ from ..errors import DflashOpsError
 from ..config.paths import shipped
 from .render import fnum
 from ..runs.metrics import TAU_CONVENTIONS
-from ..runs.folders import EvalRun, RunError
+from ..runs.folders import EvalRun, RunError, readable
 
 PUBLISHED_FILE = shipped("published.yaml")
 
@@ -797,17 +797,24 @@ def compare_labels(labels: Sequence[str], candidates: Sequence[list[EvalRun]], r
                    force: bool = False, resamples: int = 10000, seed: int = 0, published: Optional[str] = None,
                    use_published: bool = True, out: Optional[Path] = None) -> dict:
     """Pick the runs for ``labels`` (:func:`pick_runs`; ``candidates``: every run each label may
-    mean) and compare them; unless refused, write compare.md/.html (default folder:
-    ``runs_root/compare-A_vs_B``) and name them in ``result["outputs"]``."""
+    mean, those whose files do not read left out and named in ``result["skipped"]``) and compare
+    them; unless refused, write compare.md/.html (default folder: ``runs_root/compare-A_vs_B``) and
+    name them in ``result["outputs"]``."""
     if len(labels) < 2:
         raise CompareError("compare needs at least two runs (A is the baseline)")
     if resamples < 100:
         raise CompareError("--resamples must be at least 100")
-    picked = pick_runs(labels, candidates)
+    pools = [readable(c) for c in candidates]
+    skipped = list(dict.fromkeys(why for pool in pools for why in pool.skipped))
+    for label, pool in zip(labels, pools):
+        if not pool and pool.skipped:
+            raise CompareError(f"no run of {label!r} can be read: {pool.skipped[0]}")
+    picked = pick_runs(labels, pools)
     result = compare_runs(picked.runs, force=force, resamples=resamples, seed=seed, published=published,
                           use_published=use_published)
     result["picked"] = [{"label": lb, "id": r.id, "why": w} for lb, r, w in zip(labels, picked.runs, picked.why)]
     result["closest"] = picked.closest
+    result["skipped"] = skipped
     if not result["refused"]:
         md_path, html_path = write_compare(result, out or default_out_dir(runs_root, [r.id for r in picked.runs]))
         result["outputs"] = {"md": str(md_path), "html": str(html_path)}

@@ -3,6 +3,8 @@
 are both :class:`Document` s; terminal tables are the CLI's (orchestrator/cli/console.py).
 
 Inline markup in paragraphs: ``**bold**`` and ```code``` (rendered as <b>/<code> in HTML).
+Everything else is text, escaped in both renderings: a prompt id, a category or a run name from a
+run folder is never markup (:func:`md_text` in Markdown).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+from ..runs.record import write_atomic
 
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1100px;padding:0 16px;
@@ -31,6 +35,8 @@ img.plot{max-width:100%;border:1px solid #eee;margin:6px 0;display:block}
 
 _NUMERIC = re.compile(r"^[+\-−<]?\d[\d.]*( \[.*\])?$|^\d+ / \d+ / \d+$|^\d+/\d+/\d+$")
 _INLINE = re.compile(r"\*\*(.+?)\*\*|`(.+?)`")
+_MD_TAG = re.compile(r"<(?=[A-Za-z/!?])")
+_MD_ENTITY = re.compile(r"&(?=#?[A-Za-z0-9]+;)")
 
 
 def fnum(x, digits: int = 4) -> str:
@@ -55,9 +61,17 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def md_text(text) -> str:
+    """``text`` as Markdown that never becomes HTML, a link or an image, whatever a run folder put
+    in it: a ``<`` that would open a tag, comment or autolink and an ``&`` that would make a
+    character reference are written as HTML escapes them (in a code span too, whichever backticks
+    pair up), ``](`` is escaped; ``**bold**``, ```code``` and any other ``<`` are left as they are."""
+    return _MD_TAG.sub("&lt;", _MD_ENTITY.sub("&amp;", str(text))).replace("](", "\\](")
+
+
 def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     def cell(x):
-        return str(x).replace("|", "\\|").replace("\n", " ")
+        return md_text(x).replace("|", "\\|").replace("\n", " ")
 
     out = ["| " + " | ".join(cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]
@@ -121,16 +135,17 @@ class Document:
         self.blocks.append(("plot", key, heading, svg, missing))
 
     def markdown(self, plot_dir: Path | None = None) -> str:
-        md = [f"# {self.title}", ""]
+        line = lambda text: md_text(text).replace("\n", " ")  # noqa: E731
+        md = [f"# {line(self.title)}", ""]
         for kind, *b in self.blocks:
             if kind == "heading":
-                md += [f"{'#' * b[1]} {b[0]}", ""]
+                md += [f"{'#' * b[1]} {line(b[0])}", ""]
             elif kind == "para":
-                md += [f"_{b[0]}_" if b[1] == "published" else b[0], ""]
+                md += [f"_{line(b[0])}_" if b[1] == "published" else line(b[0]), ""]
             elif kind == "verdict":
-                md += [f"**{x}**" + ("  " if i < len(b[0]) - 1 else "") for i, x in enumerate(b[0])] + [""]
+                md += [f"**{line(x)}**" + ("  " if i < len(b[0]) - 1 else "") for i, x in enumerate(b[0])] + [""]
             elif kind == "warnings":
-                md += [f"> **{b[0]}**", ">"] + [f"> - {x}" for x in b[1]] + [""]
+                md += [f"> **{line(b[0])}**", ">"] + [f"> - {line(x)}" for x in b[1]] + [""]
             elif kind == "table":
                 md += [md_table(b[0], b[1]), ""]
             elif kind == "plot":
@@ -139,8 +154,10 @@ class Document:
                     md += [f"_({missing})_", ""]
                     continue
                 if plot_dir is not None:
+                    if plot_dir.is_symlink():       # written in the folder, never through a link
+                        plot_dir.unlink()
                     plot_dir.mkdir(parents=True, exist_ok=True)
-                    (plot_dir / f"{key}.svg").write_bytes(svg)
+                    write_atomic(plot_dir / f"{key}.svg", svg)
                 md += [f"![{heading}](plots/{key}.svg)", ""]
         return "\n".join(md)
 
@@ -171,10 +188,11 @@ class Document:
                 + "\n".join(body) + "\n</body></html>\n")
 
     def write(self, out_dir: Path, stem: str) -> tuple[Path, Path]:
-        """``out_dir/STEM.md`` (plots as ``out_dir/plots/KEY.svg``) and ``out_dir/STEM.html``."""
+        """``out_dir/STEM.md`` (plots as ``out_dir/plots/KEY.svg``) and ``out_dir/STEM.html``, each
+        replaced whole (a link in their place is replaced, not written through)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         md_path, html_path = out_dir / f"{stem}.md", out_dir / f"{stem}.html"
-        md_path.write_text(self.markdown(out_dir / "plots"), encoding="utf-8")
-        html_path.write_text(self.html(), encoding="utf-8")
+        write_atomic(md_path, self.markdown(out_dir / "plots"))
+        write_atomic(html_path, self.html())
         return md_path, html_path

@@ -11,7 +11,6 @@ tracker, with the library itself (each an optional extra, imported only when ask
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -38,6 +37,11 @@ def redact(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
 
+def folder_name(name: str) -> str:
+    """``name`` (a drafter's, a training run's) as one folder under the runs folder, never a way out of it."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(name)).strip("._") or "eval"
+
+
 def check_trackers(names: list[str]) -> list[str]:
     """The ``--log-to`` values, each checked and its library importable (a clear line if not)."""
     import importlib.util
@@ -56,10 +60,14 @@ def check_trackers(names: list[str]) -> list[str]:
 
 
 def run_facts(run_dir: Path, step: int | None = None) -> tuple[dict, dict]:
-    """(params, metrics) of a finished eval run folder."""
-    rec = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
-    env = json.loads((run_dir / "env.json").read_text()) if (run_dir / "env.json").exists() else {}
-    summary = json.loads((run_dir / "summary.json").read_text())
+    """(params, metrics) of a finished eval run folder (its files read and checked by runs/folders.py)."""
+    from ..runs.folders import RunError, load_run, read_json
+
+    run = load_run(run_dir)
+    env, summary = run.env, run.summary
+    if summary is None:
+        raise RunError(f"{Path(run_dir) / 'summary.json'}: not there: the run has not finished")
+    rec = read_json(Path(run_dir) / "run.json", lambda raw: None) or {}     # checked by load_run
     req = rec.get("request") or {}
     params = {"run_id": run_dir.name, "drafter": rec.get("drafter"), "checkpoint": rec.get("checkpoint"),
               "step": step, "suite": rec.get("suite"), "host": rec.get("host"), "mode": rec.get("mode"),
@@ -116,7 +124,7 @@ def _mlflow(params, metrics, artifacts, runs_root: Path, step, group) -> str:
 def _tensorboard(params, metrics, artifacts, runs_root: Path, step, group) -> str:
     from tensorboardX import SummaryWriter
 
-    folder = runs_root / "tensorboard" / (group or params.get("drafter") or "eval")
+    folder = runs_root / "tensorboard" / folder_name(group or params.get("drafter") or "eval")
     w = SummaryWriter(logdir=str(folder), filename_suffix=f".{params['run_id']}.{step or 0}")  # one file each
     try:
         for k, v in metrics.items():

@@ -2,21 +2,26 @@
 
 A run folder (docs/run-format.md) holds the worker's ``results.jsonl``, ``summary.json``,
 ``env.json`` and the orchestrator's ``run.json``. Stdlib only: `dflash-ops runs` must start fast.
+
+A folder is untrusted input (run folders travel between machines): every file is read here and
+checked as it is read (run.json by :class:`RunRecord`, the worker's files by
+:mod:`remote.contract.runfiles`, the block size against ``MAX_BLOCK_SIZE``), and a fault is one
+:class:`RunError` naming the file. Listings leave a damaged folder out and say which (``skipped``).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+from remote.contract import runfiles
 from remote.contract.formats import MAX_BLOCK_SIZE
 from remote.contract.states import State
 
 from ..config.catalog import parse_step, same_checkpoint
 from ..errors import InputError, did_you_mean
-from .record import RUN_FILE, RunRecord, RunRecordError
+from .record import RUN_FILE, RunRecord, RunRecordError, plain_name
 
 RUNS_ENV = "DFLASH_OPS_RUNS"
 
@@ -30,34 +35,64 @@ def runs_dir(explicit: Optional[str] = None) -> Path:
     return Path(explicit or os.environ.get(RUNS_ENV) or "runs")
 
 
-def _read_json(path: Path) -> Optional[dict]:
+RUN_FILES = (RUN_FILE, "env.json", "results.jsonl")     # a folder with none of them is no run
+
+
+def _read(path: Path) -> Optional[bytes]:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, json.JSONDecodeError) as e:
-        raise RunError(f"{path}: cannot read ({e})") from None
+    except OSError as e:
+        raise RunError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def read_results(path: Path) -> list[dict]:
-    """Rows of results.jsonl. A truncated last line (a run still writing) is ignored; a bad line
-    elsewhere is an error naming the line."""
-    rows: list[dict] = []
+def read_json(path: Path, check: Callable[[object], None]) -> Optional[object]:
+    """``path``'s JSON document, checked by ``check`` (remote.contract.runfiles); None when the
+    file is not there."""
+    data = _read(path)
+    if data is None:
+        return None
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return rows
+        value = runfiles.parse(data)
+        check(value)
+    except runfiles.RunFileError as e:
+        raise RunError(f"{path}: {e}") from None
+    return value
+
+
+def read_results(path: Path, longest: int = MAX_BLOCK_SIZE + 1) -> list[dict]:
+    """Rows of results.jsonl, each checked (``longest``: the most tokens one cycle of the run
+    commits). A last line without its newline that does not parse (a run still writing) is
+    ignored; any other fault is an error naming the line."""
+    data = _read(path)
+    if data is None:
+        return []
+    lines = data.split(b"\n")
+    rows: list[dict] = []
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
+            row = runfiles.parse(line)
+        except runfiles.RunFileError as e:
             if i == len(lines):
                 break
-            raise RunError(f"{path}:{i}: not JSON ({e.msg})") from None
+            raise RunError(f"{path}:{i}: {e}") from None
+        try:
+            runfiles.check_row(row, longest)
+        except runfiles.RunFileError as e:
+            raise RunError(f"{path}:{i}: {e}") from None
+        rows.append(row)
     return rows
+
+
+class RunList(list):
+    """Runs, and the run folders left out of them: ``skipped``, one line each saying why."""
+
+    def __init__(self, runs=(), skipped=()):
+        super().__init__(runs)
+        self.skipped: list[str] = list(skipped)
 
 
 @dataclass
@@ -139,17 +174,27 @@ class EvalRun:
 
     @property
     def block_size(self) -> int:
-        b = self.settings.get("block_size") or (self.summary or {}).get("block_size")
-        if b:
-            return self._bounded(b, "block_size")
+        declared = self._declared_block()
+        if declared:
+            return declared
         longest = max((n for r in self.results for n in (r.get("acceptance_lengths") or [])), default=16)
         return max(16, int(longest))
+
+    def _declared_block(self) -> Optional[int]:
+        b = self.settings.get("block_size") or (self.summary or {}).get("block_size")
+        return self._bounded(b, "block_size") if b else None
 
     @property
     def max_length(self) -> int:
         """The most tokens one cycle can commit: B, or B + 1 for a sample_from_anchor drafter
         (env.json's ``verify_block``)."""
         return self._bounded(self.settings.get("verify_block") or self.block_size, "verify_block")
+
+    def _declared_max_length(self) -> int:
+        """What a row's acceptance lengths are checked against: the run's declared B (or B + 1),
+        else the largest block a drafter may have."""
+        declared = self.settings.get("verify_block") or self._declared_block()
+        return self._bounded(declared, "verify_block") if declared else MAX_BLOCK_SIZE + 1
 
     def _bounded(self, value, name: str) -> int:
         """A block size from the run's files, refused (one line) beyond any drafter's: the
@@ -172,15 +217,21 @@ class EvalRun:
     @property
     def summary(self) -> Optional[dict]:
         if not self._summary_loaded:
-            self._summary = _read_json(self.path / "summary.json")
+            self._summary = read_json(self.path / "summary.json", runfiles.check_summary)
             self._summary_loaded = True
         return self._summary
 
     @property
     def results(self) -> list[dict]:
         if self._results is None:
-            self._results = read_results(self.path / "results.jsonl")
+            self._results = read_results(self.path / "results.jsonl", self._declared_max_length())
         return self._results
+
+    def check(self) -> "EvalRun":
+        """Every file of the folder read and checked (a :class:`RunError` names the first fault),
+        as listings and `compare` do before they use a run."""
+        _ = self.summary, self.results, self.max_length
+        return self
 
     @property
     def metrics(self) -> dict:
@@ -209,10 +260,13 @@ class EvalRun:
 
 
 def load_run(path) -> EvalRun:
+    """The run in folder ``path``: run.json and env.json read and checked (the rest on use)."""
     path = Path(path)
+    if path.name in ("", ".", ".."):
+        path = Path(os.path.abspath(path))
     if not path.is_dir():
         raise RunError(f"{path}: no such run folder")
-    env = _read_json(path / "env.json") or {}
+    env = read_json(path / "env.json", runfiles.check_env) or {}
     if (path / RUN_FILE).exists():
         try:
             record = RunRecord.load(path)
@@ -225,22 +279,45 @@ def load_run(path) -> EvalRun:
     return EvalRun(path=path, record=record, env=env)
 
 
-def load_runs(directory: Optional[Path] = None) -> list[EvalRun]:
-    """All runs in the runs dir, oldest first. Folders that are not runs (compare-*) are skipped."""
+def _is_run_folder(p: Path) -> bool:
+    return p.is_dir() and not p.name.startswith("compare-") and any((p / f).exists() for f in RUN_FILES)
+
+
+def load_runs(directory: Optional[Path] = None) -> RunList:
+    """All runs in the runs dir, oldest first. Folders that are not runs (compare-*) are passed
+    over; a run folder that cannot be read is left out, and named in ``skipped``."""
     d = Path(directory) if directory is not None else runs_dir()
+    out = RunList()
     if not d.is_dir():
-        return []
-    out = []
+        return out
     for p in sorted(d.iterdir()):
-        if not p.is_dir() or p.name.startswith("compare-"):
-            continue
-        if not any((p / f).exists() for f in ("run.json", "env.json", "results.jsonl")):
+        if not _is_run_folder(p):
             continue
         try:
             out.append(load_run(p))
-        except RunError:
-            continue
-    return sorted(out, key=EvalRun.sort_key)
+        except RunError as e:
+            out.skipped.append(str(e))
+    out.sort(key=EvalRun.sort_key)
+    return out
+
+
+def readable(runs: list[EvalRun]) -> RunList:
+    """The runs whose every file reads and checks (:meth:`EvalRun.check`); the others in ``skipped``."""
+    out = RunList()
+    for r in runs:
+        try:
+            out.append(r.check())
+        except RunError as e:
+            out.skipped.append(str(e))
+    return out
+
+
+def run_folder(directory: Path, run_id: str) -> Path:
+    """The folder of run ``run_id`` under ``directory``; an id that is not a plain name (one that
+    would lead out of it) is refused."""
+    if not plain_name(run_id):
+        raise RunError(f"{str(run_id)[:80]!r} is not a run id (a run id is a folder name under {directory})")
+    return Path(directory) / run_id
 
 
 LATEST = ("latest", "newest")
@@ -276,6 +353,8 @@ def find_runs(label: str, runs: list[EvalRun], directory: Path) -> list[EvalRun]
     hits = [r for r in runs if label_matches(r, drafter, ckpt if sep else None)]
     if hits:
         return hits
+    if plain_name(label) and _is_run_folder(Path(directory) / label):   # a folder left out: why
+        return [load_run(Path(directory) / label).check()]
     if not sep:
         by_ckpt = [r for r in runs if r.checkpoint and same_checkpoint(label, r.checkpoint, r.step)]
         drafters = sorted({str(r.drafter) for r in by_ckpt})
@@ -300,8 +379,11 @@ def no_run(label: str, runs: list[EvalRun], directory: Path) -> RunError:
     drafter, sep, _ = label.partition(":")
     have = sorted({str(r.checkpoint) for r in runs if sep and r.drafter == drafter and r.checkpoint})
     extra = f"; {drafter} has runs of {', '.join(have)}" if have else ""
+    skipped = getattr(runs, "skipped", [])
+    if skipped:
+        extra += f"; {len(skipped)} run folder(s) cannot be read and were left out (the first: {skipped[0]})"
     if not runs:
-        return RunError(f"no run matches {label!r}: {directory} has no runs (another folder: --runs-dir or "
+        return RunError(f"no run matches {label!r}: {directory} has no runs{extra} (another folder: --runs-dir or "
                         f"$DFLASH_OPS_RUNS)")
     return RunError(f"no run matches {label!r} in {directory}{did_you_mean(label, candidates)}{extra}; "
                     f"`dflash-ops runs` lists them")
@@ -351,14 +433,12 @@ def settings_text(run: EvalRun) -> str:
 
 
 def run_rows(runs: list[EvalRun]) -> list[dict]:
-    """One row per run for `dflash-ops runs` (τ recomputed from results.jsonl)."""
+    """One row per run for `dflash-ops runs` (τ recomputed from results.jsonl; runs that passed
+    :func:`readable`)."""
     rows = []
     for r in runs:
-        try:
-            m = r.metrics
-            tau, n = m["tau_macro"], m["prompts"]
-        except Exception:  # a damaged results.jsonl must not hide the other runs
-            tau, n = None, None
+        m = r.metrics
+        tau, n = m["tau_macro"], m["prompts"]
         planned = r.prompts_planned
         if r.record and not r.status.is_terminal():     # the workers' own count, as last heard
             done, total = r.record.progress

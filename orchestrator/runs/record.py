@@ -17,7 +17,7 @@ import fcntl
 import json
 import os
 import re
-import tempfile
+import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from itertools import count
 from pathlib import Path
 
-from remote.contract import events
+from remote.contract import events, runfiles
 from remote.contract.settings import EvalSettings
 from remote.contract.states import State
 
@@ -119,6 +119,12 @@ class Shard:
         return run_dir if self.count == 1 else run_dir / f"shard-{self.index}"
 
 
+def plain_name(name) -> bool:
+    """A name that is one folder under another and no more: no separator, not ``.``/``..``."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..")
+            and not any(c in name for c in "/\\\0"))
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -137,13 +143,15 @@ def claim_run_folder(runs_dir: Path, rid: str) -> str:
     raise AssertionError("unreachable")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """``path`` replaced by ``text`` at once, through a temporary file of its own (concurrent
-    writers never share one)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """``path`` replaced by ``data`` (text as UTF-8) at once, through a temporary file of its own
+    (concurrent writers never share one, its mode is the umask's); a link at ``path`` is replaced,
+    never written through."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -224,14 +232,21 @@ class RunRecord:
 
     @classmethod
     def load(cls, run_dir: Path) -> "RunRecord":
+        """run.json of folder ``run_dir``, every field checked; its id must be the folder's name
+        (the id names the folders and reports written for the run)."""
         path = Path(run_dir) / RUN_FILE
         try:
-            return cls.from_dict(json.loads(path.read_bytes().decode("utf-8")), Path(run_dir))
+            record = cls.from_dict(runfiles.parse(path.read_bytes()), Path(run_dir))
         except OSError as e:
             raise RunRecordError(f"{path}: cannot read the run record: {e.strerror or e}") from None
-        except (ValueError, TypeError) as e:   # JSON, UTF-8, missing or unknown fields, wrong types
+        except (ValueError, TypeError) as e:   # JSON, UTF-8, nesting, missing or unknown fields, wrong types
             raise RunRecordError(f"{path}: not a valid run record ({e}); the run cannot be followed, cancelled "
                                  f"or resumed from it") from None
+        folder = Path(os.path.abspath(run_dir)).name
+        if record.id != folder or not plain_name(record.id):
+            raise RunRecordError(f"{path}: the run id {record.id[:80]!r} is not its folder's name {folder!r}; "
+                                 f"not a run record dflash-ops wrote")
+        return record
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "folder"}

@@ -233,10 +233,11 @@ class Watcher:
         if not self.opts.log_to or not eval_run:
             return
         from ..reports import tracking
+        from ..runs.folders import run_folder
 
         try:
-            for where in tracking.log_run(self.opts.log_to, self.runs_root / eval_run, self.runs_root, step=step,
-                                          group=self.run.name):
+            folder = run_folder(self.runs_root, eval_run)
+            for where in tracking.log_run(self.opts.log_to, folder, self.runs_root, step=step, group=self.run.name):
                 self.say("info", f"logged {eval_run} to {where}")
         except Exception as e:  # noqa: BLE001 — a tracker's own failure must not lose the point
             self.say("warn", f"logging {eval_run} to {', '.join(self.opts.log_to)} failed: {e}")
@@ -248,34 +249,38 @@ class Watcher:
     def _reuse(self, p: Point) -> dict | None:
         """The summary of a finished, valid eval run of this checkpoint with exactly the watch's
         settings (an `eval` typed by hand, or an earlier watch), which then stands for the point."""
-        import json
-
-        from ..runs.folders import load_runs
+        from ..runs.folders import RunError, load_runs
 
         for run in reversed(load_runs(self.runs_root)):
             rec = run.record
             if rec is None or rec.status != State.DONE or rec.drafter != self.label or rec.checkpoint != p.name:
                 continue
-            if rec.settings != self.opts.settings or rec.request.sglang != self.opts.sglang or run.invalid:
+            if rec.settings != self.opts.settings or rec.request.sglang != self.opts.sglang:
                 continue
-            if not (run.path / "summary.json").exists():
+            try:
+                if run.check().invalid or run.summary is None:
+                    continue
+            except RunError as e:       # a damaged folder stands for nothing
+                self.say("warn", f"{p.name}: run {rec.id} not reused: {e}")
                 continue
             self.say("info", f"{p.name}: run {rec.id} has these settings already: reused (--redo evaluates again)")
             with self.lock:
                 self.state.mark(p, "evaluating", eval_run=rec.id)
-            return json.loads((run.path / "summary.json").read_text())
+            return run.summary
         return None
 
     def _resume_eval(self, p: Point) -> dict | None:
         """The summary of ``p``'s eval run when it finished, or after re-attaching to it when its
         worker still runs (a watch killed mid-eval); None when it must be (re)started."""
-        if not p.eval_run or not (self.runs_root / p.eval_run / "run.json").exists():
-            return None
-        record = RunRecord.load(self.runs_root / p.eval_run)
-        if record.status == State.DONE and (record.folder / "summary.json").exists():
-            import json
+        from ..runs.folders import load_run, run_folder
 
-            return json.loads((record.folder / "summary.json").read_text())
+        if not p.eval_run or not (run_folder(self.runs_root, p.eval_run) / "run.json").exists():
+            return None
+        record = RunRecord.load(run_folder(self.runs_root, p.eval_run))
+        if record.status == State.DONE:
+            summary = load_run(record.folder).summary
+            if summary is not None:
+                return summary
         if record.status != State.RUNNING:
             return None
         self.say("info", f"{p.name}: re-attaching to eval run {record.id}")
@@ -311,10 +316,11 @@ class Watcher:
         b = self.state.baseline
         label = self.opts.baseline
         try:
-            if b.get("eval_run") and (self.runs_root / b["eval_run"] / "summary.json").exists():
-                import json
+            from ..runs.folders import load_run, run_folder
 
-                summary = json.loads((self.runs_root / b["eval_run"] / "summary.json").read_text())
+            done = b.get("eval_run") and (run_folder(self.runs_root, b["eval_run"]) / "summary.json").exists()
+            if done:
+                summary = load_run(run_folder(self.runs_root, b["eval_run"])).summary
                 if summary.get("invalid"):
                     raise DflashOpsError(f"baseline run {b['eval_run']} is invalid: {summary['invalid'].get('message')}")
             else:

@@ -4,24 +4,29 @@ drafter as a band, the training run's own logged metrics on the same axis, a con
 calibration per checkpoint (where the drafter has one), and the alarms."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..reports.svg import Chart
 from ..reports.render import Document, fnum
+from ..runs.folders import run_folder
 from .state import WatchState
 
 
 def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | None:
-    """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths."""
+    """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths (None when
+    its results cannot be read)."""
     from ..reports.stats import bootstrap_tau
+    from ..runs.folders import RunError, load_run
 
-    path = run_dir / "results.jsonl"
-    if not path.exists():
+    if not (run_dir / "results.jsonl").exists():
+        return None
+    try:
+        rows = load_run(run_dir).results
+    except RunError:
         return None
     toks, cycs = [], []
-    for line in path.read_text().splitlines():
-        lengths = json.loads(line).get("acceptance_lengths") or []
+    for row in rows:
+        lengths = row.get("acceptance_lengths") or []
         if lengths:
             toks.append(sum(lengths))
             cycs.append(len(lengths))
@@ -32,15 +37,15 @@ def calibration(summary: dict, run_dir: Path | None) -> dict | None:
     """A point's confidence-head numbers (reports/confidence.py ``headline``; None without a head).
     A point recorded before the state kept them has them read from its eval run's summary.json."""
     from ..reports.confidence import headline
+    from ..runs.folders import RunError, load_run
 
     if "confidence" in summary:
         return summary["confidence"]
-    path = run_dir / "summary.json" if run_dir else None
-    if path is None or not path.exists():
+    if run_dir is None or not (run_dir / "summary.json").exists():
         return None
     try:
-        return headline(json.loads(path.read_text()).get("confidence"))
-    except (OSError, ValueError, KeyError, TypeError):
+        return headline(load_run(run_dir).summary.get("confidence"))
+    except RunError:
         return None
 
 
@@ -120,9 +125,9 @@ def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
         s = p.summary
         out.append({"name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
                     "ddtree": s.get("ddtree") or {}, "acceptance": s.get("per_position_acceptance") or [],
-                    "ci": tau_cis(runs_root / p.eval_run) if p.eval_run else None, "eval_run": p.eval_run,
+                    "ci": tau_cis(run_folder(runs_root, p.eval_run)) if p.eval_run else None, "eval_run": p.eval_run,
                     "prompts": s.get("prompts"), "engine": s.get("engine"),
-                    "calibration": calibration(s, runs_root / p.eval_run if p.eval_run else None)})
+                    "calibration": calibration(s, run_folder(runs_root, p.eval_run) if p.eval_run else None)})
     return out
 
 
@@ -147,8 +152,9 @@ def trajectory_verdict(run: str, points: list[dict], baseline: dict, runs_root: 
     if baseline.get("status") == "done" and baseline.get("eval_run") and latest["eval_run"]:
         name = f"{run} step {latest['step']}"
         try:
-            result = compare_runs([load_run(runs_root / baseline["eval_run"]), load_run(runs_root / latest["eval_run"])],
-                                  resamples=2000, use_published=False)
+            result = compare_runs([load_run(run_folder(runs_root, baseline["eval_run"])),
+                                   load_run(run_folder(runs_root, latest["eval_run"]))], resamples=2000,
+                                  use_published=False)
         except (CompareError, RunError) as e:
             lines.append(f"{name} vs {baseline['label']}: not compared ({e})")
         else:
@@ -194,9 +200,10 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     base = None
     b = state.baseline
     if b.get("status") == "done":
-        ci = tau_cis(runs_root / b["eval_run"]) if b.get("eval_run") else None
+        base_dir = run_folder(runs_root, b["eval_run"]) if b.get("eval_run") else None
+        ci = tau_cis(base_dir) if base_dir else None
         base = {"label": b["label"], "tau": b["summary"]["tau_macro"], "ci": ci[0] if ci else None,
-                "calibration": calibration(b["summary"], runs_root / b["eval_run"] if b.get("eval_run") else None)}
+                "calibration": calibration(b["summary"], base_dir)}
     tags = sorted(train)
     engine = any(p["engine"] for p in points)       # watch --engine: the serving engine's own τ per point
     head = any(p["calibration"] for p in points)    # a confidence head (DSpark): its calibration per point
