@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from remote.contract.settings import SEMANTICS_TEXT
 from remote.contract.states import State
 
 from . import engine as engine_report
@@ -87,9 +88,6 @@ def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
     return rows + engine_report.summary_rows(run)
 
 
-SEMANTICS_TEXT = {"zlab": "z-lab's rules (dflash_generate: the last blocks cut to what is left)",
-                  "specforge": "SpecForge's rules (spec_generate: full last blocks, whole accepted runs counted, "
-                               "greedy drafts at T > 0)"}
 BUDGET_THRESHOLDS = (0.0, 1e-6, 0.1, 0.25, 0.5, 0.75, 0.9)
 
 

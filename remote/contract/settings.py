@@ -23,6 +23,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 # ddtree_generate (remote/decode/online.py says where they differ)
 ZLAB_RULES, SPECFORGE, DDTREE = "zlab", "specforge", "ddtree"
 SEMANTICS = (ZLAB_RULES, SPECFORGE, DDTREE)
+# each as a report says it beside τ
+SEMANTICS_TEXT = {ZLAB_RULES: "z-lab's rules (dflash_generate: the last blocks cut to what is left)",
+                  SPECFORGE: "SpecForge's rules (spec_generate: full last blocks, whole accepted runs counted, greedy "
+                             "drafts at T > 0)",
+                  DDTREE: "DDTree's rules (ddtree_generate: full last blocks, whole accepted runs counted, as "
+                          "SpecForge's)"}
 # the rules that verify full blocks while start < max_length and count whole accepted runs: SpecForge's
 # and DDTree's loops count alike (and both sample at T > 0 with the temperature only)
 FULL_BLOCK_RULES = (SPECFORGE, DDTREE)
