@@ -10,6 +10,7 @@ recipe rebuilds, an interrupted build never leaves a half-written pair behind (s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -176,7 +177,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from remote.target.model import guard_cpu_kernels
     guard_cpu_kernels("cpu")
-    print(json.dumps(ensure(Path(args.out).expanduser(), RECIPES[args.recipe])), flush=True)
+    with contextlib.redirect_stdout(sys.stderr):     # what a library prints never mixes with the answer
+        pair = ensure(Path(args.out).expanduser(), RECIPES[args.recipe])
+    print(json.dumps(pair), flush=True)
     return 0
 
 

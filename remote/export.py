@@ -6,12 +6,14 @@ to what, what is refused and how the folder is written).
 
 Output: one JSON line on stdout, ``{"ok": true, "out": ..., "files": [...], ...}`` or
 ``{"ok": false, "error": ..., "kind": ..., "refusals": [...]}``; on failure also one line
-``error: ...`` on stderr. Exit status: 0 written, 1 refused or the checkpoint cannot be read or
-written, 2 usage (bad arguments, destination exists).
+``error: ...`` on stderr. Nothing else is on stdout (what a library prints goes to stderr). Exit
+status: 0 written, 1 refused or the checkpoint cannot be read or written, 2 usage (bad arguments, a
+destination that exists or is, holds or lies inside the source or the verifier).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     base = {"ok": False, "source": args.source, "format": args.fmt}
     try:
-        result = export(args.source, args.fmt, args.out, args.force, args.verifier, args.num_target_layers)
+        with contextlib.redirect_stdout(sys.stderr):     # what a library prints never mixes with the answer
+            result = export(args.source, args.fmt, args.out, args.force, args.verifier, args.num_target_layers)
     except ExportRefused as e:
         return _fail({**base, "kind": "refused", "refusals": e.reasons}, str(e), 1)
     except DestinationError as e:

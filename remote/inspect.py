@@ -5,19 +5,43 @@ Prints the detected format, the variant (DFlash / DFlash2) and the rules it was 
 ``python -m remote.export`` can write it in (or why not) and, with a target, the compatibility
 verdict.
 Exit status: 0 ok, 1 checkpoint or compatibility problem, 2 usage. Reads only configs and tensor
-headers (for safetensors), so it is cheap enough to run as a pre-flight check before GPU time.
+headers (for safetensors), so it is cheap enough to run as a pre-flight check before GPU time. What a
+library prints goes to stderr: stdout holds the report only.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
-from remote.drafters.checkpoint import (CheckpointError, check_tensors, completeness_problems, open_checkpoint,
-                                       read_tensors)
-from remote.drafters.compat import compatibility_problems, read_target_config
+from remote.drafters.checkpoint import (CheckpointError, check_tensors, completeness_problems, number_problem,
+                                       open_checkpoint, read_json, read_tensors, refuse_special_files)
+from remote.drafters.compat import TargetInfo, compatibility_problems, read_target_config
 from remote.drafters.export import export_refusals
+from remote.target.model import remote_code_problem
+
+
+def read_target(target: str) -> TargetInfo:
+    """:func:`read_target_config` of a target folder whose files are safe to read: regular files
+    only, a config of finite numbers (epsilons and RoPE bases positive) that asks for no code of its
+    own (:func:`remote_code_problem`); :class:`CheckpointError` naming what is not."""
+    folder = Path(target).expanduser()
+    cfg_path = folder / "config.json"
+    if folder.is_dir():
+        refuse_special_files(folder, "target")
+        if cfg_path.exists():
+            raw = read_json(cfg_path)
+            problem = number_problem(raw) or remote_code_problem(raw)
+            if problem:
+                raise CheckpointError(f"{cfg_path}: {problem}")
+    try:
+        return read_target_config(folder)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{cfg_path}: cannot read the target's config ({type(e).__name__}: {e})") from None
 
 
 def inspect(drafter: str, target: str | None = None, block_size: int | None = None,
@@ -34,6 +58,7 @@ def inspect(drafter: str, target: str | None = None, block_size: int | None = No
                 f" ({parent} holds: {', '.join(there[:20])}{' ...' if len(there) > 20 else ''})" if there
                 else f" ({parent} does not exist either)"))
         if folder.is_dir():
+            refuse_special_files(folder, "drafter")
             report["problems"] += completeness_problems(folder, verify_hashes)
         ckpt = open_checkpoint(drafter)
         report["config"] = ckpt.describe()
@@ -42,7 +67,7 @@ def inspect(drafter: str, target: str | None = None, block_size: int | None = No
         fc_shape = shapes.get("fc.weight")
         tinfo = None
         if target is not None:
-            tinfo = read_target_config(target)
+            tinfo = read_target(target)
             report["target"] = tinfo.describe()
             report["problems"] += compatibility_problems(ckpt, tinfo, fc_shape, block_size)
         report["exports"] = export_refusals(ckpt, num_target_layers=tinfo.num_hidden_layers if tinfo else None)
@@ -65,7 +90,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-hashes", action="store_true", help="check weights against the sync manifest's sha256")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    report = inspect(args.drafter, args.target, args.block_size, args.verify_hashes)
+    with contextlib.redirect_stdout(sys.stderr):     # what a library prints never mixes with the report
+        report = inspect(args.drafter, args.target, args.block_size, args.verify_hashes)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -4,16 +4,17 @@ when it passes, the host's libraries (:func:`runtime_problems`) and the memory p
 
 ``python -m remote.preflight DRAFTER --target DIR [--verify-hashes] [--suite S --prompts N
 --max-new-tokens M --device cuda --dtype D --target-devices N|auto --max-memory GIB]`` prints
-``{"inspect": REPORT, "memory": PLAN or null, "reused": bool}`` as JSON (the library problems are in
-REPORT's ``problems``); exit 0 when all pass.
+``{"inspect": REPORT, "memory": PLAN or null, "reused": bool}`` as JSON, the only thing on stdout (what
+a library prints goes to stderr); the library problems, a bad suite and prompt ids outside the
+target's vocabulary are in REPORT's ``problems``. Exit 0 when all pass, 1 when a check fails, 2 usage.
 
 ``--cache DIR`` (dflash-ops passes ``<code folder>/preflight``) keeps what a passing pre-flight
 found, in three parts, each keyed by what it depends on (:func:`pass_keys`) besides this worker code,
 the interpreter, its import path and the versions of the libraries that decode:
 
 - the checks (the inspect report): the drafter and target folders' content, what pre-flight reads of
-  each file (:func:`file_entry`'s size and sha256), wherever they are: the same checkpoint copied
-  elsewhere, or touched, is not checked again (its report names the paths of this pre-flight);
+  each file (:func:`file_entry`), wherever they are: the same checkpoint copied elsewhere, or
+  touched, is not checked again (its report names the paths of this pre-flight);
 - the self-test: the target folder's content and the device;
 - the prompts' token counts: the target folder's content and the suite.
 
@@ -25,17 +26,20 @@ never kept.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 import sys
 from pathlib import Path
 
+from remote.drafters.checkpoint import CheckpointError, refuse_special_files
 from remote.inspect import inspect
 from remote.target.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens,
                                   free_memory, parse_plan_arguments, plan, run_dtype)
-from remote.suites.prompts import BUILTIN, HF_SUITES
+from remote.suites.prompts import BUILTIN, HF_SUITES, PromptError, vocabulary_problem
 from remote.contract.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
 from remote.host.proc import write_atomic
 
@@ -70,9 +74,9 @@ def runtime_problems(target: str, device: str = "cpu") -> list[str]:
 
     guard_cpu_kernels(device)
     try:
-        config = AutoConfig.from_pretrained(target)
+        config = AutoConfig.from_pretrained(target, trust_remote_code=False)
     except Exception as e:
-        return [f"cannot read the target's config in {target}: {type(e).__name__}: {e}"]
+        return [f"cannot read the target's config in {target}: {type(e).__name__}: {' '.join(str(e).split())}"]
     try:
         failure = self_test(config, device)
     except Exception as e:  # an architecture the self-test cannot build is not trusted either
@@ -98,17 +102,24 @@ def folder_entries(path: str) -> list[list] | None:
 
 
 def file_entry(path: Path) -> list | None:
-    """``[size, mtime_ns, sha256]`` of what pre-flight can read of a file: all of it up to
-    :data:`HASHED_WHOLE` bytes (configs, tokenizer, manifest), a safetensors file's header (no more
-    of the weights is read); None when it cannot be read. A copy that keeps the modification time
-    (``cp -p``, rsync, the lab's copies) has the same entry."""
+    """``[size, mtime_ns, content]`` of a regular file, where ``content`` stands for what pre-flight
+    reads of it: the sha256 of all of it up to :data:`HASHED_WHOLE` bytes (configs, tokenizer,
+    manifest) or of a safetensors file's header (no more of the weights is read); a larger file of
+    another kind (a pickle, loaded whole) is not hashed but known by its device, inode, mtime and
+    ctime, which any rewrite changes. None for what is not a regular file (never opened) or cannot be
+    read. A copy that keeps the modification time (``cp -p``, rsync, the lab's copies) has the same
+    entry, but for such a large file."""
     digest = hashlib.sha256()
     try:
         st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if st.st_size > HASHED_WHOLE and path.suffix != ".safetensors":
+            return [st.st_size, st.st_mtime_ns, f"stat {st.st_dev} {st.st_ino} {st.st_mtime_ns} {st.st_ctime_ns}"]
         with open(path, "rb") as fh:
             if st.st_size <= HASHED_WHOLE:
-                digest.update(fh.read())
-            elif path.suffix == ".safetensors":
+                digest.update(fh.read(HASHED_WHOLE + 1))
+            else:
                 head = fh.read(8)
                 length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
                 digest.update(head + fh.read(min(length, MAX_HEADER)))
@@ -149,7 +160,7 @@ def pass_keys(args: argparse.Namespace, device: str, versions: dict[str, str | N
 
 
 def content_of(entries: list[list]) -> list[list]:
-    """A folder's :func:`folder_entries` without the times: each file's name, size and sha256."""
+    """A folder's :func:`folder_entries` without the modification times: each file's name, size and content."""
     return [[name, entry and [entry[0], entry[2]]] for name, entry in entries]
 
 
@@ -188,15 +199,19 @@ def keep(cache: Path, keys: dict, parts: dict) -> None:
         pass
 
 
-def suite_counts(args: argparse.Namespace, kept: dict | None) -> dict:
+def suite_counts(args: argparse.Namespace, kept: dict | None, vocab_size: int) -> dict:
     """``{"counts": prompt_tokens of the suite's first rows, "all": whether that is every row}``:
-    the kept counts when they cover ``--prompts``, else counted now (at least :data:`COUNTED`)."""
+    the kept counts when they cover ``--prompts``, else counted now (at least :data:`COUNTED`), the
+    rows' token ids checked against the target's ``vocab_size`` (:class:`PromptError`)."""
     if isinstance(kept, dict) and (kept.get("all") or (args.prompts and args.prompts <= len(kept.get("counts", [])))):
         return kept
     from remote.suites.prompts import load_suite
 
     limit = max(args.prompts, COUNTED) if args.prompts else None
     rows = load_suite(args.suite, limit=limit).rows
+    problem = vocabulary_problem(rows, vocab_size)
+    if problem:
+        raise PromptError(f"{args.suite}: {problem}")
     return {"counts": count_tokens(args.target, rows), "all": limit is None or len(rows) < limit}
 
 
@@ -208,6 +223,22 @@ def main(argv=None) -> int:
     p.add_argument("--cache", type=Path, help="folder that keeps each pass for the next pre-flight of the same inputs")
     add_plan_arguments(p)
     args = parse_plan_arguments(p, argv)
+    answer = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):     # what a library prints never mixes with the answer
+        found, code = preflight(args)
+    print(json.dumps(found), file=answer)
+    return code
+
+
+def preflight(args: argparse.Namespace) -> tuple[dict, int]:
+    """:func:`main`'s answer and exit status."""
+    try:       # before anything opens a file there (pass_keys reads them all)
+        for what, folder in (("drafter", args.drafter), ("target", args.target)):
+            if Path(folder).expanduser().is_dir():
+                refuse_special_files(folder, what)
+    except CheckpointError as e:
+        return {"inspect": {"drafter": args.drafter, "ok": False, "problems": [str(e)]}, "memory": None,
+                "reused": False}, 1
     device = run_device(args.device)
     keys = pass_keys(args, device) if args.cache else None
     kept = {part: recall(args.cache, keys, part) for part in ("checks", "self-test", "tokens")}
@@ -221,11 +252,14 @@ def main(argv=None) -> int:
         report["ok"] = not report["problems"]
     if report["ok"]:
         try:
-            counts = suite_counts(args, kept["tokens"])
+            counts = suite_counts(args, kept["tokens"], report["target"]["vocab_size"])
             context = context_tokens(counts["counts"][:args.prompts] if args.prompts else counts["counts"],
                                      args.max_new_tokens)
             plan_ = plan(args.target, args.drafter, context, run_dtype(device, args.dtype),
                          free_memory(device, args.target_devices, args.max_memory)).to_dict()
+        except PromptError as e:
+            report["problems"].append(f"suite: {e}")
+            report["ok"] = False
         except WeightsError as e:
             report["problems"].append(f"memory plan: {e}")
             report["ok"] = False
@@ -234,8 +268,7 @@ def main(argv=None) -> int:
         fresh = {"checks": None if kept["checks"] else checked, "self-test": self_test, "tokens": counts}
         keep(args.cache, keys, {part: value for part, value in fresh.items()
                                 if value is not None and value is not kept[part]})
-    print(json.dumps({"inspect": report, "memory": plan_, "reused": reused}))
-    return 0 if report["ok"] and plan_ and plan_["fits"] else 1
+    return {"inspect": report, "memory": plan_, "reused": reused}, 0 if report["ok"] and plan_ and plan_["fits"] else 1
 
 
 if __name__ == "__main__":

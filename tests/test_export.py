@@ -11,6 +11,9 @@ cycle for cycle (ours and z-lab's ``dflash_generate``).
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -368,6 +371,58 @@ def test_a_failed_write_leaves_no_folder_and_keeps_the_old_one(tmp_path, random_
         export(src, "speculators", force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.speculators"]
     assert (tmp_path / "ckpt.speculators" / "old").read_text() == "kept"
+
+
+def test_force_never_replaces_what_the_export_reads(tmp_path, random_target):
+    """A destination that is, holds or lies inside the source or the verifier folder is refused,
+    naming it, --force or not, and nothing there changes: `--out RUN --force` ("put the export in
+    this folder") replaced the run's folder whole, both checkpoints with it, and said ok."""
+    from remote.drafters.export import DestinationError
+    from remote.export import main
+
+    run = tmp_path / "run"
+    for step in ("step_100", "step_200"):
+        zlab_drafter(run / step, random_target, seed=len(step))
+    verifier = Path(shutil.copytree(random_target.folder, tmp_path / "verifier"))
+    src = run / "step_200"
+
+    def state() -> dict:
+        return {str(p.relative_to(tmp_path)): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = state()
+    for out, how in ((run, f"contains the source {src}"), (tmp_path, f"contains the source {src}"),
+                     (src, f"is the source {src}"), (src / "x", f"lies inside the source {src}"),
+                     (verifier, f"is the verifier {verifier}"), (verifier / "x", f"lies inside the verifier {verifier}")):
+        with pytest.raises(DestinationError, match=re.escape(f"{out}: the destination {how}")):
+            export(src, "speculators", out=out, force=True, verifier=str(verifier))
+    assert main([str(src), "--to", "speculators", "--out", str(run), "--force"]) == 2
+    assert state() == before
+
+
+def test_what_a_killed_force_export_left_is_put_right_by_the_next(tmp_path, random_target):
+    """An export --force killed between its two renames leaves the old destination moved aside
+    (`.DEST.replaced-PID`) and no DEST: the next export to DEST puts it back (so, without --force, it
+    is refused as existing); killed after them, the old one is left beside the new: removed. Only
+    what a process that is gone left is touched."""
+    from remote.drafters.export import DestinationError
+
+    src, out = tmp_path / "ckpt", tmp_path / "ckpt.speculators"
+    zlab_drafter(src, random_target)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    aside = tmp_path / f".ckpt.speculators.replaced-{gone.pid}"
+    aside.mkdir()
+    (aside / "old").write_text("the destination before")
+    with pytest.raises(DestinationError, match="exists"):
+        export(src, "speculators")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "ckpt.speculators"]
+    assert (out / "old").read_text() == "the destination before"
+    aside.mkdir()
+    live = tmp_path / f".ckpt.speculators.replaced-{os.getppid()}"
+    live.mkdir()
+    export(src, "speculators", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", "ckpt.speculators", live.name])
+    assert (out / NOTE_NAME).is_file() and not (out / "old").exists()
 
 
 @pytest.mark.worker

@@ -9,6 +9,7 @@ so a CI run is repeatable."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -213,3 +214,42 @@ def test_any_bytes_is_loaded_or_refused_with_the_file_named(tmp_path_factory, ra
         open_drafter(folder, raw)
     except CheckpointError as e:
         check_error(str(e), folder, None)
+
+
+# ----------------------------------------------------------------------------- numbers and nesting
+
+NUMBER_FIELDS = [(k,) for k, v in DRAFTER_CONFIG.items() if isinstance(v, (int, float)) and not isinstance(v, bool)] + \
+    [("dflash_config", k) for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")]
+
+
+@FUZZ
+@given(data=st.data())
+def test_drafter_config_numbers_no_model_computes_with_are_refused_by_name(tmp_path_factory, data):
+    """NaN or an infinity in any field (an unknown one too), an epsilon or a RoPE base that is not
+    positive: refused naming the field (NaN, -1 and Infinity passed, and eval reported τ 1.00)."""
+    from remote.drafters.checkpoint import CheckpointError
+
+    path = data.draw(st.sampled_from(NUMBER_FIELDS + [("rope_parameters", "rope_theta"), ("dflash_config", "x"),
+                                                      ("x",)]), label="field")
+    positive = path[-1] in ("rms_norm_eps", "rope_theta")
+    value = data.draw(st.sampled_from([math.nan, math.inf, -math.inf] + ([0.0, -1.0, -1e-9] if positive else [])),
+                      label="value")
+    doc = json.loads(json.dumps(DRAFTER_CONFIG))
+    doc.pop("rope_theta")
+    doc["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    parent = doc.setdefault(path[0], {}) if len(path) == 2 else doc
+    parent[path[-1]] = value
+    folder = tmp_path_factory.mktemp("drafter")
+    with pytest.raises(CheckpointError) as refused:
+        open_drafter(folder, json.dumps(doc).encode())
+    check_error(str(refused.value), folder, {path[-1]})
+
+
+@pytest.mark.parametrize("depth", [33, 900, 100_000])
+def test_a_deeply_nested_drafter_config_is_refused_in_one_line(tmp_path, depth):
+    from remote.drafters.checkpoint import CheckpointError
+
+    text = json.dumps(DRAFTER_CONFIG)[:-1] + ', "x": ' + "[" * depth + "]" * depth + "}"
+    with pytest.raises(CheckpointError, match="nested deeper than 32 levels") as refused:
+        open_drafter(tmp_path, text.encode())
+    check_error(str(refused.value), tmp_path, None)

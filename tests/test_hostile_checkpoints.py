@@ -118,3 +118,68 @@ def test_preflight_plans_a_drafter_with_a_consolidated_copy_of_its_weights_once(
     found = preflight(pair["drafter"], pair["target"])
     assert not found["inspect"]["ok"] and any("not a readable safetensors file" in p
                                               for p in found["inspect"]["problems"]), found
+
+
+def test_a_large_pickle_rewritten_at_the_same_size_is_checked_again(tmp_path):
+    """A `.bin` over 64 MiB (not hashed: a pickle is loaded whole) rewritten with other bytes of the
+    same size, its modification time put back: the kept pre-flight checks are not reused (they were
+    keyed on its size alone, and said ok for a file of zeros)."""
+    import argparse
+    import os
+
+    from remote.preflight import HASHED_WHOLE, pass_keys
+
+    drafter, target = tmp_path / "drafter", tmp_path / "target"
+    for folder in (drafter, target):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    weights = drafter / "model.bin"
+    with open(weights, "wb") as fh:
+        fh.truncate(HASHED_WHOLE + 1)                 # sparse: no 64 MiB written
+    args = argparse.Namespace(drafter=str(drafter), target=str(target), verify_hashes=False, suite="default")
+    versions = {"torch": "2.13.0", "transformers": "5.25.0"}
+    first = pass_keys(args, "cpu", versions)
+    assert pass_keys(args, "cpu", versions) == first
+    st = weights.stat()
+    with open(weights, "r+b") as fh:
+        fh.write(b"\x80")                             # the same size, other content
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
+    assert pass_keys(args, "cpu", versions)["checks"] != first["checks"]
+
+
+@pytest.mark.worker
+def test_no_load_of_a_target_runs_its_folders_code(tmp_path):
+    """A target of a model type transformers does not know, with an auto_map naming its own code,
+    and "y" on stdin: the pre-flight's config read, the tokenizer count and the model load refuse it
+    without asking, and the code never runs (it ran on "y", and transformers' question went to stdout)."""
+    import os
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "hostile_remote", "architectures": ["HostileModel"], "num_hidden_layers": 2, "hidden_size": 8,
+        "vocab_size": 16, "auto_map": {"AutoConfig": "configuration_hostile.HostileConfig",
+                                       "AutoModelForCausalLM": "modeling_hostile.HostileModel",
+                                       "AutoTokenizer": ["tokenization_hostile.HostileTokenizer", None]}}))
+    (target / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "HostileTokenizer", "auto_map": {
+        "AutoTokenizer": ["tokenization_hostile.HostileTokenizer", None]}}))
+    ran = tmp_path / "ran"
+    for module in ("configuration_hostile", "modeling_hostile", "tokenization_hostile"):
+        (target / f"{module}.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).write_text('{module}')\n")
+    code = ("import sys\n"
+            "from remote.preflight import runtime_problems\n"
+            "from remote.suites.prompts import PromptRow\n"
+            "from remote.target.memory import count_tokens\n"
+            "from remote.target.model import load_target\n"
+            f"target = {str(target)!r}\n"
+            "problems = runtime_problems(target)\n"
+            "assert len(problems) == 1 and 'custom code' in problems[0] and '\\n' not in problems[0], problems\n"
+            "assert count_tokens(target, [PromptRow('a', None, ['hello'], None)]) == [[None, 5, 1]]\n"
+            "try:\n    load_target(target)\nexcept ValueError as e:\n    assert 'custom code' in str(e)\n"
+            "else:\n    raise AssertionError('loaded')\n"
+            "print('refused', file=sys.stderr)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, input="y\ny\ny\n", capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules")})
+    assert res.returncode == 0 and "refused" in res.stderr, res.stderr[-3000:]
+    assert res.stdout == "" and not ran.exists()

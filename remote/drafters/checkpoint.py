@@ -26,6 +26,9 @@ Formats
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -84,8 +87,58 @@ SPECFORGE_CLASSES = {DFLASH: "DFlashDraftModel", **{family: cls for cls, family 
 LEGACY_HEAD_PREFIX = "logit_head."
 
 
-def _read_json(path: Path) -> dict:
+# A checkpoint's JSON files (config, shard index, sync manifest) are read whole: bounded in size and depth.
+MAX_JSON_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                  (stat.S_ISSOCK, "a socket"))
+
+
+def _special_kind(mode: int) -> str | None:
+    """What a file that is neither a regular file nor a folder is (opening or reading one can block or
+    never end), else None."""
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "not a regular file")
+
+
+def special_files(folder: str | Path) -> list[str]:
+    """Every entry under ``folder`` (a link: what it points to) that is not a regular file or a
+    folder, as ``name (kind)``; nothing is opened."""
+    root = Path(folder).expanduser()
+    out = []
+    for top, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(top, name)
+            try:
+                kind = _special_kind(path.stat().st_mode)
+            except OSError:        # a dangling link: nothing to read
+                continue
+            if kind:
+                shown = path.relative_to(root).as_posix()
+                out.append(f"{shown} -> {os.readlink(path)} ({kind})" if path.is_symlink() else f"{shown} ({kind})")
+    return out
+
+
+def refuse_special_files(folder: str | Path, what: str) -> None:
+    """:class:`CheckpointError` naming the entries of :func:`special_files`, before anything is read."""
+    found = special_files(folder)
+    if found:
+        raise CheckpointError(f"{folder}: the {what} folder holds what is not a regular file, never read: "
+                              f"{_short(found)}")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from a checkpoint folder: a regular file of at most :data:`MAX_JSON_BYTES`,
+    nested at most :data:`MAX_JSON_DEPTH` deep."""
     try:
+        st = path.stat()
+        kind = _special_kind(st.st_mode)
+        if kind:
+            raise CheckpointError(f"{path}: {kind}, not a regular file: never read")
+        if st.st_size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than any config ({MAX_JSON_BYTES} at most)")
         data = json.loads(path.read_bytes().decode("utf-8"))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
@@ -93,9 +146,51 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    deep = _deeper_than(data, MAX_JSON_DEPTH)
+    if deep:
+        raise CheckpointError(f"{path}: field {deep!r} is nested deeper than {MAX_JSON_DEPTH} levels")
     return data
+
+
+def _deeper_than(data, limit: int) -> str | None:
+    """The first top-level key under which ``data`` nests more than ``limit`` levels (no recursion)."""
+    stack = [(data, 1, None)]
+    while stack:
+        value, depth, key = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return key
+            items = value.items() if isinstance(value, dict) else ((key, v) for v in value)
+            stack += [(v, depth + 1, k if key is None else key) for k, v in items]
+    return None
+
+
+# Positive numbers by name wherever they are in a config (a layer config, rope_parameters, text_config).
+_POSITIVE = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "layer_norm_epsilon", "rope_theta")
+
+
+def number_problem(raw: dict) -> str | None:
+    """The first number of a config that no model computes with: NaN or an infinity anywhere, an
+    epsilon or a RoPE base (:data:`_POSITIVE`) that is not positive; None when there is none."""
+    stack = [(raw, [])]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            stack += [(v, [*path, str(k)]) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(v, [*path, str(i)]) for i, v in reversed(list(enumerate(value)))]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and path:
+            name, section = path[-1], ".".join(path[:-1])
+            field_ = f"field {name!r}" + (f" in {section}" if section else "")
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"{field_} must be a finite number, got {json.dumps(value)}"
+            if name in _POSITIVE and not value > 0:
+                return f"{field_} must be a positive number, got {json.dumps(value)}"
+    return None
 
 
 # The fields this module reads itself, with the JSON type each must have (transformers checks the
@@ -354,9 +449,19 @@ def validate_config(cfg: DrafterConfig, where: str) -> None:
         raise CheckpointError(f"{where}: RoPE type {kind!r} is not one transformers knows "
                               f"(default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
     theta = cfg.rope_parameters.get("rope_theta")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
         raise CheckpointError(f"{where}: field 'rope_theta' (or rope_parameters.rope_theta) must be a positive "
                               f"number, got {json.dumps(theta)[:60]}")
+    if not 0 < cfg.rms_norm_eps < math.inf:
+        raise CheckpointError(f"{where}: field 'rms_norm_eps' must be a positive number, got {cfg.rms_norm_eps}")
+    for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        value = getattr(cfg, name)
+        if value is not None and not math.isfinite(value):
+            raise CheckpointError(f"{where}: field {name!r} must be a finite number, got {value}")
+    from transformers.activations import ACT2FN
+    if cfg.hidden_act not in ACT2FN:
+        raise CheckpointError(f"{where}: field 'hidden_act' {cfg.hidden_act!r} is not an activation transformers "
+                              f"knows ({', '.join(sorted(ACT2FN))})")
     try:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
         Qwen3RotaryEmbedding(cfg.transformers_config())
@@ -437,10 +542,13 @@ def detect_format(raw: dict) -> str:
 def _weight_files(folder: Path, fmt: str) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json(index).get("weight_map", {})
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CheckpointError(f"{index}: field 'weight_map' must be an object of tensor name -> file name")
         shards = sorted(set(weight_map.values()))
+        outside = [s for s in shards if Path(s).is_absolute() or ".." in Path(s).parts]
+        if outside:
+            raise CheckpointError(f"{index}: shards outside the folder: {outside[:3]}")
         missing = [s for s in shards if not (folder / s).exists()]
         if missing:
             raise CheckpointError(f"{folder}: shards listed in model.safetensors.index.json are missing: {missing}")
@@ -463,10 +571,14 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
     if not path.exists():
         raise CheckpointError(f"drafter not found: {path}")
     folder = path if path.is_dir() else path.parent
+    if path.is_dir():
+        refuse_special_files(folder, "drafter")
+    elif _special_kind(path.stat().st_mode):
+        raise CheckpointError(f"{path}: {_special_kind(path.stat().st_mode)}, not a regular file: never read")
     cfg_path = folder / CONFIG_NAME
     if not cfg_path.exists():
         raise CheckpointError(f"{folder}: no {CONFIG_NAME} next to the drafter weights")
-    raw = _read_json(cfg_path)
+    raw = read_json(cfg_path)
     where = str(cfg_path)
     sizes = raw_size_problems(raw)
     if sizes:       # before any reader (transformers' included) builds lists or tensors of these sizes
@@ -475,6 +587,9 @@ def open_checkpoint(path: str | Path) -> DrafterCheckpoint:
         check_config_types(raw, "zlab", where)   # detect_format reads these two
     fmt = detect_format(raw)
     check_config_types(raw, fmt, where)
+    numbers = number_problem(raw)
+    if numbers:
+        raise CheckpointError(f"{where}: {numbers}")
     try:
         cfg = {"zlab": _zlab_config, SPECFORGE: _zlab_config, "speculators": _speculators_config,
                "state_dict": _flat_config}[fmt](raw, where)
@@ -512,7 +627,12 @@ def completeness_problems(folder: str | Path, verify_hashes: bool = False) -> li
         problems.append(f"{folder}: incomplete, partial files present (interrupted transfer?): {_short(parts)}")
     manifest = folder / MANIFEST
     if manifest.exists():
-        for entry in _read_json(manifest).get("files", []):
+        entries = read_json(manifest).get("files", [])
+        if not isinstance(entries, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
+                and ".." not in Path(e["path"]).parts and not Path(e["path"]).is_absolute() for e in entries):
+            raise CheckpointError(f"{manifest}: field 'files' must be a list of {{path, size}} of files in the folder")
+        for entry in entries:
             f = folder / entry["path"]
             if not f.exists():
                 problems.append(f"{folder}: {entry['path']} is in the sync manifest but missing")

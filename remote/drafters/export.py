@@ -37,7 +37,9 @@ speculators, keys the exporter does not know), and z-lab output without ``num_ta
 
 The folder is written atomically: into a hidden temporary sibling, every file fsynced, read back
 and checked (the config read back behaves as the source's, every tensor equal bit for bit), then
-renamed into place. An existing destination is refused unless ``--force`` (then replaced whole).
+renamed into place. An existing destination is refused unless ``--force`` (then replaced whole). A
+destination that is, contains or lies inside an input of the export (the source, a verifier folder)
+is refused, ``--force`` or not: nothing the export reads is ever replaced.
 """
 from __future__ import annotations
 
@@ -50,8 +52,9 @@ from pathlib import Path
 
 from remote.drafters.checkpoint import (CONFIG_NAME, CheckpointError, DrafterCheckpoint,
                                         check_tensors, check_vocab_maps, completeness_problems, layer_config_dict,
-                                        open_checkpoint, read_tensors, sha256_file, specforge_config_dict, tensor_name,
-                                        speculators_config_dict, speculators_proposal_config, zlab_config_dict)
+                                        open_checkpoint, read_json, read_tensors, sha256_file, specforge_config_dict,
+                                        tensor_name, speculators_config_dict, speculators_proposal_config,
+                                        zlab_config_dict)
 from remote.drafters.config import DFLASH, DFLASH2, FULL, SLIDING, SPECULATORS, ZLAB, DrafterConfig
 from remote.contract.formats import EXPORT_FORMATS, SPECFORGE
 from remote.host.proc import alive
@@ -100,7 +103,8 @@ class ExportRefused(ValueError):
 
 
 class DestinationError(ValueError):
-    """The destination cannot be used: it exists (without ``--force``), is the source, or has no parent."""
+    """The destination cannot be used: it exists (without ``--force``), is, contains or lies inside an
+    input of the export, or has no parent."""
 
 
 @dataclass
@@ -350,8 +354,8 @@ def _verifier_facts(verifier: str) -> tuple[str, list[str], int | None]:
         return verifier, [], None
     if not cfg_path.is_file():
         raise CheckpointError(f"verifier {folder}: no {CONFIG_NAME}")
+    raw = read_json(cfg_path)
     try:
-        raw = json.loads(cfg_path.read_text())
         text = raw.get("text_config") or raw
         layers = text.get("num_hidden_layers")
         return str(folder.resolve()), list(raw.get("architectures") or []), None if layers is None else int(layers)
@@ -471,7 +475,32 @@ def _source_files(ckpt: DrafterCheckpoint) -> list[Path]:
 
 
 def _default_out(ckpt: DrafterCheckpoint, fmt: str) -> Path:
-    return ckpt.path.with_name(f"{ckpt.path.name}.{fmt}")
+    source = Path(os.path.abspath(ckpt.path))      # `.` or `..` named by where they are
+    if not source.name:
+        raise DestinationError(f"{source}: no folder beside it to write to: give --out")
+    return source.with_name(f"{source.name}.{fmt}")
+
+
+def _inputs(ckpt: DrafterCheckpoint, verifier: str | None) -> list[tuple[str, Path]]:
+    """``(what, resolved path)`` of what the export reads: the source folder and a verifier folder."""
+    found = [("source", ckpt.path.resolve())]
+    if verifier and Path(verifier).expanduser().exists():
+        found.append(("verifier", Path(verifier).expanduser().resolve()))
+    return found
+
+
+def _overlap(path: Path, inputs: list[tuple[str, Path]]) -> str | None:
+    """How ``path`` (the entry itself, and where a link there leads) meets one of ``inputs``: it is
+    one, contains one or lies inside one; None when it is apart from them all."""
+    for where in dict.fromkeys([path.parent.resolve() / path.name, path.resolve()]):
+        for what, folder in inputs:
+            if where == folder:
+                return f"is the {what} {folder}"
+            if where in folder.parents:
+                return f"contains the {what} {folder}"
+            if folder in where.parents:
+                return f"lies inside the {what} {folder}"
+    return None
 
 
 def _check_written(folder: Path, plan: Plan, tensors: dict) -> None:
@@ -503,11 +532,16 @@ def export(src: str | Path, fmt: str, out: str | Path | None = None, force: bool
     if problems:
         raise CheckpointError("; ".join(problems))
     plan = plan_export(ckpt, fmt, verifier, num_target_layers)
-    dest = Path(out).expanduser() if out is not None else _default_out(ckpt, fmt)
-    dest = dest.absolute()
+    dest = Path(os.path.abspath(Path(out).expanduser())) if out is not None else _default_out(ckpt, fmt)
     source = ckpt.path.resolve()
-    if dest.resolve() == source or source in dest.resolve().parents:
-        raise DestinationError(f"{dest}: the destination is the source folder or inside it")
+    inputs = _inputs(ckpt, verifier)
+    overlap = _overlap(dest, inputs)
+    if overlap:
+        raise DestinationError(f"{dest}: the destination {overlap}, which the export reads: it is never replaced "
+                               f"or written into, --force or not")
+    if not dest.name:
+        raise DestinationError(f"{dest}: not a folder to write")
+    _remove_stale_temporaries(dest, inputs)
     if dest.exists() and not force:
         raise DestinationError(f"{dest} exists (--force replaces it)")
     if not dest.parent.is_dir():
@@ -529,7 +563,6 @@ def export(src: str | Path, fmt: str, out: str | Path | None = None, force: bool
     if len(ckpt.weight_files) > 1:
         mapped.append(f"{len(ckpt.weight_files)} weight files -> one {WEIGHTS_NAME}")
 
-    _remove_stale_temporaries(dest)
     tmp = dest.with_name(f".{dest.name}.export-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -585,15 +618,24 @@ def _renamed_tensors(ckpt: DrafterCheckpoint, kept: set[str]) -> list[str]:
     return sorted(f"{k} -> {name}" for k, name in names.items() if name != k and name in kept)
 
 
-def _remove_stale_temporaries(dest: Path) -> None:
-    """Temporary folders of exports to ``dest`` whose process is gone (killed mid-write)."""
-    for tmp in dest.parent.glob(f".{dest.name}.export-*"):
-        try:
-            pid = int(tmp.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if not alive(pid):
-            shutil.rmtree(tmp, ignore_errors=True)
+def _remove_stale_temporaries(dest: Path, inputs: list[tuple[str, Path]]) -> None:
+    """What exports to ``dest`` killed mid-way left (their process is gone; never an input): the
+    temporary folder of a write; the old destination a ``--force`` had moved aside, put back where
+    the new one never arrived, else removed as that export would have."""
+    for kind in ("export", "replaced"):
+        for left in sorted(dest.parent.glob(f".{dest.name}.{kind}-*")):
+            try:
+                pid = int(left.name.rsplit("-", 1)[1])
+            except ValueError:
+                continue
+            if alive(pid) or _overlap(left, inputs):
+                continue
+            if kind == "replaced" and not (dest.exists() or dest.is_symlink()):
+                os.rename(left, dest)
+            elif left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left, ignore_errors=True)
+            else:
+                left.unlink(missing_ok=True)
 
 
 def _replace(tmp: Path, dest: Path, force: bool) -> None:

@@ -111,6 +111,16 @@ def parse_row(obj, where: str, default_id: str) -> PromptRow:
     return PromptRow(str(rid), category, list(turns), None)
 
 
+def vocabulary_problem(rows: Iterable[PromptRow], vocab_size: int) -> str | None:
+    """The first row whose ``input_ids`` hold an id a target of ``vocab_size`` ids has no embedding
+    for, named with that id; None when every id fits."""
+    for row in rows:
+        bad = next((i for i in row.input_ids or () if i >= vocab_size), None)
+        if bad is not None:
+            return f"prompt {row.id}: input_ids holds {bad}, outside the target's vocabulary (0..{vocab_size - 1})"
+    return None
+
+
 def _open_text(path: Path):
     if path.name.endswith(".gz"):
         return gzip.open(path, "rt", encoding="utf-8")

@@ -273,7 +273,7 @@ def count_tokens(target_dir, rows) -> list[list[int | None]]:
     if any(r.input_ids is None for r in rows):
         try:
             from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+            tokenizer = AutoTokenizer.from_pretrained(str(target_dir), trust_remote_code=False)
         except Exception:  # noqa: BLE001 — characters then bound the tokens from above
             tokenizer = None
     return prompt_tokens(rows, tokenizer)

@@ -6,6 +6,7 @@ exactly HF ``hidden_states[i + 1]``. Only the layers the drafter needs are captu
 """
 from __future__ import annotations
 
+import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,21 @@ def guard_cpu_kernels(device: str) -> None:
     installed, transformers <= 5.24 binds fla and the forward crashes with '0 active drivers')."""
     if device == "cpu" and "transformers.models.qwen3_5.modeling_qwen3_5" not in sys.modules:
         sys.modules.setdefault("fla", None)
+
+
+def remote_code_problem(config: dict) -> str | None:
+    """Why a target's ``config.json`` asks for Python code of its own, else None: an ``auto_map``
+    whose ``model_type`` transformers does not know (transformers would ask whether to run the
+    folder's code). No load here runs it: each passes ``trust_remote_code=False``."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    auto_map, kind = config.get("auto_map"), config.get("model_type")
+    if not auto_map or (isinstance(kind, str) and kind in CONFIG_MAPPING):
+        return None
+    shown = json.dumps(auto_map)
+    return (f"auto_map {shown if len(shown) <= 120 else shown[:117] + '...'}: the target asks to run Python code of "
+            f"its own (model_type {kind!r} is not one transformers {__version__} knows), and dflash-ops never runs a "
+            f"checkpoint's code")
 
 
 def gdn_kernel_path(model) -> str:
@@ -113,7 +129,7 @@ def load_target(folder: str | Path, device: str = "cpu", dtype: str | None = Non
     if device_map is not None:
         kwargs = {k: v for k, v in (("max_memory", max_memory), ("offload_folder", offload_folder)) if v}
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype), device_map=device_map,
-                                                     **kwargs)
+                                                     trust_remote_code=False, **kwargs)
         return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype), trust_remote_code=False)
     return model.to(device).eval()
