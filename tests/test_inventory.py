@@ -261,3 +261,23 @@ def test_engine_on_a_ray_cluster_is_refused(tmp_path):
     p = write(tmp_path, "hosts:\n  rc:\n    kind: ray\n    address: ray://h:10001\n"
                         "    engine: {kind: vllm, python: /p}\n")
     assert "a Ray cluster's eval runs without a serving engine" in error_of(p)
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("inventory.yaml", "hosts: " + "[" * 5000 + "]" * 5000, "the inventory nests more than 32 levels deep"),
+    ("configs/drafters.yaml", "drafters:\n  a: " + "{x: " * 40 + "1" + "}" * 40,
+     "the catalog nests more than 32 levels deep"),
+])
+def test_a_deeply_nested_config_is_one_line(tmp_path, monkeypatch, name, text, words):
+    """PyYAML's composer recurses per level: a deep document is refused by its parser's events first,
+    naming the file and line (no RecursionError traceback), by the commands that read it."""
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "inventory.yaml").write_text("hosts: {}\n")
+    (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    for command in (["hosts"], ["config"]):
+        res = CliRunner().invoke(app, ["--inventory", "inventory.yaml", *command])
+        if name == "inventory.yaml" or command == ["config"]:
+            assert res.exit_code == 2, res.output
+            lines = res.output.strip().splitlines()
+            assert len(lines) == 1 and words in lines[0] and "line " in lines[0], res.output

@@ -26,7 +26,7 @@ from typing import Any
 from remote.contract.formats import READ_FORMATS
 
 from ..errors import InputError, did_you_mean
-from .paths import CATALOG, ConfigFile, locate, read_config_text
+from .paths import CATALOG, ConfigFile, check_nesting, locate, read_config_text
 
 ENV_VAR = "DFLASH_OPS_CATALOG"
 FORMATS = READ_FORMATS
@@ -327,6 +327,7 @@ def load_catalog(path: "str | os.PathLike | ConfigFile | None" = None) -> Catalo
     if resolved is None:
         return Catalog(found=found)
     text = read_config_text(resolved, CatalogError, "the catalog")
+    check_nesting(text, resolved, CatalogError, "the catalog")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

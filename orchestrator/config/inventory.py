@@ -17,7 +17,7 @@ import yaml
 from remote.contract.engines import KINDS as ENGINE_KINDS
 
 from ..errors import InputError
-from .paths import INVENTORY, local_home, locate, read_config_text
+from .paths import INVENTORY, check_nesting, local_home, locate, read_config_text
 
 ROLES = ("train", "eval")
 ENV_VAR = "DFLASH_OPS_INVENTORY"
@@ -232,6 +232,7 @@ def _duplicates(node: yaml.Node, path: Path, owner: str | None) -> None:
 
 def _read_yaml(path: Path) -> Any:
     text = read_config_text(path, InventoryError, "the inventory")
+    check_nesting(text, path, InventoryError, "the inventory")
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         if root is not None:

@@ -109,6 +109,30 @@ def read_config_text(path: Path, error: type[Exception], what: str) -> str:
                     f"save {what} as UTF-8") from None
 
 
+MAX_NESTING = 32     # levels of mappings and lists a config file may nest: far beyond any real one
+
+
+def check_nesting(text: str, path: Path, error: type[Exception], what: str) -> None:
+    """``error`` naming the line where ``text`` nests deeper than :data:`MAX_NESTING` (PyYAML's
+    composer recurses per level: a deep enough document would end in a RecursionError). Read from
+    the parser's events, which are not recursive; a document that does not parse is left to the
+    loader, whose message says where."""
+    import yaml
+
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_NESTING:
+                    raise error(f"{path}: line {event.start_mark.line + 1}, column {event.start_mark.column + 1}: "
+                                f"{what} nests more than {MAX_NESTING} levels deep")
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    except yaml.YAMLError:
+        return
+
+
 def shipped(name: str) -> Path:
     """A default file shipped in the package (``orchestrator/config/NAME``)."""
     return SHIPPED / name
