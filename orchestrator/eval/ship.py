@@ -8,7 +8,6 @@ worker gets a new folder, never a half-updated one; a folder whose files no long
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import secrets
