@@ -352,6 +352,7 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
                         "all_anchors": settings.all_anchors, "reference": "sglang" if client else "local",
                         "sglang_url": client.display if client else None, "stop_token_ids": stops, "stop_rule": STOP_RULE,
                         "engine": bool(settings.engine)},
+           "worker": {"code_dir": str(Path(__file__).resolve().parents[1])},   # shipped: named by its digest
            "seed": settings.seed, "command": [sys.executable, "-m", "remote.worker",
                                           *(client.display if client and a == ctx.sglang else a for a in sys.argv[1:])],
            "started_at": now(), "finished_at": None}

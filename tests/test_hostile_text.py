@@ -99,3 +99,18 @@ def test_an_eval_whose_prompt_ids_carry_markup_and_escapes_runs_to_its_end(local
     assert proc.returncode == 0, out
     assert_inert(out)
     assert "[/x]" in out and "Traceback" not in out
+
+
+def test_a_suite_that_is_not_utf8_is_one_line_before_anything_starts(local_home, tmp_path):
+    """This machine's suite file is read (and hashed) when the run is planned: a byte that is not
+    UTF-8 is one line naming the file, line and column, exit 2, and no run folder is made."""
+    suite = tmp_path / "latin1.jsonl"
+    suite.write_bytes(json.dumps({"id": "a", "prompt": "caf"}).encode()[:-2] + b"\xe9\"}\n")
+    env = {**os.environ, "DFLASH_OPS_HOME": str(local_home), "DFLASH_OPS_RUNS": str(tmp_path / "runs")}
+    env.pop("DFLASH_OPS_INVENTORY", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--drafter",
+                           "embedded", "--suite", str(suite), "--prompts", "1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == f"error: {suite}: line 1, column 27: not UTF-8 text (byte 0xe9); save the suite as UTF-8"
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -251,13 +251,15 @@ RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its ne
 def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
-    from ..eval.pipeline import jobs_of
+    from ..eval.pipeline import jobs_of, reattach
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
     jobs = jobs_of(record, names.inventory)
-    record.following()
-    _follow_and_finish(record, jobs, console.out())
+    out = console.out()
+    for line in reattach(record, jobs):
+        out.print(safe(line))
+    _follow_and_finish(record, jobs, out)
 
 
 def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),

@@ -6,7 +6,9 @@ so no shell command is ever composed here; argv lists are quoted by the transpor
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -81,6 +83,22 @@ class HostJob:
             raise TransportError(f"status of {self.run_dir}: {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout)
 
+    def digest(self, folder: str, names: list[str]) -> dict[str, str | None]:
+        """{name: sha256 of ``folder/name`` on the host, or None where there is no such file}."""
+        res = self._launch("digest", folder, "--", *names, timeout=3600)
+        if not res.ok:
+            raise TransportError(f"sha256 of the files in {folder}: {res.stderr.strip()[-300:]}")
+        return json.loads(res.stdout)
+
+    def recorded_env(self) -> dict | None:
+        """The env.json the worker wrote at its start (what its finished rows were made with), or
+        None when there is none to read."""
+        try:
+            env = json.loads(self.runner.read_text(f"{self.out_dir}/env.json"))
+        except (TransportError, OSError, ValueError):
+            return None
+        return env if isinstance(env, dict) else None
+
     def cancel(self) -> dict:
         res = self._launch("cancel", self.run_dir, timeout=60)
         return json.loads(res.stdout) if res.ok else {"state": "unknown", "error": res.stderr.strip()}
@@ -117,18 +135,24 @@ class HostJob:
 
     def fetch(self, local_dir: Path, required: tuple[str, ...] = ()) -> list[str]:
         """Copy the job's files into ``local_dir`` (results, summary, env, logs); returns what came.
-        A file of ``required`` (names in :data:`RESULTS`) that does not come raises
-        :class:`FetchFailed`, naming each and why: the shard is then not fetched."""
+        Each file comes into a temporary sibling and is renamed over the local one only once it
+        came whole: a file that does not come leaves the local one as it was. A file of
+        ``required`` (names in :data:`RESULTS`) that does not come raises :class:`FetchFailed`,
+        naming each and why: the shard is then not fetched."""
         local_dir.mkdir(parents=True, exist_ok=True)
         got, missing = [], []
         for rel in FETCHED:
             name = Path(rel).name
+            tmp = local_dir / f".{name}.{os.getpid()}.{secrets.token_hex(6)}.part"
             try:
-                self.runner.get_file(f"{self.run_dir}/{rel}", local_dir / name)
+                self.runner.get_file(f"{self.run_dir}/{rel}", tmp)
+                os.replace(tmp, local_dir / name)
                 got.append(name)
             except (TransportError, OSError) as e:
                 if name in required:
                     missing.append(f"{name} ({getattr(e, 'strerror', None) or e})")
+            finally:
+                tmp.unlink(missing_ok=True)
         if missing:
             raise FetchFailed(f"could not fetch {', '.join(missing)} from {self.run_dir} on {self.runner.name}")
         return got

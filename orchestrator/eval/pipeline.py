@@ -26,8 +26,9 @@ from remote.contract.states import State
 
 from ..config.catalog import EMBEDDED
 from ..config.inventory import Host, Inventory
+from ..config.paths import read_config_text
 from ..errors import InputError, OperationFailed
-from ..runs.record import RESUME_LOCK, EvalRequest, RunRecord, Shard
+from ..runs.record import RESUME_LOCK, EvalRequest, RunRecord, Shard, write_atomic
 from ..transport import TransportError, runner_for
 from .jobs import RESULTS, FetchFailed, HostJob, check_shard
 from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
@@ -111,7 +112,8 @@ def new_run(runs_root: Path, hosts: list[str], choice, settings: EvalSettings, *
                       checkpoint=choice.checkpoint if choice.run else None, target_path=choice.target_path)
     local = Path(settings.suite).expanduser()
     if settings.suite not in BUILTIN_SUITES and local.is_file():     # this machine's suite file: sent to the hosts
-        req.suite_file, req.suite_sha256 = str(local.resolve()), hashlib.sha256(local.read_bytes()).hexdigest()
+        text = read_config_text(local, InputError, "the suite")      # UTF-8, or one line saying where not
+        req.suite_file, req.suite_sha256 = str(local.resolve()), hashlib.sha256(text.encode()).hexdigest()
     check_request(req)
     return RunRecord.create(runs_root, req, choice.label, req.checkpoint, choice.step if choice.run else None)
 
@@ -415,12 +417,18 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     worker detached, each with its GPU as ``CUDA_VISIBLE_DEVICES``. ``on_phase(host, phase)`` hears
     each step: connecting, pre-flight, starting the worker. Resuming, a finished and fetched shard
     is kept, and a worker still running or finished but not fetched (its follower was cut off: a
-    killed CLI, a dropped link) is followed and fetched, not started twice. A new run that does
-    not start gives its claimed run folder back."""
+    killed CLI, a dropped link) is followed and fetched, not started twice. run.json is written
+    before the first worker starts; a new run whose start failed gives its claimed run folder back
+    (the workers it started stopped), one interrupted (Ctrl-C, a signal) keeps it, for `attach` and
+    `cancel` to reach what may have started."""
     try:
         with record.lock(RESUME_LOCK) if resume else nullcontext():    # a `cancel` meanwhile is seen
             return _start(record, inventory, resume, on_phase)
-    except BaseException:
+    except Exception:
+        if not resume:
+            record.abandon(started=False)
+        raise
+    except BaseException:       # Ctrl-C, SIGTERM, SIGHUP: a worker may be starting; its run stays reachable
         if not resume:
             record.abandon()
         raise
@@ -471,6 +479,7 @@ def _start(record: RunRecord, inventory: Inventory, resume: bool,
         record.place(placements(req, [inventory.get(h) for h in req.hosts], preps))
         todo = record.shards
     jobs, placed, launched = {}, [], []
+    code_before = {s.index: s.code_dir for s in todo}
     try:
         for s in todo:
             prep = preps[s.host]
@@ -482,13 +491,19 @@ def _start(record: RunRecord, inventory: Inventory, resume: bool,
             record.prepared(s.index, run_dir=run_dir, code_dir=prep.code_dir, python=prep.host.python,
                             drafter_path=prep.drafter_path, target_path=prep.target_path)
             jobs[s.index] = HostJob(prep.runner, prep.host.python, prep.code_dir, run_dir)
+        if not resume:
+            record.save()       # before any worker starts: an interrupt from here on leaves a run `runs` lists
+        states = {s.index: jobs[s.index].status() for s in todo} if resume else {}
+        if resume:
+            refuse_mixing(record, [s for s in todo if states[s.index].get("state") not in (State.RUNNING, State.DONE)],
+                          jobs, states, code_before)
         with record.lock():     # a `cancel` now waits, and one that came during pre-flight is seen
             if resume and record.cancelled_meanwhile():
                 raise RunCancelled(f"run {record.id} was cancelled while `eval --resume` prepared it; no worker "
                                    f"was started")
             for s in todo:
                 job, host = jobs[s.index], inventory.get(s.host)
-                if resume and job.status().get("state") in (State.RUNNING, State.DONE):
+                if resume and states[s.index].get("state") in (State.RUNNING, State.DONE):
                     continue        # still going, or finished and not yet fetched: followed, not redone
                 if on_phase:
                     on_phase(s.host, "starting the worker")
@@ -505,6 +520,40 @@ def _start(record: RunRecord, inventory: Inventory, resume: bool,
                             f"are free again)") from None
         raise
     return jobs
+
+
+def refuse_mixing(record: RunRecord, restarting: list[Shard], jobs: dict[int, HostJob], states: dict[int, dict],
+                  code_before: dict[int, str]) -> None:
+    """A resume continues a run only with what its finished rows were made with: the same worker
+    code (its shipped folder's digest) and the same drafter weights (the sha256 the worker recorded
+    in env.json, against the files there now). Else one line naming the change, and nothing starts:
+    one run is one measurement."""
+    new_run = (f"start a new run of it: dflash-ops eval --drafter {record.request.drafter_ref} "
+               + " ".join(f"--host {h}" for h in record.request.hosts)
+               + f" (with the settings `dflash-ops show {record.id}` lists)")
+    for s in restarting:
+        done = max(s.done, states[s.index].get("done") or 0)
+        if not done:
+            continue
+        before, now = code_before[s.index].rpartition("/")[2], s.code_dir.rpartition("/")[2]
+        if before and before != now:
+            raise EvalError(f"run {record.id}: dflash-ops changed since its {done} finished prompt(s) on {s.label} "
+                            f"were made (worker code {before} then, {now} now); a resume would mix two worker "
+                            f"versions in one run: {new_run}, or resume it with the dflash-ops that started it")
+        job = jobs[s.index]
+        recorded = ((job.recorded_env() or {}).get("drafter") or {}).get("sha256")
+        if not isinstance(recorded, dict) or not recorded:
+            continue
+        current = job.digest(s.drafter_path, sorted(recorded))
+        changed = [name for name in sorted(recorded) if current.get(name) != recorded[name]]
+        if changed:
+            name = changed[0]
+            now_sha = current.get(name)
+            raise EvalError(f"run {record.id}: the drafter's weights in {s.drafter_path} on {s.host} changed since its "
+                            f"{done} finished prompt(s) were made ({name}: sha256 {str(recorded[name])[:12]} then, "
+                            + (f"{now_sha[:12]} now" if now_sha else "gone now")
+                            + (f"; {len(changed) - 1} more file(s)" if len(changed) > 1 else "")
+                            + f"); a resume would mix two checkpoints in one run: {new_run}, or put those weights back")
 
 
 def jobs_of(record: RunRecord, inventory: Inventory, shards: list[Shard] | None = None) -> dict[int, HostJob]:
@@ -533,6 +582,17 @@ def jobs_of(record: RunRecord, inventory: Inventory, shards: list[Shard] | None 
 
 
 # ----------------------------------------------------------------------------- following
+
+def reattach(record: RunRecord, jobs: dict[int, HostJob]) -> list[str]:
+    """`attach`: every shard is followed and its files fetched again, but for a finished, fetched
+    shard whose folder on its host is gone (removed to free space): its files here are all there
+    is of it, and stay as they are. Returns one line for each shard so kept."""
+    gone = [s for s in record.shards
+            if s.fetched and s.state == State.DONE and jobs[s.index].status().get("state") == State.MISSING]
+    record.following(keep=[s.index for s in gone])
+    return [f"{s.label}: its folder on the host ({s.run_dir}) is gone; the results fetched before are kept as "
+            f"they are" for s in gone]
+
 
 def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int, dict], None]) -> dict[int, str]:
     """Follow every unfetched shard at once until its worker ends, then fetch its files.
@@ -586,26 +646,24 @@ def merge_shards(run_dir: Path, shards: list[Shard]) -> dict:
                 raise EvalError(f"prompt {row['id']} appears in two shards")
             rows_by_id[row["id"]] = row
     rows = sorted(rows_by_id.values(), key=lambda r: order.get(r["id"], 1 << 30))
-    with open(run_dir / "results.jsonl", "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    write_atomic(run_dir / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
     env = dict(envs[0])
     env["host"] = ",".join(e["host"] for e in envs)
     env["suite"] = {**env["suite"], "ids": [r["id"] for r in rows], "shard": None}
     env["shards"] = envs
-    (run_dir / "env.json").write_text(json.dumps(env, indent=2))
-    record_placement(run_dir, shards)
+    record_placement(run_dir, shards, env)
     settings = env["settings"]
     summary = summarize(rows, settings["block_size"], settings["mode"], max_length=settings.get("verify_block"))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
-def record_placement(run_dir: Path, shards: list[Shard]) -> None:
+def record_placement(run_dir: Path, shards: list[Shard], env: dict | None = None) -> None:
     """env.json's ``placement``: how the run ran (backend ``ssh`` or ``ray``, hosts, one entry per
-    shard with its GPU; on Ray the job, actor and node ids and the GPUs Ray assigned)."""
+    shard with its GPU; on Ray the job, actor and node ids and the GPUs Ray assigned); ``env``:
+    the env.json to write (default: the one there)."""
     path = run_dir / "env.json"
-    env = json.loads(path.read_text())
+    env = json.loads(path.read_text()) if env is None else env
     ray = [s.ray for s in shards if s.ray]
     env["placement"] = {"backend": "ray" if ray else "ssh", "hosts": list(dict.fromkeys(s.host for s in shards)),
                         "gpus": [s.gpu for s in shards if s.gpu is not None],
@@ -613,7 +671,7 @@ def record_placement(run_dir: Path, shards: list[Shard]) -> None:
                                     **({"ray": s.ray} if s.ray else {})} for s in shards]}
     if ray:
         env["placement"]["ray_job_ids"] = list(dict.fromkeys(r["job_id"] for r in ray))
-    path.write_text(json.dumps(env, indent=2))
+    write_atomic(path, json.dumps(env, indent=2))
 
 
 def complete(record: RunRecord, jobs: dict[int, HostJob],

@@ -317,10 +317,14 @@ class RunRecord:
         except RunRecordError:
             pass
 
-    def abandon(self) -> None:
-        """A run that never started (its pre-flight failed) gives its claimed folder back, when
-        nothing was written into it."""
-        if self.folder is not None and not (self.folder / RUN_FILE).exists():
+    def abandon(self, started: bool = True) -> None:
+        """A run that never started gives its claimed folder back, when nothing was written into it
+        (``started`` False: no worker of it runs, its run.json goes too)."""
+        if self.folder is None:
+            return
+        if not started and self.status == State.PREPARING:
+            (self.folder / RUN_FILE).unlink(missing_ok=True)
+        if not (self.folder / RUN_FILE).exists():
             try:
                 (self.folder / LOCK_FILE).unlink(missing_ok=True)
                 self.folder.rmdir()
@@ -354,10 +358,11 @@ class RunRecord:
         self.status = State.RUNNING
         self.save()
 
-    def following(self) -> None:
-        """`attach`: every shard is followed again and its files fetched again."""
+    def following(self, keep: list[int] = ()) -> None:
+        """`attach`: every shard but those of ``keep`` is followed again and its files fetched again."""
         for s in self.shards:
-            s.fetched = False
+            if s.index not in keep:
+                s.fetched = False
 
     def shard_progressed(self, index: int, event: dict) -> None:
         """A worker event with its progress (``start``: prompts to do and done; ``prompt``: done)."""

@@ -1,5 +1,6 @@
 """Run control on a host, stdlib only: start a command detached from the SSH session, follow its
-events, report its state, cancel it.  ``python -m remote.host.launch start|follow|status|cancel RUN_DIR``
+events, report its state, cancel it.  ``python -m remote.host.launch start|follow|status|cancel RUN_DIR``;
+``digest FOLDER -- NAME...`` prints the sha256 of files (what a resume compares with the finished rows').
 
 A run folder holds: ``cmd.json`` (argv), ``pid``, ``events.jsonl`` (the job's stdout),
 ``worker.log`` (its stderr), ``exit_code`` (written when it ends, atomically). The job runs in its
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -33,6 +35,7 @@ from remote.contract.events import EXIT, HEARTBEAT, KEY, PROGRESS
 from remote.host.proc import alive as _alive, start_time as _start_time, write_atomic as _write_atomic
 
 LOCK = ".start.lock"                 # held by `start` from its state check until the pid file is written
+JOB_LOCK = ".job.lock"               # held by the job and its supervisor for as long as either lives
 EXIT_RESERVED = ".exit_code.reserved"
 RESERVED = 4096                      # bytes kept for the exit code (a block)
 LOW_SPACE = 1 << 20                  # less free than this on the run folder's disk: "no space left"
@@ -71,10 +74,13 @@ def _start_locked(run_dir: Path, argv: list[str], cwd: str | None, env: dict[str
                          f"id? Start the eval again (it gets a new id)")
     st = state(run_dir)
     if st["state"] == "running":
-        raise SystemExit(f"{run_dir}: a job is already running there (pid {st['pid']})")
+        raise SystemExit(f"{run_dir}: a job is already running there (" + (f"pid {st['pid']})" if st.get("pid")
+                                                                          else f"{st['why']})"))
     if st["state"] == "unverifiable":
         raise SystemExit(f"{run_dir}: {st['why']}; if it is not this run's job, delete {run_dir / 'pid'} "
                          f"and start again")
+    if _job_lock_held(run_dir):                        # whatever the pid file says
+        raise SystemExit(f"{run_dir}: a job is still running there (it holds {run_dir / JOB_LOCK})")
     for name in ("exit_code", "pid"):
         (run_dir / name).unlink(missing_ok=True)
     _write_atomic(run_dir / "cmd.json", json.dumps({"argv": argv, "cwd": cwd}))
@@ -91,6 +97,11 @@ def _start_locked(run_dir: Path, argv: list[str], cwd: str | None, env: dict[str
     os.setsid()                                        # new session: no controlling terminal
     if os.fork() > 0:
         os._exit(0)
+    job_lock = os.open(run_dir / JOB_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(job_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:                            # taken since the check: the caller reads no pid
+        os._exit(0)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):           # let go of the SSH channel, or it would stay open until the job ends
         os.dup2(devnull, fd)
@@ -98,7 +109,7 @@ def _start_locked(run_dir: Path, argv: list[str], cwd: str | None, env: dict[str
     log = open(run_dir / "worker.log", "ab")
     try:                           # its own process group, so cancel reaches the job's children too
         proc = subprocess.Popen(argv, stdin=devnull, stdout=events, stderr=log, cwd=cwd, start_new_session=True,
-                                env={**os.environ, **env} if env else None)
+                                env={**os.environ, **env} if env else None, pass_fds=(job_lock,))
     except OSError as e:
         log.write(f"cannot start {argv[0]}: {e}\n".encode())
         log.flush()
@@ -190,13 +201,33 @@ def _exit_state(code_file: Path) -> dict:
     return {"state": "done" if code == 0 else "failed", "exit_code": code, **({"why": why.strip()} if why.strip() else {})}
 
 
+def _job_lock_held(run_dir: Path) -> bool:
+    """Does a job (or its supervisor) started in ``run_dir`` still live? It holds :data:`JOB_LOCK`."""
+    try:
+        fd = os.open(run_dir / JOB_LOCK, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def state(run_dir: Path) -> dict:
+    """The job's state. The pid file names it; the job lock says it lives when the pid file cannot
+    (lost, unreadable): ``running`` with no pid, never signalled, never started twice."""
     pid_file, code_file = run_dir / "pid", run_dir / "exit_code"
     if code_file.exists():
         return _exit_state(code_file)
+    rec = _read_pid(pid_file) if pid_file.exists() else None
+    if rec is None and _job_lock_held(run_dir):
+        return {"state": "running", "exit_code": None, "pid": None,
+                "why": f"its pid file is {'unreadable' if pid_file.exists() else 'gone'}; it holds {run_dir / JOB_LOCK}"}
     if not pid_file.exists():
         return {"state": "unknown" if run_dir.exists() else "missing", "exit_code": None}
-    rec = _read_pid(pid_file)
     if rec is None:
         return {"state": "unknown", "exit_code": None, "why": f"unreadable {pid_file}"}
     pid, supervisor = rec["pid"], rec["supervisor"]
@@ -287,6 +318,8 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     if st["state"] != "running":
         return {**st, "signalled": False}              # ended by itself (or never started): left as it is
     rec = _read_pid(run_dir / "pid")
+    if rec is None or rec["starts"] is None:
+        return {**st, "why": f"{st.get('why') or 'no pid to signal'}; not signalled", "signalled": False}
     pid, start = rec["pid"], rec["starts"][0]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if not _alive(pid, start):
@@ -306,6 +339,23 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     return {**state(run_dir), "signalled": True}
 
 
+def digest(folder: Path, names: list[str]) -> dict[str, str | None]:
+    """{name: the sha256 of file ``folder/name``, or None when there is no such file}; a name is
+    one file in ``folder`` (no separator), else None."""
+    out = {}
+    for name in names:
+        path = folder / name
+        if "/" in name or name in ("", ".", "..") or not path.is_file():
+            out[name] = None
+            continue
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(READ_CHUNK), b""):
+                h.update(chunk)
+        out[name] = h.hexdigest()
+    return out
+
+
 def _env_from_stdin() -> dict[str, str]:
     try:
         env = json.loads(sys.stdin.read() or "{}")
@@ -318,8 +368,8 @@ def _env_from_stdin() -> dict[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote.host.launch", description=__doc__)
-    p.add_argument("action", choices=("start", "follow", "status", "cancel"))
-    p.add_argument("run_dir")
+    p.add_argument("action", choices=("start", "follow", "status", "cancel", "digest"))
+    p.add_argument("run_dir", help="the run folder (digest: the folder of the files named after --)")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--cwd", default=None)
     p.add_argument("--env-stdin", action="store_true", help="start: a JSON object of environment variables "
@@ -341,6 +391,8 @@ def main(argv=None) -> int:
         print(json.dumps({"pid": pid}), flush=True)
     elif args.action == "follow":
         return follow(run_dir, args.offset)
+    elif args.action == "digest":
+        print(json.dumps(digest(run_dir, cmd)))
     elif args.action == "status":
         print(json.dumps({**state(run_dir), **progress(run_dir)}))
     else:
