@@ -27,8 +27,16 @@ one on a loaded machine). Outputs (ours less the mask-token ids spec_generate dr
 lengths must be identical in every repeat (asserted). Without SpecForge's environment it says so and
 exits 0.
 
+``--ddtree 4,8,16``: ours (``remote.decode.tree.tree_generate``) against DDTree's own
+``ddtree_generate`` (tests/references.py runs it from ``../shared/references/ddtree`` on CPU, its
+drafter class reading our z-lab folder) under ``semantics="ddtree"``, per budget, on the same pair
+(``--train``: the trained walk pair and prompts in its language) and prompts; outputs and acceptance lengths identical (asserted),
+interleaved per prompt and repeat (the order alternating), best of ``--repeats`` per prompt, ratios
+ddtree_generate / ours (> 1: ours faster).
+
     python benchmarks/bench_online.py [--prompts 4] [--new-tokens 64] [--hidden 128] [--layers 8]
     python benchmarks/bench_online.py --specforge [--repeats 8] [--threads 1]
+    python benchmarks/bench_online.py --ddtree 4,8,16 [--train] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -192,6 +200,86 @@ def bench_specforge(args):
               f"{med[1] / med[0]:.2f}x   (single repeats {min(each):.2f}x-{max(each):.2f}x)")
 
 
+def buffered_cycles(lengths: list[int], budget: int, block: int, new_tokens: int) -> int:
+    """How many of ``ddtree_generate``'s cycles drafted a whole block: its output buffer ends
+    ``new_tokens + 1 + budget`` past the prompt, and with a budget below ``block - 1`` the blocks of
+    its last cycles are cut there (tests/test_ddtree_ref.py, docs/eval.md)."""
+    start, k = 0, 0
+    while k < len(lengths) and start + block <= new_tokens + 1 + budget:
+        start, k = start + lengths[k], k + 1
+    return k
+
+
+def bench_ddtree(args):
+    """Ours (tree_generate, semantics="ddtree") vs DDTree's ``ddtree_generate``: module docstring."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from references import DDTREE, ddtree_reference
+
+    if not (DDTREE / "ddtree.py").is_file():
+        print(f"SKIP --ddtree: DDTree's code is not in {DDTREE}; nothing measured")
+        return
+    from remote.decode.tree import tree_generate
+    from remote.drafters.checkpoint import load_drafter, save_drafter
+
+    budgets = [int(b) for b in args.ddtree.split(",")]
+    reference = ddtree_reference()
+    target, drafter = build_pair(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_drafter(drafter, tmp)
+        ours, _ = load_drafter(tmp)
+        theirs = reference.DFlashDraftModel.from_pretrained(tmp).eval()
+    target, ours, theirs = (m.to(args.device, torch.float32) for m in (target, ours, theirs))
+    if args.train:                  # prompts in the walk's language: real trees, deep accepts
+        from golden import prompts as walk_prompts
+        prompts = [p.to(args.device) for p in walk_prompts(target, args.prompts)]
+    else:
+        gen = torch.Generator().manual_seed(1)
+        V = target.config.vocab_size - 1
+        prompts = [torch.randint(0, V, (1, args.prompt_len), generator=gen).to(args.device)
+                   for _ in range(args.prompts)]
+    n = args.new_tokens
+
+    def run_theirs(prompt, b):
+        out = reference.ddtree_generate(theirs, target, prompt, theirs.mask_token_id, n, theirs.block_size, None,
+                                        0.0, b)
+        return out.output_ids[0, prompt.shape[1]:].tolist(), list(out.acceptance_lengths)
+
+    best = {(w, b): [float("inf")] * len(prompts) for w in ("ours", "theirs") for b in budgets}
+    lengths, cut = {b: [] for b in budgets}, 0
+    with torch.inference_mode():
+        for b in budgets:                               # warm-up, untimed
+            tree_generate(target, ours, prompts[0], n, b, semantics="ddtree")
+            run_theirs(prompts[0], b)
+        for r in range(args.repeats):
+            for b in budgets:
+                for i, prompt in enumerate(prompts):
+                    calls = [("ours", lambda: tree_generate(target, ours, prompt, n, b, semantics="ddtree")),
+                             ("theirs", lambda: run_theirs(prompt, b))]
+                    got = {}
+                    for who, call in (calls if (r + i) % 2 == 0 else calls[::-1]):
+                        t, got[who] = timed(call)
+                        best[(who, b)][i] = min(best[(who, b)][i], t)
+                    (tokens, want), mine = got["theirs"], got["ours"].acceptance_lengths
+                    k = buffered_cycles(want, b, ours.config.verify_block, n)
+                    assert got["ours"].output_ids == tokens, f"budget {b}, prompt {i}: outputs differ"
+                    assert mine[:k] == want[:k] and (k == len(want) or b < ours.config.verify_block - 1), \
+                        f"budget {b}, prompt {i}: acceptance lengths differ"
+                    cut += k < len(want)
+                    if r == 0:
+                        lengths[b] += got["ours"].acceptance_lengths
+    print(f"pair: target {target.config.num_hidden_layers} layers x hidden {target.config.hidden_size}, drafter "
+          f"block {ours.block_size}; {len(prompts)} prompts x {n} new tokens; {args.device} float32, threads "
+          f"{torch.get_num_threads()}; semantics ddtree; best of {args.repeats} repeats, interleaved")
+    print("outputs identical (ours = ddtree_generate) for every budget, prompt and repeat; acceptance lengths "
+          "identical on every cycle" + (f", up to the reference's cut blocks in {cut // args.repeats} decodings per "
+                                        f"repeat (a budget below B - 1: docs/eval.md)" if cut else ""))
+    for b in budgets:
+        ours_t, theirs_t = sum(best[("ours", b)]), sum(best[("theirs", b)])
+        print(f"budget {b:4d}: τ {sum(lengths[b]) / len(lengths[b]):.2f}   ms per prompt: ours "
+              f"{1e3 * ours_t / len(prompts):.1f}   ddtree_generate {1e3 * theirs_t / len(prompts):.1f}   "
+              f"ratio ddtree_generate / ours {theirs_t / ours_t:.2f}x   (goal >= 1.0x)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4)
@@ -208,8 +296,19 @@ def main():
     ap.add_argument("--profile", action="store_true", help="cProfile our decoding of the first prompt")
     ap.add_argument("--specforge", action="store_true",
                     help="ours vs SpecForge's DSpark spec_generate (its environment; CPU float32 only)")
+    ap.add_argument("--ddtree", metavar="B,B,...", help="ours vs DDTree's ddtree_generate at these budgets "
+                                                         "(CPU float32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ddtree:
+        if args.dtype != "float32" or args.profile or args.specforge:
+            ap.error("--ddtree runs in float32, without --profile or --specforge")
+        from remote.target.model import guard_cpu_kernels
+
+        guard_cpu_kernels(args.device)
+        torch.manual_seed(0)
+        bench_ddtree(args)
+        return
     if args.specforge:
         if (args.device, args.dtype) != ("cpu", "float32") or args.train or args.profile:
             ap.error("--specforge runs on cpu in float32 (SpecForge's harness), without --train or --profile")

@@ -225,3 +225,35 @@ def add_confidences(run_dir: Union[str, Path], skill: float = 2.0, seed: int = 0
 
     (run_dir / "summary.json").write_text(json.dumps(summarize(rows, B, mode), indent=2), encoding="utf-8")
     return rows
+
+
+def add_online_ddtree(run_dir: Union[str, Path], budgets: Sequence[int] = (4, 8, 16, 32), seed: int = 0,
+                      cycle_s: float = 0.02, node_s: float = 0.0005) -> list[dict]:
+    """Give an online run DDTree budgets as the worker records them (``ddtree[N]``: acceptance
+    lengths, τ, the target's output, ``wall_s``, ``lossless``): τ grows with N, a cycle costs
+    ``cycle_s + node_s × N``, so the speed peaks at a middle budget. results.jsonl and summary.json
+    (the worker's own `summarize`) rewritten, env.json's ``ddtree_budgets`` set. Returns the rows."""
+    run_dir = Path(run_dir)
+    env = json.loads((run_dir / "env.json").read_text(encoding="utf-8"))
+    B, mode = int(env["settings"]["block_size"]), env["settings"]["mode"]
+    assert mode == "online", mode
+    env["settings"]["ddtree_budgets"] = list(budgets)
+    (run_dir / "env.json").write_text(json.dumps(env, indent=2), encoding="utf-8")
+    rows = read_rows(run_dir)
+    for row in rows:
+        rng = _rng("online-ddtree", run_dir.name, row["id"], seed)
+        tokens = sum(row["acceptance_lengths"])
+        row["ddtree"] = {}
+        for n in budgets:
+            dl = segment(tokens, row["tau"] * (1.0 + 0.25 * np.log2(n / 2.0)), B, rng)
+            row["ddtree"][str(n)] = {"acceptance_lengths": dl, "tau": sum(dl) / len(dl),
+                                     "output_ids": list(row["output_ids"]),
+                                     "wall_s": round(len(dl) * (cycle_s + node_s * n) + 0.001 * tokens, 6),
+                                     "lossless": True}
+    with open(run_dir / "results.jsonl", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    from remote.contract.metrics import summarize
+
+    (run_dir / "summary.json").write_text(json.dumps(summarize(rows, B, mode), indent=2), encoding="utf-8")
+    return rows

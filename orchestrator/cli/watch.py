@@ -98,7 +98,8 @@ def watch_cmd(
 ):
     """Evaluate a training run as it trains: poll the training host, sync each new complete
     checkpoint, evaluate it with the same settings every time, append it to the trajectory
-    (runs/watch-RUN/trajectory.html)."""
+    (runs/watch-RUN/trajectory.html). With --ddtree N (online too) each point also has DDTree-N τ with
+    its CI and, online, its speedup over plain decoding."""
     from ..eval.pipeline import check_sglang_option
     from ..reports.tracking import check_trackers
     from ..watch import WatchOptions, Watcher

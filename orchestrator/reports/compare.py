@@ -314,6 +314,26 @@ def engine_pairs(rows_a: dict, rows_b: dict, ids: Sequence[str], resamples: int,
     return out
 
 
+def ddtree_speedup_pair(rows_a: dict, rows_b: dict, ids: Sequence[str], budget: str, resamples: int, seed: int,
+                        confidence: float) -> Optional[dict]:
+    """DDTree-``budget``'s speedup over plain decoding (online: each prompt's plain decoding time
+    over its tree decoding time, macro the mean per prompt, pooled Σ / Σ) paired prompt by prompt
+    like τ, on the prompts both runs timed; None when they have none in common."""
+    from .stats import paired_compare
+
+    def timed(row: dict) -> bool:
+        return bool(row.get("target_wall_s") and ((row.get("ddtree") or {}).get(budget) or {}).get("wall_s"))
+
+    ok = [i for i in ids if timed(rows_a[i]) and timed(rows_b[i])]
+    if not ok:
+        return None
+    arrays = [([rm[i]["target_wall_s"] for i in ok], [rm[i]["ddtree"][budget]["wall_s"] for i in ok])
+              for rm in (rows_a, rows_b)]
+    pr = paired_compare(*arrays[0], *arrays[1], resamples=resamples, seed=seed, confidence=confidence)
+    return {"n": pr.n, "macro": asdict(pr.macro), "pooled": asdict(pr.pooled), "wins": pr.wins, "ties": pr.ties,
+            "losses": pr.losses}
+
+
 def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int = 10000, seed: int = 0,
                  confidence: float = 0.95, published: Optional[str] = None, use_published: bool = True,
                  published_file=None) -> dict:
@@ -400,6 +420,9 @@ def compare_runs(runs: Sequence[EvalRun], *, force: bool = False, resamples: int
                                  resamples=resamples, seed=seed, confidence=confidence)
             c["ddtree"][bud] = {"n": dpr.n, "macro": asdict(dpr.macro), "pooled": asdict(dpr.pooled),
                                 "wins": dpr.wins, "ties": dpr.ties, "losses": dpr.losses}
+            speed = ddtree_speedup_pair(row_maps[0], rm, ok, bud, resamples, seed, confidence)
+            if speed:
+                c["ddtree"][bud]["speedup"] = speed
         c["engine"] = engine_pairs(row_maps[0], rm, common, resamples, seed, confidence)
         c["confidence"] = pair_runs({i: metrics[i].get("confidence") for i in (base.id, r.id)},
                                     {base.id: row_maps[0], r.id: rm}, common, resamples=resamples, seed=seed,
@@ -557,6 +580,53 @@ def category_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
     return head, rows
 
 
+def ddtree_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    """DDTree per budget that every run has: each run's τ (pooled) and, online, its tokens/s and
+    speedup over plain decoding (the fastest budget of each run marked ★); each run against the
+    baseline, τ paired prompt by prompt (Δ τ macro with its CI, p, W/T/L) and the speedup the same
+    way (Δ pooled speedup). None when no budget is shared."""
+    from remote.contract.metrics import fastest_budget
+
+    ids = [r["id"] for r in result["runs"]]
+    M = result["metrics"]
+    nm = _names(result)
+    dd = {i: M[i].get("ddtree") or {} for i in ids}
+    budgets = sorted(set.intersection(*(set(dd[i]) for i in ids)), key=int)
+    if not budgets:
+        return None
+    best = {i: fastest_budget(dd[i]) for i in ids}
+    timed = [i for i in ids if best[i] is not None]
+    comps = result["comparisons"]
+    head = (["budget N"] + [f"τ {nm[i]}" for i in ids] + [f"tokens/s {nm[i]}" for i in timed]
+            + [f"speedup {nm[i]}" for i in timed]
+            + [f"{what} {nm[c['run']]}" for c in comps for what in ("Δ τ macro [95% CI]", "p", "W/T/L")]
+            + [f"Δ speedup {nm[c['run']]} [95% CI]" for c in comps if any("speedup" in d for d in c["ddtree"].values())])
+    rows = []
+    for b in budgets:
+        row = [b] + [fnum(dd[i][b].get("tau_pooled")) for i in ids]
+        row += [fnum(dd[i][b].get("tokens_per_s"), 2) + (" ★" if best[i] == b else "") for i in timed]
+        row += [fnum(dd[i][b].get("speedup"), 3) for i in timed]
+        for c in comps:
+            d = c["ddtree"].get(b)
+            row += [_ci(d["macro"]), _p(d["macro"]["p_value"]), f"{d['wins']}/{d['ties']}/{d['losses']}"] if d \
+                else ["—", "—", "—"]
+        for c in comps:
+            if any("speedup" in d for d in c["ddtree"].values()):
+                sp = (c["ddtree"].get(b) or {}).get("speedup")
+                row.append(_ci(sp["pooled"]) if sp else "—")
+        rows.append(row)
+    return head, rows
+
+
+def ddtree_note(result: dict) -> str:
+    return ("DDTree per budget (τ pooled: Σ tokens / Σ cycles). Online, each budget decodes every prompt on its own: "
+            "tokens/s of that decoding, speedup = its tokens/s over plain decoding's in the same run (★ the run's "
+            "fastest budget). Δ τ is paired prompt by prompt with the same bootstrap and permutation test as τ; Δ "
+            "speedup pairs each prompt's (plain decoding time, tree decoding time) the same way, pooled as Σ / Σ. "
+            "Timings compare only between runs on the same hardware (the environment differences above say where "
+            "they differ).")
+
+
 def _ci_or_none(iv: Optional[dict]) -> str:
     if iv is None:
         return "—"
@@ -692,6 +762,10 @@ def write_compare(result: dict, out_dir: Path) -> tuple[Path, Path]:
     cat = category_rows(result)
     if cat:
         doc.table(*cat, heading="Per category (τ macro)")
+    dd = ddtree_rows(result)
+    if dd:
+        doc.table(*dd, heading="DDTree per budget")
+        doc.para(ddtree_note(result), cls="note")
     heads = confidence_tables(result)
     for heading, head, rows in heads:
         doc.table(head, rows, heading=heading)

@@ -78,6 +78,27 @@ def plot_ddtree(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
     return chart.svg()
 
 
+def plot_ddtree_costs(label: str, m: dict) -> Optional[bytes]:
+    """One online run's DDTree budgets: τ (pooled) and the speedup over plain decoding against the
+    budget, plain decoding and the linear DFlash decoding as lines, the fastest budget named."""
+    from remote.contract.metrics import fastest_budget
+
+    dd = m.get("ddtree") or {}
+    best = fastest_budget(dd)
+    if best is None:
+        return None
+    bs = sorted(dd, key=int)
+    chart = Chart(f"{label}: DDTree τ and speed vs node budget", "DDTree node budget N",
+                  "τ (tokens / cycle), speedup (× plain decoding)", xlog2=True)
+    chart.line([int(b) for b in bs], [dd[b]["tau_pooled"] for b in bs], "DDTree τ (pooled)", "C0")
+    chart.line([int(b) for b in bs], [dd[b].get("speedup") for b in bs], "DDTree speedup", "C1")
+    chart.hline(1.0, "C7", "plain decoding (speedup 1)", dash="2 2")
+    if (m.get("online") or {}).get("speedup") is not None:
+        chart.hline(m["online"]["speedup"], "C1", "DFlash (no tree) speedup", dash="5 3")
+    chart.note(f"fastest: N = {best} ({dd[best]['tokens_per_s']:.3g} tokens/s)")
+    return chart.svg()
+
+
 def plot_reliability(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
     """A confidence head's reliability (pooled over drafted positions): observed acceptance per bin of
     predicted survival, against the diagonal a calibrated head follows."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from remote.contract.metrics import fastest_budget
 from remote.contract.settings import SEMANTICS_TEXT
 from remote.contract.states import State
 
@@ -115,13 +116,40 @@ def confidence_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def ddtree_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
-    """DDTree's τ per node budget, beside the plain walk's (None when the run has no DDTree)."""
+    """DDTree's τ per node budget, beside the plain walk's (None when the run has no DDTree); online,
+    what each budget costs: its tokens/s, its speedup over plain decoding and whether it was lossless."""
     if not m.get("ddtree"):
         return None
+    head = ["DDTree budget N", "prompts", "tau_macro", "tau_pooled"]
     rows = [["none (DFlash)", str(m["prompts"]), fnum(m["tau_macro"]), fnum(m["tau_pooled"])]]
     rows += [[b, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
              for b, v in sorted(m["ddtree"].items(), key=lambda kv: int(kv[0]))]
-    return ["DDTree budget N", "prompts", "tau_macro", "tau_pooled"], rows
+    if fastest_budget(m["ddtree"]) is None:
+        return head, rows
+    on = m.get("online") or {}
+    costs = [on] + [v for _, v in sorted(m["ddtree"].items(), key=lambda kv: int(kv[0]))]
+    for row, c in zip(rows, costs):
+        row += [fnum(c.get("tokens_per_s"), 2), fnum(c.get("speedup"), 3),
+                "—" if "lossless" not in c else fnum(c["lossless"]) if c["lossless"] is not None else "not checked (T > 0)"]
+    return head + ["tokens/s", "speedup over plain decoding", "lossless"], rows
+
+
+def ddtree_cost_notes(run: EvalRun, m: dict) -> list[str]:
+    """The budget to serve (the fastest) and, on a CPU, that its timings say little of a GPU's."""
+    best = fastest_budget(m.get("ddtree") or {})
+    if best is None:
+        return []
+    v, on = m["ddtree"][best], m.get("online") or {}
+    plain = on.get("target_tokens_per_s")
+    notes = [f"Fastest DDTree budget: N = {best}, {fnum(v['tokens_per_s'], 2)} tokens/s"
+             + (f", {fnum(v['speedup'], 2)}× plain decoding ({fnum(plain, 2)} tokens/s)" if v.get("speedup") else "")
+             + (f"; linear DFlash {fnum(on['tokens_per_s'], 2)} tokens/s" if on.get("tokens_per_s") else "")
+             + f". τ grows with N while each cycle verifies more nodes: the budget to serve is the fastest one on "
+               f"the serving hardware. Every budget decodes every prompt on its own, timed from the prompt's prefill "
+               f"to its last token; plain decoding is the target alone on the same prompts in the same run."]
+    if str(run.env.get("device") or "").startswith("cpu"):
+        notes.append(f"Measured on a CPU (device {run.env.get('device')}): CPU timings are not indicative of a GPU.")
+    return notes
 
 
 def run_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
@@ -218,13 +246,15 @@ def run_warnings(run: EvalRun) -> list[str]:
 
 
 def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
-    from .plots import plot_categories, plot_ddtree, plot_histogram, plot_per_position, plot_reliability
+    from .plots import (plot_categories, plot_ddtree, plot_ddtree_costs, plot_histogram, plot_per_position,
+                        plot_reliability)
 
     m, label = run.metrics, run.label
     return [("per-position", "Per-position acceptance", plot_per_position([(label, m)])),
             ("histogram", "Acceptance-length histogram", plot_histogram([(label, m)])),
             ("categories", "τ per prompt category", plot_categories([(label, m)])),
             ("ddtree", "DDTree τ vs budget", plot_ddtree([(label, m)])),
+            ("ddtree-costs", "DDTree: τ and speed vs budget", plot_ddtree_costs(label, m)),
             ("reliability", "Confidence head: reliability", plot_reliability([(label, m)]))]
 
 
@@ -274,6 +304,8 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
     dd = ddtree_table(m)
     if dd:
         doc.table(*dd, heading="DDTree", level=3)
+        for note in ddtree_cost_notes(run, m):
+            doc.para(note, cls="note")
     for heading, head, rows in confidence_tables(m):
         doc.table(head, rows, heading=heading, level=3)
     for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",

@@ -12,9 +12,9 @@ from ..runs.folders import run_folder
 from .state import WatchState
 
 
-def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | None:
-    """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths (None when
-    its results cannot be read)."""
+def tau_cis(run_dir: Path, budget: str | None = None) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths, or those of its
+    DDTree ``budget`` (None when its results cannot be read)."""
     from ..reports.stats import bootstrap_tau
     from ..runs.folders import RunError, load_run
 
@@ -26,7 +26,8 @@ def tau_cis(run_dir: Path) -> tuple[tuple[float, float], tuple[float, float]] | 
         return None
     toks, cycs = [], []
     for row in rows:
-        lengths = row.get("acceptance_lengths") or []
+        lengths = (row.get("acceptance_lengths") if budget is None else
+                   ((row.get("ddtree") or {}).get(budget) or {}).get("acceptance_lengths")) or []
         if lengths:
             toks.append(sum(lengths))
             cycs.append(len(lengths))
@@ -47,6 +48,20 @@ def calibration(summary: dict, run_dir: Path | None) -> dict | None:
         return headline(load_run(run_dir).summary.get("confidence"))
     except RunError:
         return None
+
+
+def ddtree_speedups(run_dir: Path | None) -> dict[str, float]:
+    """An online point's speedup over plain decoding per DDTree budget, from its eval run's
+    summary.json (``{}`` offline, or when the run cannot be read)."""
+    from ..runs.folders import RunError, load_run
+
+    if run_dir is None or not (run_dir / "summary.json").exists():
+        return {}
+    try:
+        dd = (load_run(run_dir).summary or {}).get("ddtree") or {}
+    except RunError:
+        return {}
+    return {str(b): v["speedup"] for b, v in dd.items() if isinstance(v, dict) and v.get("speedup") is not None}
 
 
 def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, float]] | None,
@@ -123,7 +138,10 @@ def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
     out = []
     for p in state.done_points():
         s = p.summary
-        out.append({"name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
+        run_dir = run_folder(runs_root, p.eval_run) if p.eval_run else None
+        out.append({"ddtree_ci": {b: tau_cis(run_dir, b) for b in s.get("ddtree") or {}} if run_dir else {},
+                    "ddtree_speedup": ddtree_speedups(run_dir),
+                    "name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
                     "ddtree": s.get("ddtree") or {}, "acceptance": s.get("per_position_acceptance") or [],
                     "ci": tau_cis(run_folder(runs_root, p.eval_run)) if p.eval_run else None, "eval_run": p.eval_run,
                     "prompts": s.get("prompts"), "engine": s.get("engine"),
@@ -177,6 +195,14 @@ def calibration_cells(c: dict | None) -> list[str]:
     return [fnum(c["ece"], 3), fnum(c["auroc"], 3), f"{fnum(c['predicted_tau'], 3)} / {fnum(c['measured_tau'], 3)}"]
 
 
+def ddtree_cell(point: dict, budget: str) -> str:
+    """A point's DDTree-N τ (macro) with its CI and, online, its speedup over plain decoding."""
+    ci = (point["ddtree_ci"].get(budget) or [None])[0]
+    speedup = point["ddtree_speedup"].get(budget)
+    return (fnum(point["ddtree"].get(budget), 3) + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+            + (f", {speedup:.2f}×" if speedup is not None else ""))
+
+
 def settings_note(settings: dict, budgets: list[str]) -> str:
     """What every point shares, as the points themselves show it (the DDTree budgets that ran)."""
     st = settings
@@ -207,7 +233,9 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     tags = sorted(train)
     engine = any(p["engine"] for p in points)       # watch --engine: the serving engine's own τ per point
     head = any(p["calibration"] for p in points)    # a confidence head (DSpark): its calibration per point
-    header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]", *[f"DDTree-{k}" for k in budgets],
+    speed = any(p["ddtree_speedup"] for p in points)
+    header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]",
+              *[f"DDTree-{k} τ [95% CI]" + (", speedup" if speed else "") for k in budgets],
               *(["engine τ macro", "engine speedup"] if engine else []),
               *(["head ECE", "head AUROC", "head τ predicted / measured"] if head else []),
               *[f"training {t}" for t in tags], "eval run"]
@@ -217,7 +245,7 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
         rows.append([str(p["step"]), p["name"],
                      f"{fnum(p['tau_macro'], 3)}" + (f" [{ci[0][0]:.3f}, {ci[0][1]:.3f}]" if ci else ""),
                      f"{fnum(p['tau_pooled'], 3)}" + (f" [{ci[1][0]:.3f}, {ci[1][1]:.3f}]" if ci else ""),
-                     *[fnum(p["ddtree"].get(k), 3) for k in budgets],
+                     *[ddtree_cell(p, k) for k in budgets],
                      *([fnum((p["engine"] or {}).get("tau_macro"), 3), fnum((p["engine"] or {}).get("speedup"), 2)]
                        if engine else []),
                      *(calibration_cells(p["calibration"]) if head else []),

@@ -169,6 +169,36 @@ def engine_summary(rows: list[dict]) -> dict | None:
     return out
 
 
+def ddtree_costs(rows: list[dict], budget: str) -> dict:
+    """What DDTree budget ``budget`` costs in an online run (``{}`` offline, where a row's budget has
+    no ``wall_s``), over the rows that decoded it: its output tokens per second of tree decoding
+    (``wall_s``), plain decoding's over the same rows (:func:`online_summary`'s tokens per
+    ``target_wall_s``), ``speedup`` = the first / the second, and ``lossless`` as
+    :func:`online_summary` has it. A multi-turn row keeps only its last turn's tree output: its
+    earlier turns count the row's own outputs (the same tokens when greedy and lossless)."""
+    trees = [(r, r["ddtree"][budget]) for r in rows if budget in (r.get("ddtree") or {})]
+    if not trees or any(t.get("wall_s") is None for _, t in trees):
+        return {}
+    wall = sum(t["wall_s"] for _, t in trees)
+    tokens = sum(len(t.get("output_ids") or []) + sum(len(x.get("output_ids") or []) for x in (r.get("turns") or [])[:-1])
+                 for r, t in trees)
+    plain = online_summary([r for r, _ in trees]) if all(r.get("wall_s") is not None for r, _ in trees) else {}
+    out = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
+           "target_tokens_per_s": plain.get("target_tokens_per_s")}
+    out["speedup"] = (out["tokens_per_s"] / out["target_tokens_per_s"]
+                      if out["tokens_per_s"] is not None and out["target_tokens_per_s"] else None)
+    if any("lossless" in t for _, t in trees):
+        checked = [t.get("lossless") for _, t in trees if "lossless" not in t or t["lossless"] is not None]
+        out["lossless"] = all(c is True for c in checked) if checked else None
+    return out
+
+
+def fastest_budget(ddtree: dict) -> str | None:
+    """The budget of a summary's ``ddtree`` with the most tokens per second (None offline)."""
+    timed = [(v["tokens_per_s"], b) for b, v in ddtree.items() if v.get("tokens_per_s") is not None]
+    return max(timed, key=lambda t: (t[0], -int(t[1])))[1] if timed else None
+
+
 def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: int | None = None) -> dict:
     """``max_length``: the most tokens a cycle can commit (default ``block_size``; ``B + 1`` for a
     sample_from_anchor drafter)."""
@@ -190,7 +220,7 @@ def summarize(rows: list[dict], block_size: int, mode: str | None, max_length: i
             d = tau_summary([r["ddtree"][b].get("acceptance_lengths") or [] for r in rows
                              if b in (r.get("ddtree") or {})])
             summary["ddtree"][b] = {"tau_macro": d["tau_macro"], "tau_pooled": d["tau_pooled"],
-                                    "prompts": d["prompts"]}
+                                    "prompts": d["prompts"], **ddtree_costs(rows, b)}
     if any("all_anchors" in r for r in rows):
         summary["all_anchors_accuracy"], summary["all_anchors_cumulative"] = all_anchors_accuracy(rows, longest - 1)
     if rows and all(r.get("wall_s") is not None for r in rows):

@@ -1,0 +1,174 @@
+"""What a DDTree budget costs (issue 42): per budget of an online run, summary.json's τ, tokens/s and
+speedup over plain decoding in the same run; the report's table and plot naming the fastest budget
+(and, on a CPU, that its timings say little of a GPU); compare pairing DDTree τ and speedup prompt
+by prompt; a watch's trajectory showing DDTree-N τ with its CI and speedup per checkpoint."""
+from __future__ import annotations
+
+import json
+import re
+import xml.etree.ElementTree as ET
+
+import pytest
+from typer.testing import CliRunner
+
+from fakeruns import add_online_ddtree, make_run, read_rows
+from orchestrator.cli import app
+from orchestrator.reports.plots import plot_ddtree_costs
+from orchestrator.reports.report import write_report
+from orchestrator.reports.stats import paired_bootstrap
+from remote.contract.metrics import fastest_budget, summarize
+from reportchecks import check_self_contained_html
+
+A, B = "20261202-2041-v5-step10k-ct129", "20261203-1100-v5-step20k-ct129"
+CPU = {"device": "cpu", "gpu": None}
+
+
+def online_run(runs, run_id, checkpoint, mean=4.0, env=None, **costs):
+    d = make_run(runs, run_id, "v5", checkpoint, mode="online", ddtree=False, prompts=10, mean=mean, env=env)
+    add_online_ddtree(d, **costs)
+    return d
+
+
+def test_summary_costs_per_budget_from_the_rows():
+    """tokens/s = Σ output tokens / Σ wall_s of the budget's decodings, plain decoding's over the same
+    rows from target_wall_s, speedup their ratio; a multi-turn row's earlier turns count the row's
+    outputs; lossless as the linear decoding's; offline budgets keep τ only."""
+    rows = [{"id": "a", "acceptance_lengths": [2, 2], "output_ids": [1] * 5, "wall_s": 1.0, "target_wall_s": 2.0,
+             "lossless": True,
+             "ddtree": {"4": {"acceptance_lengths": [3, 1], "output_ids": [1] * 5, "wall_s": 0.5, "lossless": True},
+                        "8": {"acceptance_lengths": [4], "output_ids": [1] * 5, "wall_s": 2.5, "lossless": True}}},
+            {"id": "b", "acceptance_lengths": [1, 3, 2], "output_ids": [2] * 4, "wall_s": 1.0, "target_wall_s": 3.0,
+             "lossless": True, "turns": [{"output_ids": [2] * 3, "acceptance_lengths": [1, 1]},
+                                         {"output_ids": [2] * 4, "acceptance_lengths": [3, 2]}],
+             "ddtree": {"4": {"acceptance_lengths": [2, 2, 2], "output_ids": [2] * 4, "wall_s": 1.5, "lossless": False},
+                        "8": {"acceptance_lengths": [3, 3], "output_ids": [2] * 4, "wall_s": 1.5, "lossless": True}}}]
+    s = summarize(rows, 16, "online")
+    tokens = 5 + 3 + 4                       # row b: its first turn's output, then the tree's last turn
+    plain = tokens / 5.0
+    assert s["online"]["target_tokens_per_s"] == pytest.approx(plain)
+    d4, d8 = s["ddtree"]["4"], s["ddtree"]["8"]
+    assert d4["tau_pooled"] == pytest.approx(10 / 5) and d8["tau_pooled"] == pytest.approx(10 / 3)
+    assert d4["tokens_per_s"] == pytest.approx(tokens / 2.0) and d8["tokens_per_s"] == pytest.approx(tokens / 4.0)
+    assert d4["target_tokens_per_s"] == pytest.approx(plain)
+    assert d4["speedup"] == pytest.approx(5.0 / 2.0) and d8["speedup"] == pytest.approx(5.0 / 4.0)
+    assert (d4["lossless"], d8["lossless"]) == (False, True)
+    assert fastest_budget(s["ddtree"]) == "4"
+    for r in rows:                            # T > 0: nothing checked per prompt
+        for t in r["ddtree"].values():
+            del t["lossless"]
+    assert "lossless" not in summarize(rows, 16, "online")["ddtree"]["4"]
+    offline = [{k: v for k, v in r.items() if k not in ("wall_s", "target_wall_s", "lossless")} for r in rows]
+    for r in offline:
+        r["ddtree"] = {b: {"acceptance_lengths": t["acceptance_lengths"]} for b, t in r["ddtree"].items()}
+    so = summarize(offline, 16, "offline")
+    assert set(so["ddtree"]["4"]) == {"tau_macro", "tau_pooled", "prompts"} and fastest_budget(so["ddtree"]) is None
+
+
+def fastest_from_rows(rows):
+    """The budget with the most output tokens per second, straight from the rows."""
+    rate = {}
+    for b in rows[0]["ddtree"]:
+        rate[b] = sum(len(r["ddtree"][b]["output_ids"]) for r in rows) / sum(r["ddtree"][b]["wall_s"] for r in rows)
+    return max(rate, key=rate.get), rate
+
+
+def test_report_names_the_fastest_budget_and_says_cpu_timings_are_not_a_gpus(tmp_path):
+    d = online_run(tmp_path, A, "step10k", env=CPU)
+    rows = read_rows(d)
+    best, rate = fastest_from_rows(rows)
+    plain = sum(len(r["output_ids"]) for r in rows) / sum(r["target_wall_s"] for r in rows)
+    assert best not in ("4", "32"), rate              # the fake cost model peaks at a middle budget
+    md_path, html_path = write_report(d)
+    md = md_path.read_text()
+    assert "| DDTree budget N | prompts | tau_macro | tau_pooled | tokens/s | speedup over plain decoding | lossless |" in md
+    assert re.search(rf"^\| {best} \| 10 \| [0-9.]+ \| [0-9.]+ \| {rate[best]:.2f} \| {rate[best] / plain:.3f} \| yes \|$",
+                     md, re.M), md
+    assert f"Fastest DDTree budget: N = {best}, {rate[best]:.2f} tokens/s, {rate[best] / plain:.2f}× plain decoding" in md
+    assert "Measured on a CPU (device cpu): CPU timings are not indicative of a GPU." in md
+    alts = [i["alt"] for i in check_self_contained_html(html_path)]
+    assert "DDTree: τ and speed vs budget" in alts
+    svg = (d / "plots" / "ddtree-costs.svg").read_text()
+    assert f"fastest: N = {best}" in svg and "DDTree speedup" in svg
+
+    gpu = online_run(tmp_path, B, "step20k")                       # fakeruns' default: cuda:0
+    assert "not indicative of a GPU" not in write_report(gpu)[0].read_text()
+    offline = make_run(tmp_path, "20261204-1000-v5-step30k-ct129", "v5", "step30k", prompts=6)
+    text = write_report(offline)[0].read_text()
+    assert "Fastest DDTree budget" not in text and "| DDTree budget N | prompts | tau_macro | tau_pooled |\n" in text
+
+
+def test_the_costs_plot_escapes_its_label():
+    m = summarize([{"id": "a", "acceptance_lengths": [2], "output_ids": [1, 2], "wall_s": 1.0, "target_wall_s": 2.0,
+                    "ddtree": {"4": {"acceptance_lengths": [2], "output_ids": [1, 2], "wall_s": 0.5}}}], 16, "online")
+    svg = plot_ddtree_costs('v5 <script>"&', m).decode()
+    ET.fromstring(svg)
+    assert "<script>" not in svg and "&lt;script&gt;" in svg
+
+
+def compare_json(runs, *args):
+    res = CliRunner().invoke(app, ["compare", *args, "--runs-dir", str(runs), "--json", "--resamples", "1000",
+                                   "--out", str(runs.parent / "cmp")])
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    return json.loads(res.stdout[res.stdout.index("{"):])
+
+
+def test_compare_pairs_ddtree_tau_and_speedup_per_budget(tmp_path):
+    runs = tmp_path / "runs"
+    da, db = online_run(runs, A, "step10k"), online_run(runs, B, "step20k", mean=4.6, node_s=0.0003)
+    out = compare_json(runs, A, B)
+    c = out["comparisons"][0]
+    ra, rb = {r["id"]: r for r in read_rows(da)}, {r["id"]: r for r in read_rows(db)}
+    ids = list(ra)
+    for b in ("4", "8", "16", "32"):
+        lengths = [[m[i]["ddtree"][b]["acceptance_lengths"] for i in ids] for m in (ra, rb)]
+        macro, pooled = paired_bootstrap([sum(x) for x in lengths[0]], [len(x) for x in lengths[0]],
+                                         [sum(x) for x in lengths[1]], [len(x) for x in lengths[1]], resamples=1000)
+        got = c["ddtree"][b]
+        assert got["n"] == len(ids)
+        assert (got["macro"]["diff"], got["macro"]["ci_low"], got["macro"]["ci_high"]) == \
+            pytest.approx((macro.diff, macro.ci_low, macro.ci_high))
+        assert got["pooled"]["diff"] == pytest.approx(pooled.diff)
+        speed = got["speedup"]["pooled"]
+        for side, m in (("a", ra), ("b", rb)):
+            assert speed[side] == pytest.approx(sum(m[i]["target_wall_s"] for i in ids)
+                                                / sum(m[i]["ddtree"][b]["wall_s"] for i in ids))
+        assert speed["ci_low"] <= speed["diff"] <= speed["ci_high"]
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "## DDTree per budget" in md and "Δ speedup v5:step20k [95% CI]" in md
+    assert sum(line.count("★") for line in md.splitlines() if line.startswith("|")) == 2   # each run's fastest
+    assert check_self_contained_html(tmp_path / "cmp" / "compare.html")
+
+    make_run(runs, "20261204-1000-v5-step30k-ct129", "v5", "step30k", prompts=10, mode="online", ddtree=False)
+    plain = compare_json(runs, A, "20261204-1000-v5-step30k-ct129")
+    assert plain["comparisons"][0]["ddtree"] == {}
+    assert "DDTree per budget" not in (tmp_path / "cmp" / "compare.md").read_text()
+
+
+def test_trajectory_shows_ddtree_tau_with_its_ci_and_speedup_per_checkpoint(tmp_path):
+    from orchestrator.reports.stats import bootstrap_tau
+    from orchestrator.watch import WatchState
+    from orchestrator.watch.loop import headline
+    from orchestrator.watch.state import Point
+    from orchestrator.watch.trajectory import write_trajectory
+
+    runs = tmp_path / "runs"
+    st = WatchState(run="v5", settings={"suite": "gsm8k", "prompts": 10, "mode": "online", "max_new_tokens": 256,
+                                        "thinking": "off", "ddtree": "8"}, path=tmp_path / "state.json")
+    for i, step in enumerate((1000, 2000)):
+        rid = f"20261203-10{i}0-v5-step{step}-ct129"
+        d = online_run(runs, rid, f"step_{step}", mean=3.0 + i, budgets=(8,))
+        summary = json.loads((d / "summary.json").read_text())
+        st.points[f"step_{step}"] = Point(name=f"step_{step}", step=step, status="done", eval_run=rid,
+                                          summary=headline(summary))
+        rows = read_rows(d)
+        lengths = [r["ddtree"]["8"]["acceptance_lengths"] for r in rows]
+        (lo, hi), _ = bootstrap_tau([sum(x) for x in lengths], [len(x) for x in lengths])
+        dd = summary["ddtree"]["8"]
+        cell = f"{dd['tau_macro']:.3f} [{lo:.3f}, {hi:.3f}], {dd['speedup']:.2f}×"
+        st.points[f"step_{step}"].summary["want"] = cell
+    md = write_trajectory(tmp_path / "watch-v5", st, runs, {}, None, [])[0].read_text()
+    assert "| DDTree-8 τ [95% CI], speedup |" in md
+    for step in (1000, 2000):
+        cell = st.points[f"step_{step}"].summary["want"]
+        assert re.search(rf"^\| {step} \| step_{step} \|.*\| {re.escape(cell)} \|", md, re.M), (cell, md)
+    assert "DDTree-8 τ" in (tmp_path / "watch-v5" / "plots" / "tau.svg").read_text()
