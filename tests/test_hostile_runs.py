@@ -84,6 +84,11 @@ DAMAGE = {
     "a DDTree key abc": (lambda d: rewrite_rows(d, lambda r: r.update(ddtree={"abc": {"acceptance_lengths": [1]}})),
                          'ddtree: key "abc" is not a DDTree node budget'),
     "turns x": (lambda d: rewrite_rows(d, lambda r: r.update(turns="x")), 'turns: "x" is not a list'),
+    "a DDTree budget's time a string": (
+        lambda d: rewrite_rows(d, lambda r: r.update(ddtree={"8": {"acceptance_lengths": [1], "wall_s": "1s"}})),
+        'ddtree.8.wall_s: "1s" is not'),
+    "a DDTree budget's speedup NaN": (lambda d: (d / "summary.json").write_text('{"ddtree": {"8": {"speedup": NaN}}}'),
+                                      "speedup: nan is not a finite number"),
     "a block size of 2,000,000": (env_settings(lambda s: {**s, "block_size": 2_000_000}),
                                   "block_size 2000000 is not a block size (1..1024)"),
 }

@@ -247,6 +247,8 @@ ENGINE_ROW = Obj({
     "causes": Opt(ListOf(Str())),
 }, rule=_engine_counts)
 
+DIVERGENCE = Opt(Obj({"near_tie": Opt(Bool()), "describe": Opt(Str()), "position": Opt(COUNT), "turn": Opt(COUNT),
+                      "margin": RATE}))
 _ROW_SPECS: dict[int, Obj] = {}
 
 
@@ -258,7 +260,8 @@ def row_spec(longest: int) -> Obj:
             "id": Str(), "category": Opt(Str()), "reference": Opt(Str()),
             "prompt_ids": Opt(TOKENS), "output_ids": Opt(TOKENS), "acceptance_lengths": Opt(lengths),
             "cycles": Opt(COUNT), "tokens": Opt(COUNT), "tau": RATE,
-            "ddtree": Opt(_budgets(Obj({"acceptance_lengths": Opt(lengths), "tau": RATE}))),
+            "ddtree": Opt(_budgets(Obj({"acceptance_lengths": Opt(lengths), "tau": RATE, "output_ids": Opt(TOKENS),
+                                        "wall_s": Opt(SECONDS), "lossless": Opt(Bool()), "divergence": DIVERGENCE}))),
             "all_anchors": Opt(Obj({"correct": Opt(ListOf(COUNT)), "count": Opt(ListOf(COUNT))})),
             "expected": Opt(Obj({"alpha_sum": ListOf(Num()), "count": ListOf(COUNT), "tau_sum": Num(0),
                                  "anchors": COUNT, "expected_tau": RATE},
@@ -266,8 +269,7 @@ def row_spec(longest: int) -> Obj:
             "turns": Opt(ListOf(Obj({"prompt_ids": Opt(TOKENS), "output_ids": Opt(TOKENS),
                                      "acceptance_lengths": Opt(lengths)}))),
             "wall_s": Opt(SECONDS), "target_wall_s": Opt(SECONDS), "lossless": Opt(Bool()),
-            "divergence": Opt(Obj({"near_tie": Opt(Bool()), "describe": Opt(Str()), "position": Opt(COUNT),
-                                   "turn": Opt(COUNT), "margin": RATE})),
+            "divergence": DIVERGENCE,
             "confidences": Opt(ListOf(ListOf(Num(0, 1)))),
             "engine": Opt(ENGINE_ROW),
         }, required=("id",), rule=_confidences_fit)
@@ -291,7 +293,9 @@ SUMMARY = Obj({
     **{k: RATE for k in ("tau_macro", "tau_pooled", "tau_macro_turns", "tau_sglang")},
     "acceptance_histogram": Opt(MapOf(COUNT)),
     **{k: Opt(ListOf(Num())) for k in ("per_position_acceptance", "all_anchors_accuracy", "all_anchors_cumulative")},
-    "ddtree": Opt(_budgets(Obj({"tau_macro": RATE, "tau_pooled": RATE, "prompts": Opt(COUNT)}))),
+    "ddtree": Opt(_budgets(Obj({"tau_macro": RATE, "tau_pooled": RATE, "prompts": Opt(COUNT), "wall_s": Opt(SECONDS),
+                                "tokens_per_s": RATE, "target_tokens_per_s": RATE, "speedup": RATE,
+                                "lossless": Opt(Bool())}))),
     "expected": Opt(Obj({"label": Opt(Str()), "alpha": Opt(ListOf(RATE)), "tau": RATE, "anchors": Opt(COUNT)})),
     "online": Opt(Obj({"wall_s": Opt(SECONDS), "target_wall_s": Opt(SECONDS), "tokens_per_s": RATE,
                        "target_tokens_per_s": RATE, "speedup": RATE, "lossless": Opt(Bool()),
