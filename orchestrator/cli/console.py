@@ -61,7 +61,8 @@ def error_line(message: str) -> None:
 
 
 def warning_line(message: str) -> None:
-    err().print(f"[bold yellow]warning:[/] [yellow]{safe(message)}[/]")
+    """One yellow line, never wrapped (it may name a path a user copies)."""
+    err().print(f"[bold yellow]warning:[/] [yellow]{safe(message)}[/]", soft_wrap=True)
 
 
 def print_json(data) -> None:
