@@ -87,7 +87,8 @@ def watch_cmd(
     alarm_ratio: Optional[float] = typer.Option(None, "--alarm-ratio", metavar="R", min=1.0,
                                                 help="Alarm (exit 6 under --once) when eval τ and the training "
                                                      "run's tau_metric are more than R× apart."),
-    max_attempts: int = typer.Option(3, "--max-attempts", min=1, help="Tries per checkpoint before giving up."),
+    max_attempts: int = typer.Option(3, "--max-attempts", min=1, help="Tries per checkpoint before giving up (raised, it "
+                                                                       "tries given-up checkpoints again)."),
     redo: bool = typer.Option(False, "--redo", help="Evaluate a checkpoint again even when a finished run with "
                                                     "the same settings exists (default: that run is reused)."),
     sglang: str = typer.Option("auto", "--sglang", help="Reference completions, as `eval --sglang`."),

@@ -6,7 +6,9 @@ One pass (``--once``) = list the run's checkpoints (with the completeness rule, 
 host takes the next checkpoint: sync (resumable) → eval (detached worker, followed) → record →
 trajectory report. The state (state.py) is written before each step starts, so a killed watch
 resumes where it stopped; a failure is recorded with its reason and retried on later passes, at
-most ``max_attempts`` times.
+most ``max_attempts`` times. What is no checkpoint's fault costs no attempt: a host that does not
+answer (the pass goes on with the hosts that do; the next pass tries it again), a training host
+whose listing fails, a checkpoint the trainer deleted before it was synced (``gone``).
 """
 from __future__ import annotations
 
@@ -60,15 +62,25 @@ class WatchOptions:
 class PassResult:
     evaluated: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
-    waiting: list[tuple[str, str]] = field(default_factory=list)   # (checkpoint, why not complete)
+    waiting: list[tuple[str, str]] = field(default_factory=list)   # (checkpoint, why not now)
+    gone: list[str] = field(default_factory=list)                  # deleted on the training host before their sync
+    unreachable: dict[str, str] = field(default_factory=dict)      # host -> why it did not answer
+    left: list[str] = field(default_factory=list)                  # checkpoints no host that answered took
+    unlisted: str | None = None                                    # why the training host could not be listed
     alarms: list[str] = field(default_factory=list)
 
     def raise_for_outcome(self, report: Path) -> None:
-        """``--once``'s exit: the alarm (6) first, then failed checkpoints (1)."""
+        """``--once``'s exit: the alarm (6) first, then failed checkpoints, a failed listing, or
+        checkpoints left for want of a host that answers (1)."""
         if self.alarms:
             raise WatchAlarm(f"{self.alarms[-1]}; see {report}")
         if self.failed:
             raise PassFailed(f"failed this pass (recorded, retried later): {', '.join(self.failed)}; see {report}")
+        if self.unlisted:
+            raise PassFailed(f"{self.unlisted}; see {report}")
+        if self.left:
+            raise PassFailed(f"waiting for {', '.join(self.unreachable)}: {', '.join(self.left)} left for a later "
+                             f"pass; see {report}")
 
 
 def drafter_for(catalog: Catalog, name: str) -> tuple[TrainingRun, str]:
@@ -129,14 +141,18 @@ class Watcher:
 
     def run_pass(self) -> PassResult:
         from ..sync.complete import judge_listed
-        from ..sync.listing import host_checkpoints
         from ..transport import runner_for
 
         result = PassResult()
         src = self.inv.pick("train", self.opts.src)
-        with runner_for(src, self.inv) as srun:
-            info = host_checkpoints(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
-            self.train_series = self._training_metrics(srun, src)
+        try:
+            with runner_for(src, self.inv) as srun:
+                info = self._listing(srun, src)
+                self.train_series = self._training_metrics(srun, src)
+        except OperationFailed as e:    # a host that does not answer, a listing that failed: the next pass
+            result.unlisted = f"cannot list run {self.run.name} on training host {src.name}: {e}"
+            self.say("warn", f"{result.unlisted}; tried again next pass")
+            return result
         if not info.get("exists", True):
             self.say("warn", f"run {self.run.name}: {info['dir']} does not exist on {src.name} (yet)")
         for c in info["checkpoints"]:
@@ -145,6 +161,8 @@ class Watcher:
                 result.waiting.append((c["name"], c["verdict"].reason))
         for name, why in result.waiting:
             self.say("info", f"{name}: not complete yet ({why}); later")
+        if info.get("exists", True):
+            self._review({c["name"] for c in info["checkpoints"]})
         b = self.state.baseline
         if self.opts.baseline and b.get("status") != "done" and b.get("attempts", 0) < self.opts.max_attempts:
             self._baseline()
@@ -156,14 +174,35 @@ class Watcher:
             work.put(c)
 
         def host_worker(host: str) -> None:
+            why = None if work.empty() else self._unreachable(host)
+            if why:
+                with self.lock:
+                    result.unreachable[host] = why
+                self.say("warn", f"waiting for {host}: {why}; its share goes to the hosts that answer, "
+                                 f"and it is tried again next pass")
+                return
             while True:
                 try:
                     c = work.get_nowait()
                 except queue.Empty:
                     return
-                ok = self._checkpoint(c["name"], c["step"], host)
+                name = c["name"]
+                outcome = self._checkpoint(name, c["step"], host)
                 with self.lock:
-                    (result.evaluated if ok else result.failed).append(c["name"])
+                    why = self.state.points[name].reason or ""
+                    if outcome == "unreachable":        # left to the other hosts, or to the next pass
+                        result.unreachable[host] = why
+                        work.put(c)
+                        return
+                    if outcome == "unlisted":
+                        result.unreachable[src.name] = why
+                        result.left.append(name)
+                    elif outcome == "waiting":
+                        result.waiting.append((name, why))
+                    elif outcome == "gone":
+                        result.gone.append(name)
+                    else:
+                        (result.evaluated if outcome == "done" else result.failed).append(name)
 
         threads = [threading.Thread(target=host_worker, args=(h,), daemon=True) for h in self.opts.hosts]
         for t in threads:
@@ -171,11 +210,69 @@ class Watcher:
         for t in threads:
             while t.is_alive():
                 t.join(0.2)
+        while not work.empty():
+            result.left.append(work.get_nowait()["name"])
         result.alarms = self.alarms()
         for a in result.alarms:
             self.say("alarm", a)
         self.write_report()
         return result
+
+    def _listing(self, srun, src) -> dict:
+        """The training host's listing of the watched run (``exists``, ``dir``, ``checkpoints``, ``now``)."""
+        from ..sync.listing import host_checkpoints
+
+        return host_checkpoints(srun, src, [self.run], lambda r: r.source_dir(src.checkpoints))[self.run.name]
+
+    def _still_listed(self, name: str) -> bool:
+        """Whether the training host lists checkpoint ``name`` now (True when the run's folder
+        itself is missing: that says nothing of one checkpoint). Raises when it cannot be listed."""
+        from ..transport import runner_for
+
+        src = self.inv.pick("train", self.opts.src)
+        with runner_for(src, self.inv) as srun:
+            info = self._listing(srun, src)
+        return not info.get("exists", True) or any(c["name"] == name for c in info["checkpoints"])
+
+    def _review(self, listed: set[str]) -> None:
+        """Before the pass: a point the training host no longer lists is ``gone`` (unless its eval
+        runs on); a given-up one is tried again when ``--max-attempts`` was raised past the limit it
+        was given up under, else named with how to try it again."""
+        for p in sorted(self.state.points.values(), key=lambda p: p.step):
+            if p.name not in listed:
+                if p.status not in ("done", "gone") and not (p.status == "evaluating" and p.eval_run):
+                    self._gone(p)
+            elif p.status == "gave_up":
+                limit = p.limit or p.attempts
+                if self.opts.max_attempts > limit:
+                    self.say("info", f"{p.name}: given up under --max-attempts {limit}; tried again under "
+                                     f"--max-attempts {self.opts.max_attempts}")
+                    with self.lock:
+                        self.state.mark(p, "failed")
+                else:
+                    self.say("warn", f"{p.name}: given up after {p.attempts} attempt(s) ({p.reason}); "
+                                     f"--max-attempts {limit + 1} tries it again")
+
+    def _gone(self, p: Point) -> None:
+        with self.lock:
+            self.state.mark(p, "gone", reason=f"gone from the training host (deleted before it was synced; "
+                                              f"was {p.status})")
+        self.say("info", f"{p.name}: {p.reason}; skipped")
+
+    def _unreachable(self, host: str) -> str | None:
+        """Why eval host ``host`` does not answer now (None: it does, or it has no SSH connection
+        to try: ``local``, a Ray cluster)."""
+        from ..transport import runner_for
+
+        h = self.inv.get(host)
+        if h.is_local or h.is_ray:
+            return None
+        try:
+            with runner_for(h, self.inv) as r:
+                r.connect()
+        except DflashOpsError as e:
+            return str(e)
+        return None
 
     def _training_metrics(self, srun, src) -> dict:
         from .trainlog import TrainLogError, fetch_series
@@ -188,13 +285,16 @@ class Watcher:
 
     # --- one checkpoint ------------------------------------------------------------------------
 
-    def _checkpoint(self, name: str, step: int, host: str) -> bool:
+    def _checkpoint(self, name: str, step: int, host: str) -> str:
+        """Sync, evaluate and record one checkpoint on ``host``: done, failed, gone, waiting,
+        unreachable (``host`` stopped answering) or unlisted (the training host did)."""
         from ..sync import sync_checkpoint
         from ..sync.complete import IncompleteCheckpoint
         from ..sync.tool import SyncBusy
 
         with self.lock:
             p = self.state.point(name, step)
+        syncing = False
         try:
             summary = self._resume_eval(p)
             if summary is None and not self.opts.redo:
@@ -204,29 +304,50 @@ class Watcher:
                     self.state.mark(p, "syncing", host=host)
                 self.say("info", f"{name}: syncing to {host}")
                 self.on_event(host, {events.KEY: events.SYNC, "checkpoint": name})
+                syncing = True
                 sync_checkpoint(self.inv, self.catalog, name, run=self.run.name, src_name=self.opts.src,
                                 dst_name=host, **self.sync_kw)
+                syncing = False
                 summary = self._evaluate(p, f"{self.label}:{name}", host, lambda rid: self._mark(p, "evaluating",
                                                                                                  eval_run=rid))
         except (IncompleteCheckpoint, SyncBusy) as e:      # not complete yet, or another sync of it: later
             self.say("info", f"{name}: {e}")
             with self.lock:
                 self.state.mark(p, "waiting", reason=str(e))
-            return False
+            return "waiting"
         except DflashOpsError as e:
-            from ..eval.pipeline import InvalidRun
-
-            with self.lock:   # an invalid run is not retried: the same host decodes the same way again
-                self.state.failed(p, str(e), 1 if isinstance(e, InvalidRun) else self.opts.max_attempts)
-            self.say("warn", f"{name}: failed (attempt {p.attempts} of {self.opts.max_attempts}): {e}")
-            return False
+            return self._failed(p, host, e, syncing)
         with self.lock:
             self.state.mark(p, "done", summary=headline(summary), reason=None)
         self._track(p.eval_run, step)
         tau = summary.get("tau_macro")
         self.say("info", f"{name} (step {step}): τ {tau:.3f}" if tau is not None else f"{name}: done")
         self.write_report()
-        return True
+        return "done"
+
+    def _failed(self, p: Point, host: str, e: DflashOpsError, syncing: bool) -> str:
+        """A failure of ``p`` on ``host`` is an attempt only when it is the checkpoint's: not when
+        the eval host stops answering (``unreachable``: the point goes back to the queue), nor, in
+        its sync, when the training host does (``unlisted``) or no longer lists it (``gone``)."""
+        from ..eval.pipeline import InvalidRun
+
+        why, outcome, who = self._unreachable(host), "unreachable", host
+        if why is None and syncing:
+            try:
+                if not self._still_listed(p.name):
+                    self._gone(p)
+                    return "gone"
+            except OperationFailed as le:
+                why, outcome, who = str(le), "unlisted", self.inv.pick("train", self.opts.src).name
+        if why is not None:
+            with self.lock:
+                self.state.mark(p, "waiting", reason=f"waiting for {who}: {why}")
+            self.say("warn", f"{p.name}: {p.reason} (not counted as an attempt; tried again next pass)")
+            return outcome
+        with self.lock:   # an invalid run is not retried: the same host decodes the same way again
+            self.state.failed(p, str(e), self.opts.max_attempts, final=isinstance(e, InvalidRun))
+        self.say("warn", f"{p.name}: failed (attempt {p.attempts} of {self.opts.max_attempts}): {e}")
+        return "failed"
 
     def _track(self, eval_run: str | None, step: int) -> None:
         """The point's eval run into the experiment trackers (a failure there is a warning)."""
@@ -246,11 +367,24 @@ class Watcher:
         with self.lock:
             self.state.mark(p, status, **fields)
 
+    def _weights_now(self, name: str) -> tuple[str, dict[str, str]]:
+        """(training host, {file: sha256}) of checkpoint ``name``'s files there now."""
+        from ..sync.tool import run_tool
+        from ..transport import runner_for
+
+        src = self.inv.pick("train", self.opts.src)
+        with runner_for(src, self.inv) as srun:
+            folder = f"{self._listing(srun, src)['dir']}/{name}"
+            files = run_tool(srun, src, "manifest", folder, "--hash", timeout=3600)["files"]
+        return src.name, {f["path"]: f["sha256"] for f in files}
+
     def _reuse(self, p: Point) -> dict | None:
         """The summary of a finished, valid eval run of this checkpoint with exactly the watch's
-        settings (an `eval` typed by hand, or an earlier watch), which then stands for the point."""
+        settings (an `eval` typed by hand, or an earlier watch), which then stands for the point:
+        only when the weights it recorded (env.json's ``drafter.sha256``) are the checkpoint's now."""
         from ..runs.folders import RunError, load_runs
 
+        current = None      # (training host, {file: sha256}), hashed there once a run could stand for the point
         for run in reversed(load_runs(self.runs_root)):
             rec = run.record
             if rec is None or rec.status != State.DONE or rec.drafter != self.label or rec.checkpoint != p.name:
@@ -262,6 +396,17 @@ class Watcher:
                     continue
             except RunError as e:       # a damaged folder stands for nothing
                 self.say("warn", f"{p.name}: run {rec.id} not reused: {e}")
+                continue
+            recorded = (run.env.get("drafter") or {}).get("sha256") or {}
+            try:
+                current = current or self._weights_now(p.name)
+            except OperationFailed:         # the sync that follows meets the same and says so
+                return None
+            src, now = current
+            changed = sorted(f for f, h in recorded.items() if now.get(f) != h)
+            if not recorded or changed:
+                self.say("info", f"{p.name}: run {rec.id} not reused: the weights it measured "
+                                 f"({', '.join(changed) or 'no sha256 recorded'}) are not the checkpoint's on {src} now")
                 continue
             self.say("info", f"{p.name}: run {rec.id} has these settings already: reused (--redo evaluates again)")
             with self.lock:
@@ -327,6 +472,11 @@ class Watcher:
                 summary = self._evaluate(None, label, self.opts.hosts[0],
                                          lambda rid: self._set_baseline(label=label, status="evaluating", eval_run=rid))
         except DflashOpsError as e:
+            why = self._unreachable(self.opts.hosts[0])
+            if why is not None:
+                self._set_baseline(label=label, status="waiting", reason=f"waiting for {self.opts.hosts[0]}: {why}")
+                self.say("warn", f"baseline {label}: {b['reason']} (not counted as an attempt; tried again next pass)")
+                return
             self._set_baseline(label=label, status="failed", reason=str(e), attempts=b.get("attempts", 0) + 1)
             self.say("warn", f"baseline {label}: failed: {e}")
             return

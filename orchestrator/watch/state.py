@@ -7,6 +7,9 @@ re-attached to that run (its worker kept running on the host), ``done`` is never
 
 Checkpoint status:  syncing -> evaluating -> done
                     any -> failed (reason; retried on a later pass) -> gave_up after MAX_ATTEMPTS
+                    any -> waiting (not complete yet, another sync of it, a host that does not
+                           answer: no attempt counted; tried again on a later pass)
+                    any but done -> gone (the training host no longer lists it; listed again: new)
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class Point:
     reason: str | None = None
     eval_run: str | None = None
     host: str | None = None
+    limit: int | None = None          # gave_up: the --max-attempts it was given up under
     updated: str = ""
     summary: dict = field(default_factory=dict)   # the eval's headline numbers (tau, ddtree, acceptance)
 
@@ -102,9 +106,14 @@ class WatchState:
             setattr(p, k, v)
         self.save()
 
-    def failed(self, p: Point, reason: str, max_attempts: int = MAX_ATTEMPTS) -> None:
+    def failed(self, p: Point, reason: str, max_attempts: int = MAX_ATTEMPTS, final: bool = False) -> None:
+        """One more failed attempt; the point is given up after ``max_attempts``, or at once when
+        ``final`` (a retry would fail the same way): a larger ``max_attempts`` later tries it again."""
         p.attempts += 1
-        self.mark(p, "gave_up" if p.attempts >= max_attempts else "failed", reason=reason)
+        if final or p.attempts >= max_attempts:
+            self.mark(p, "gave_up", reason=reason, limit=max_attempts)
+        else:
+            self.mark(p, "failed", reason=reason)
 
     def done_points(self) -> list[Point]:
         return sorted((p for p in self.points.values() if p.status == "done"), key=lambda p: p.step)
