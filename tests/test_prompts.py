@@ -113,6 +113,7 @@ def test_limit_stops_reading_before_a_later_bad_line(tmp_path):
     ([{"id": "a", "turns": []}], 1, "non-empty"),
     ([{"id": "a", "prompt": "  "}], 1, "non-empty string"),
     ([{"id": "a", "prompt": "x"}, {"id": "a", "prompt": "y"}], 2, "duplicate id 'a' \\(first on line 1\\)"),
+    (['{"id": ' + "9" * 5000 + ', "prompt": "x"}'], 1, "not valid JSON .*5000 digits"),
 ])
 def test_malformed_rows_name_file_and_line(tmp_path, lines, line, message):
     f = write(tmp_path / "bad.jsonl", lines)

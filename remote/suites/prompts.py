@@ -145,6 +145,8 @@ def read_jsonl(path, limit: int | None = None, category: str | None = None) -> l
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise PromptError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                except ValueError as e:      # an integer of more digits than Python converts
+                    raise PromptError(f"{where}: not valid JSON ({e})") from None
                 row = parse_row(obj, where, f"{stem}-{len(rows)}")
                 if row.category is None:
                     row.category = category
