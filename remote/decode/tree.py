@@ -12,15 +12,18 @@ offers its next sibling and its first child, so the tree is prefix-closed and th
 order where a parent precedes its children. Equal scores are ordered by the path's ranks, as the
 reference orders them.
 
-**One cycle online** (:func:`tree_generate`), batch 1, a pure-attention target:
+**One cycle online** (:func:`tree_generate`), batch 1, a pure-attention or hybrid target:
 
 1. draft the block anchored at ``start`` (context: the target features of positions ``< start``)
    and grow the tree from its draft slots;
 2. verify: one target forward over ``[root, nodes...]`` (tree order) at positions ``start + depth``,
    with an additive 4D mask ``[1, 1, n, start + n]`` that lets a node see the whole cache (positions
-   ``< start``) and, in the tree, only itself and its ancestors; so every node's logits are the
-   target's for the sequence "committed tokens + the node's path", exactly as a linear verify
-   of that path would give them;
+   ``< start``) and, in the tree, only itself and its ancestors; Gated DeltaNet layers (a hybrid
+   target's ``linear_attention``, which take no mask) run the tree rule of
+   :mod:`remote.target.tree_state` for that forward: each node's conv window and recurrent state
+   are its own path's, stepped from the cache's state. So every node's logits are the target's for
+   the sequence "committed tokens + the node's path", exactly as a linear verify of that path
+   would give them;
 3. walk: from the root, the target's choice at the current node (greedy: its argmax; T > 0: its
    own sample, all nodes drawn in one ``multinomial``) is looked up among the node's children;
    while one equals it the walk moves there. The accepted path is the root and the nodes walked;
@@ -29,8 +32,11 @@ reference orders them.
    a sample of its distribution (T > 0);
 4. commit the path's tokens and the bonus; the target cache keeps the K/V of the root and the
    accepted nodes only, moved to positions ``start, start + 1, ...``
-   (:func:`remote.target.cache.keep_attention`); the drafter's next context is the captured
-   features of the same nodes (causal: a node's features depend only on its ancestors).
+   (:func:`remote.target.cache.keep_attention`), and its Gated DeltaNet layers advance over those
+   nodes only (:meth:`remote.target.tree_state.TreeLinearAttention.commit`: the state after the
+   last kept node, as a sequential forward of the path leaves it); the drafter's next context is
+   the captured features of the same nodes (causal: a node's features depend only on its
+   ancestors).
 
 The cycle rules are :func:`remote.decode.online.speculative_generate`'s: under z-lab's the tree is
 at most ``min(verify_block, max_length - start) - 1`` deep (the block is cut as z-lab cuts its
@@ -39,14 +45,15 @@ stop token; under the full-block rules (``specforge``, ``ddtree``: ``ddtree_gene
 every cycle drafts a full block ``while start < max_length``, counts its whole accepted run and
 looks for a stop token after the cycle, and the output is cut afterwards.
 
-Not done: targets with Gated DeltaNet layers (a node's recurrent state must follow its own
-ancestors, not its neighbours in the flattened tree) and families whose drafts depend on the
-token drafted before (Domino, DSpark's Markov head): :func:`tree_problem` names them.
+Not done: linear-attention layers other than Qwen3.5's Gated DeltaNet (no tree rule for them) and
+families whose drafts depend on the token drafted before (Domino, DSpark's Markov head):
+:func:`tree_problem` names them.
 """
 from __future__ import annotations
 
 import heapq
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,8 +63,9 @@ from remote.contract.settings import FULL_BLOCK_RULES
 from remote.drafters.config import DFLASH, DFLASH2
 from remote.drafters.dflash import block_input_ids
 from remote.drafters.sampling import GREEDY, Sampling, sample
-from remote.target.cache import forward, has_linear_layers, keep_attention, new_cache
+from remote.target.cache import forward, has_linear_layers, keep_attention, keep_attention_path, new_cache
 from remote.target.model import capture, features
+from remote.target.tree_state import TreeLinearAttention, tree_rule_problem
 
 # attention implementations that take a custom 4D mask (flash attention would ignore it)
 MASKED_ATTENTION = ("sdpa", "eager")
@@ -175,9 +183,11 @@ def ddtree_depth(children: Callable, depth_max: int, truth: list[int], budget: i
 
 def tree_problem(target, drafter_config) -> str | None:
     """Why this pair cannot be tree-decoded here (one line), else None."""
-    if has_linear_layers(new_cache(target)):
-        return ("DDTree online: a tree needs per-node linear-attention state: not done yet for hybrid targets "
-                "(Gated DeltaNet layers); offline DDTree-N works on them")
+    cache = new_cache(target)
+    if has_linear_layers(cache):
+        problem = tree_rule_problem(target, cache)
+        if problem:
+            return problem + "; offline DDTree-N works on it"
     if drafter_config.family != DFLASH and drafter_config.sequential:
         return (f"DDTree on a {drafter_config.family} drafter: its drafts depend on the token drafted before, so "
                 f"a tree's children would be drafted from their own parents; not defined here")
@@ -232,6 +242,7 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         cache = new_cache(target)
+        hybrid = has_linear_layers(cache)
         logits = forward(target, prompt_ids, cache, logits_to_keep=1).logits
         token = sampling.choose(logits[:, -1])                           # [1], the token at `start`
         new_context, ctx_kv = features(store, layer_ids), None
@@ -250,11 +261,14 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             tree = build_tree(children, depth_max, budget)
             tree.tokens[0] = int(token)
 
-            # verify every node in one forward: positions start + depth, ancestors only
+            # verify every node in one forward: positions start + depth, ancestors only (attention: the
+            # mask; Gated DeltaNet: each node's conv window and state from its own path)
             ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
             positions = torch.tensor([tree.depths], dtype=torch.long, device=device) + start
-            logits = forward(target, ids, cache, position_ids=positions,
-                             attention_mask=tree_mask(tree, start, mask_dtype, device)).logits[0]
+            linear = TreeLinearAttention(target, tree.parents) if hybrid else nullcontext()
+            with linear:
+                logits = forward(target, ids, cache, position_ids=positions,
+                                 attention_mask=tree_mask(tree, start, mask_dtype, device)).logits[0]
             choices = (logits.argmax(-1) if sampling.greedy else sample(sampling.probs(logits))).tolist()
             path, bonus = tree.descend(choices.__getitem__)
             tree_nodes.append(len(tree))
@@ -273,7 +287,11 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             acceptance_lengths.append(produced)
             kept = path[:produced]                      # the nodes now at positions start..start+produced-1
             new_context = features(store, layer_ids)[:, kept]
-            keep_attention(cache, start, kept)
+            if hybrid:                                  # attention K/V of the path; linear state over it
+                keep_attention_path(cache, start, kept)
+                linear.commit(cache, kept)
+            else:
+                keep_attention(cache, start, kept)
             start += produced
             token = ids.new_tensor([new_tokens[-1]])
 

@@ -211,3 +211,24 @@ def keep_attention(cache, past: int, keep: list[int]) -> None:
                 states = getattr(layer, name)
                 states[..., past:past + len(keep), :] = states.index_select(-2, index)
     crop_attention(cache, appended - len(keep))
+
+
+def keep_attention_path(cache, past: int, keep: list[int]) -> None:
+    """:func:`keep_attention` for a cache that may also hold linear-attention layers: every attention
+    layer keeps, of the positions it appended after its first ``past``, those at offsets ``keep``
+    (ascending), moved to ``past, past + 1, ...``; linear-attention layers are left as they are (a
+    tree verify's linear state is committed by :mod:`remote.target.tree_state`). Each layer's
+    appended count is its own length, not ``cache.get_seq_length()`` (which reads layer 0, possibly
+    a linear layer's token counter)."""
+    moved = keep != list(range(len(keep)))
+    for layer in cache.layers:
+        if is_linear(layer):
+            continue
+        appended = layer.get_seq_length() - past
+        if moved:
+            index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device) + past
+            for name in ATTENTION_STATE:
+                states = getattr(layer, name)
+                states[..., past:past + len(keep), :] = states.index_select(-2, index)
+        if appended > len(keep):
+            layer.crop(-(appended - len(keep)))
