@@ -144,9 +144,9 @@ def ddtree_cost_notes(run: EvalRun, m: dict) -> list[str]:
     notes = [f"Fastest DDTree budget: N = {best}, {fnum(v['tokens_per_s'], 2)} tokens/s"
              + (f", {fnum(v['speedup'], 2)}× plain decoding ({fnum(plain, 2)} tokens/s)" if v.get("speedup") else "")
              + (f"; linear DFlash {fnum(on['tokens_per_s'], 2)} tokens/s" if on.get("tokens_per_s") else "")
-             + f". τ grows with N while each cycle verifies more nodes: the budget to serve is the fastest one on "
-               f"the serving hardware. Every budget decodes every prompt on its own, timed from the prompt's prefill "
-               f"to its last token; plain decoding is the target alone on the same prompts in the same run."]
+             + ". τ grows with N while each cycle verifies more nodes: the budget to serve is the fastest one on "
+               "the serving hardware. Every budget decodes every prompt on its own, timed from the prompt's prefill "
+               "to its last token; plain decoding is the target alone on the same prompts in the same run."]
     if str(run.env.get("device") or "").startswith("cpu"):
         notes.append(f"Measured on a CPU (device {run.env.get('device')}): CPU timings are not indicative of a GPU.")
     return notes
