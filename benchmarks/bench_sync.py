@@ -23,6 +23,10 @@ Prints MiB/s of each (median), the ratios relay/pipe (goal >= 1.5) and tunnel/rs
 the nothing-to-move time (goal <= 1.5 s), CPU seconds per GiB of every process of each method and
 the load average before and after; every output is checked byte-identical. ``--only pipe,relay``
 (etc.) runs a subset; pipe-gcm is the raw pipe with aes128-gcm on both legs (only with --only).
+
+``--small 1000`` measures many small files instead: a full sync (relay, then ``--tunnel``) of a
+checkpoint of 1,000 files of 64 B and of one of a single file of the same total size, interleaved;
+prints the medians and their ratio (goal <= 3: small files move in batches, one stream for many).
 """
 from __future__ import annotations
 
@@ -87,6 +91,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=4)
     ap.add_argument("--only", help="comma-separated subset of pipe,rsync,sync (while iterating)")
+    ap.add_argument("--small", type=int, default=0, help="measure N files of 64 B against one file of N*64 B instead")
     args = ap.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="bench-sync-"))
@@ -95,6 +100,8 @@ def main() -> int:
     try:
         inv = load_inventory(lab.write_inventory(base / "inventory.yaml"))
         cat = parse_catalog({"runs": {"bench": {"dir": "bench", "pattern": "step_{step}", "settle": 0}}}, base / "c.yaml")
+        if args.small:
+            return small_files(lab, inv, cat, args.small, args.reps, args.jobs)
         ck = lab.train.root / "checkpoints" / "bench" / "step_1000"
         ck.mkdir(parents=True)
         big = ck / "model.safetensors"
@@ -216,6 +223,41 @@ def main() -> int:
         lab.close()
         meter.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def small_files(lab, inv, cat, n: int, reps: int, jobs: int) -> int:
+    """A full sync of ``n`` files of 64 B against one of a single file of ``n * 64`` B (relay and
+    tunnel, interleaved); the ratio of the medians (goal <= 3)."""
+    run = lab.train.root / "checkpoints" / "bench"
+    many, one = run / "step_2000", run / "step_3000"
+    for i in range(n):
+        f = many / f"shard-{i:05d}.bin"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(os.urandom(64))
+    one.mkdir(parents=True)
+    (one / "model.safetensors").write_bytes(os.urandom(64 * n))
+    for d in (many, one):
+        (d / "config.json").write_text("{}\n")
+    dest = lab.eval.root / "checkpoints" / "bench"
+    times: dict[tuple[str, str], list[float]] = {}
+    for i in range(reps):
+        for how in ("relay", "tunnel"):
+            for name, d in (("many", many), ("one", one)) if i % 2 == 0 else (("one", one), ("many", many)):
+                shutil.rmtree(dest / d.name, ignore_errors=True)
+                (d / ".dflash-manifest.json").unlink(missing_ok=True)
+                t = time.monotonic()
+                res = sync_checkpoint(inv, cat, d.name, jobs=jobs, tunnel=how)
+                times.setdefault((how, name), []).append(time.monotonic() - t)
+                assert res.verified == len(list(d.iterdir())) - 1 and res.path == how
+                assert all((dest / d.name / f.name).read_bytes() == f.read_bytes()
+                           for f in d.iterdir() if not f.name.startswith("."))
+    ok = True
+    for how in ("relay", "tunnel"):
+        m, o = statistics.median(times[(how, "many")]), statistics.median(times[(how, "one")])
+        ok &= m <= 3 * o
+        print(f"{how:6s}: {n} files of 64 B {m:.2f} s, one file of {64 * n} B {o:.2f} s: {m / o:.2f}x (goal <= 3)")
+    print(f"{reps} reps (median), lab isolated={lab.isolated}, cpus={os.cpu_count()}, load {os.getloadavg()[0]:.2f}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

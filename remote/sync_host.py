@@ -8,22 +8,31 @@ Commands (all print JSON or simple lines on stdout; errors: one line ``ERROR ...
 * ``list ROOT --run NAME DIR PATTERN ...``  checkpoint folders of runs (step, size, mtime, every
   top-level file name: what the completeness rule reads; ``ident`` of its files and, for a synced
   copy, ``manifest_ident`` of the files it is a copy of: equal when the copy is current)
-* ``manifest DIR [--hash]``  relative path, size, mtime_ns, inode, ctime_ns and sha256 (from the
-  cache ``.dflash-manifest.json`` when none of size, mtime, inode, ctime changed; ``--hash``
-  computes missing ones). Refused when the folder is or holds symbolic links (never followed: they
-  can point anywhere on the host) or holds unfinished ``*.part`` files
-* ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes)
+* ``manifest DIR [--hash]``  relative path, size, mtime_ns, inode, ctime_ns and sha256 of every
+  file, dotfiles included (from the cache ``.dflash-manifest.json`` when none of size, mtime, inode,
+  ctime changed; ``--hash`` computes missing ones), and ``excluded``: what is not sent and why (the
+  sync's own bookkeeping, by exact name; sockets, pipes, devices). Refused when the folder is or
+  holds symbolic links (never followed: they can point anywhere on the host), unfinished ``*.part``
+  files or other ``.dflash-*`` names
+* ``state RUNDIR CKPT``  read-only view of the destination (final folder, staging, free bytes);
+  the destination is untrusted storage: below RUNDIR nothing is followed through a link (see
+  "The destination is untrusted storage" below)
 * ``send FILE SIZE MTIME_NS OFFSET [--hash] [--cache DIR]``  bytes [OFFSET, SIZE) on stdout, then a
   trailer ``DFLT<sha256 hex of the whole file or 64*'-'>\\n`` (hash continued over the prefix on
   resume); with ``--cache`` the hash goes into DIR's manifest cache too
-* ``send-from DIR send REL SIZE MTIME_NS OFFSET [--hash]``  the forced command of ``--tunnel``'s
-  one-time key: ``send`` of a file under DIR only
+* ``send-from DIR send REL SIZE MTIME_NS OFFSET [--hash]`` (or ``send-batch SPEC``)  the forced
+  command of ``--tunnel``'s one-time key: ``send`` of files under DIR only
+* ``send-batch DIR SPEC``  many small files in one stream, each framed (header, bytes, trailer)
 * ``recv RUNDIR CKPT REL SIZE OFFSET MTIME_NS TOKEN [--sha256 X] [--pull ARGV_JSON]``  (stdin, or
   the stdout of the command ``--pull`` names: the ``send`` stream) appends to
-  ``.staging-CKPT/REL.part``, hashes in flight, verifies, fsyncs, renames to REL
+  ``.staging-CKPT/REL.part`` (a digest-keyed name where that exceeds NAME_MAX), hashes in flight,
+  verifies, fsyncs, renames to REL; a sender's ``DFLC`` trailer (the file changed under it)
+  discards what arrived
+* ``recv-batch RUNDIR CKPT TOKEN [--pull ARGV_JSON]``  the files of one ``send-batch`` stream, each
+  as ``recv`` receives one (the file system synced once, at the end)
 * ``serve``  one session per host per sync, a request per line on stdin: ``LIST``, ``MANIFEST``
   (training host), ``STATE``, ``LOCK`` (the checkpoint's flock, held until the session ends),
-  ``BEGIN``, ``FINALIZE <manifest json>`` (eval host), ``GRANT``/``REVOKE`` (a one-time key,
+  ``BEGIN``, ``DISCARD``, ``FINALIZE <manifest json>`` (eval host), ``GRANT``/``REVOKE`` (a one-time key,
   training host), ``TUNNEL``/``PULL``/``UNTUNNEL`` (the tunnel's end, eval host), ``PING``;
   everything it set up is undone when it ends
 
@@ -56,8 +65,16 @@ import time
 MANIFEST = ".dflash-manifest.json"
 VERIFIED = ".dflash-verified"
 OWNER = ".dflash-owner"
+RESERVED = ".dflash-"  # every bookkeeping name of the sync starts so
+LONG_PART = RESERVED + "part-"  # the .part of a file whose NAME.part would exceed NAME_MAX
+NAME_MAX = 255
+# the sync's own names at the top of a checkpoint folder: never sent (the manifest lists them as excluded)
+OWN = {MANIFEST: "the sync's manifest (sha256 of each file)", VERIFIED: "the sync's verification records",
+       OWNER: "the sync's lock token"}
 CHUNK = 1 << 20
 NO_HASH = "-" * 64
+TRAILER, TRAILER_CHANGED = b"DFLT", b"DFLC"  # after a file's bytes: its sha256, or "it changed meanwhile"
+CHANGED = "CHANGED"  # the first word of a sender's error when the file changed under it
 IDLE_TIMEOUT = 20.0  # stdin silent this long: give up (the link is dead); --idle S overrides
 
 
@@ -92,27 +109,37 @@ def _grow_pipe(fd: int) -> None:
 
 
 class Walk:
-    """What is under a checkpoint folder (dotfiles and dot-folders left out), sorted: ``files``
-    (relative path, stat) of the regular files, ``links`` ("rel -> target") of the symbolic links,
-    never followed, and ``parts``, unfinished ``*.part`` files."""
+    """What is under a checkpoint folder, sorted: ``files`` (relative path, stat) of the regular
+    files, dotfiles included; ``links`` ("rel -> target") of the symbolic links, never followed;
+    ``parts``, unfinished ``*.part`` files; ``reserved``, names the sync keeps for its own
+    bookkeeping (``.dflash-*``) found where they are not its own; and ``excluded`` (path, why): the
+    sync's own bookkeeping at the top (:data:`OWN`, by exact name) and anything that is not a
+    regular file, folder or link."""
 
     def __init__(self, root: str):
-        self.files, self.links, self.parts = [], [], []
+        self.files, self.links, self.parts, self.reserved, self.excluded = [], [], [], [], []
         for dirpath, dirnames, filenames in os.walk(root):
-            names = sorted(n for n in dirnames + filenames if not n.startswith("."))
-            dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and
-                           not os.path.islink(os.path.join(dirpath, d))]
+            top = dirpath == root
+            names = sorted(dirnames + filenames)
+            dirnames[:] = []
             for name in names:
                 full = os.path.join(dirpath, name)
                 rel = os.path.relpath(full, root)
+                if top and _own(name):
+                    self.excluded.append({"path": rel, "why": OWN.get(name, OWN[MANIFEST])})
+                    continue
                 try:
                     st = os.lstat(full)
                 except OSError:
                     continue
                 if stat.S_ISLNK(st.st_mode):
                     self.links.append(f"{rel} -> {os.readlink(full)}")
+                elif name.startswith(RESERVED):
+                    self.reserved.append(rel)
+                elif stat.S_ISDIR(st.st_mode):
+                    dirnames.append(name)
                 elif not stat.S_ISREG(st.st_mode):
-                    continue
+                    self.excluded.append({"path": rel, "why": "not a regular file (a socket, pipe or device)"})
                 elif name.endswith(".part"):
                     self.parts.append(rel)
                 else:
@@ -126,6 +153,9 @@ class Walk:
         if self.parts:
             raise ToolError(f"{root} holds unfinished files (*.part): {_few(self.parts)}; is it still being "
                             f"written? Sync it once they are complete (or remove them)")
+        if self.reserved:
+            raise ToolError(f"{root} holds names that sync-ckpt reserves for its own bookkeeping ({RESERVED}*): "
+                            f"{_few(self.reserved)}; rename them")
 
 
 def _few(items: list, n: int = 10) -> str:
@@ -142,44 +172,76 @@ def _matches(entry: dict, st, keys=("size", "mtime_ns", "ino", "ctime_ns")) -> b
     return all(entry.get(k) == ident[k] for k in keys)
 
 
+def _own(name: str) -> bool:
+    """One of the sync's own names at the top of a checkpoint folder (the manifest's temporary
+    file included: :func:`_write_at`)."""
+    return name in OWN or name.startswith(MANIFEST + ".tmp")
+
+
 def sha256_file(path: str, limit: int | None = None, h=None):
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        return sha256_fd(fd, limit, h, path)
+    finally:
+        os.close(fd)
+
+
+def sha256_fd(fd: int, limit: int | None = None, h=None, name: str = "file"):
+    """sha256 of the first ``limit`` bytes (all: None) of the open file ``fd``."""
     h = h or hashlib.sha256()
-    left = limit
+    pos, left = 0, limit
     buf = bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while left is None or left > 0:
-            n = f.readinto(view if left is None or left >= CHUNK else view[:left])
-            if not n:
-                break
-            h.update(view[:n])
-            if left is not None:
-                left -= n
+    while left is None or left > 0:
+        n = os.preadv(fd, [view if left is None or left >= CHUNK else view[:left]], pos)
+        if not n:
+            break
+        h.update(view[:n])
+        pos += n
+        if left is not None:
+            left -= n
     if left:
-        raise ToolError(f"{path}: shorter than {limit} bytes")
+        raise ToolError(f"{name}: shorter than {limit} bytes")
     return h
 
 
 def _load_cache(d: str) -> dict:
+    data = _read_json_at(None, os.path.join(d, MANIFEST))
     try:
-        with open(os.path.join(d, MANIFEST)) as f:
-            data = json.load(f)
         return {e["path"]: e for e in data.get("files", [])}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (AttributeError, KeyError, TypeError):
         return {}
 
 
 def _write_json_atomic(path: str, data) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write_at(dfd, os.path.basename(path), json.dumps(data, indent=1, sort_keys=True).encode())
+    finally:
+        os.close(dfd)
+
+
+def _write_at(dfd: int, name: str, data: bytes, durable: bool = True) -> None:
+    """Replace ``name`` in the folder ``dfd`` with ``data`` atomically: a temporary file created
+    anew (never an existing one, nor through a link), fsynced, renamed over ``name`` (a link
+    there is replaced, not followed)."""
+    tmp = f"{name}.tmp{os.getpid()}"
+    try:
+        os.unlink(tmp, dir_fd=dfd)  # a killed writer's, or planted: the name only
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dfd)
+    try:
+        try:
+            os.write(fd, data)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dfd)
         except OSError:
             pass
         raise
@@ -224,7 +286,7 @@ def safe_name(name: str) -> str:
 def paths(rundir: str, ckpt: str) -> dict:
     safe_name(ckpt)
     staging = os.path.join(rundir, f".staging-{ckpt}")
-    return {"final": os.path.join(rundir, ckpt), "staging": staging,
+    return {"rundir": rundir, "ckpt": ckpt, "final": os.path.join(rundir, ckpt), "staging": staging,
             "lock": os.path.join(rundir, f".lock-{ckpt}"), "owner": os.path.join(staging, OWNER),
             "verified": os.path.join(staging, VERIFIED)}
 
@@ -235,6 +297,143 @@ def _fsync_dir(d: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# The destination is untrusted storage: whoever can write the run's folder on the eval host may
+# have planted a link or other file where the sync expects its own. Below the run's folder every
+# name is opened relative to a folder fd the sync holds and never through a link (O_NOFOLLOW): at
+# the run's level (staging folder, lock, final name) one is refused, named; inside the staging
+# folder (the sync's own) it is removed, never followed.
+
+NOFOLLOW_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+
+
+class Odd(ToolError):
+    """A link or other file where the sync expects its own folder or file."""
+
+
+def _odd(shown: str, st, expect: str) -> Odd:
+    what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder" if expect == "folder" else \
+        "not a regular file"
+    return Odd(f"{shown} is {what}, not the sync's own {expect}; sync-ckpt does not follow or replace it: "
+               f"remove it (or move it away) and run the same command again")
+
+
+def _open_dir(name: str, dfd: int, shown: str, create: bool = False, replace: bool = False) -> int:
+    """The folder ``name`` in ``dfd``, opened without following a link; made if missing with
+    ``create``; a link or file there is removed with ``replace``, else refused (:class:`Odd`)."""
+    for _ in range(3):
+        try:
+            return os.open(name, NOFOLLOW_DIR, dir_fd=dfd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                os.mkdir(name, 0o755, dir_fd=dfd)
+            except FileExistsError:
+                pass
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if not replace:
+                raise _odd(shown, st, "folder") from None
+            os.unlink(name, dir_fd=dfd)
+    raise ToolError(f"{shown} keeps changing; not using it")
+
+
+def _open_parent(sfd: int, rel: str, shown: str, create: bool = False) -> tuple[int, str]:
+    """The folder holding ``rel`` under the staging folder ``sfd`` (a new fd) and ``rel``'s last
+    name; with ``create`` missing folders are made and links or files in their place removed."""
+    parts = rel.split("/")
+    fd = os.dup(sfd)
+    try:
+        for i, name in enumerate(parts[:-1]):
+            nxt = _open_dir(name, fd, os.path.join(shown, *parts[:i + 1]), create=create, replace=create)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def _own_file(dfd: int, name: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+    """``name`` in ``dfd`` as a regular file of the sync's own (a link or other file there is
+    removed first, never followed or opened)."""
+    for _ in range(3):
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644, dir_fd=dfd)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            os.unlink(name, dir_fd=dfd)
+            continue
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            return fd
+        os.close(fd)
+        os.unlink(name, dir_fd=dfd)
+    raise ToolError(f"{name} keeps changing; not using it")
+
+
+def _lstat_at(dfd: int, name: str):
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _staging(p: dict, create: bool = False) -> int:
+    """The staging folder's fd (refused, named, when it is a link or not a folder)."""
+    rfd = os.open(p["rundir"], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _open_dir(os.path.basename(p["staging"]), rfd, p["staging"], create=create)
+    finally:
+        os.close(rfd)
+
+
+def part_name(name: str) -> str:
+    """The name a file arrives under: NAME.part, or where that exceeds NAME_MAX a digest of NAME."""
+    if len(os.fsencode(name)) + len(".part") <= NAME_MAX:
+        return name + ".part"
+    return LONG_PART + _digest(name)
+
+
+def record_name(rel: str) -> str:
+    """A file's verification record in the staging folder's VERIFIED: keyed by a digest of its path."""
+    return _digest(rel) + ".json"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(os.fsencode(text)).hexdigest()[:32]
+
+
+def _discard(sfd: int, rel: str, shown: str) -> None:
+    """Remove what the staging folder holds of ``rel``: the file, its .part, its record."""
+    try:
+        dfd, base = _open_parent(sfd, rel, shown)
+    except (FileNotFoundError, Odd):
+        dfd, base = None, None
+    if dfd is not None:
+        try:
+            for n in (base, part_name(base)):
+                try:
+                    os.unlink(n, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(dfd)
+    try:
+        vfd = os.open(VERIFIED, NOFOLLOW_DIR, dir_fd=sfd)
+    except OSError:
+        return
+    try:
+        os.unlink(record_name(rel), dir_fd=vfd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(vfd)
 
 
 # --------------------------------------------------------------------------------------------- list
@@ -332,10 +531,9 @@ def manifest(d: str, compute: bool) -> dict:
         files.append({"path": rel, **_ident(st), "sha256": sha})
     if not files:
         raise ToolError(f"checkpoint folder {d} holds no files")
-    data = {"files": files}
     if hashed:
         _cache_update(d, files)
-    return dict(data, hashed=hashed, now=time.time())
+    return {"files": files, "excluded": walk.excluded, "hashed": hashed, "now": time.time()}
 
 
 # -------------------------------------------------------------------------------------------- state
@@ -345,34 +543,83 @@ def cmd_state(args: list) -> None:
     out(json.dumps(state(rundir, ckpt)))
 
 
-def state(rundir: str, ckpt: str) -> dict:
+def state(rundir: str, ckpt: str, rels: list | None = None) -> dict:
+    """What the destination holds of the checkpoint. ``rels``, the manifest's paths, name the
+    .part files of long names (:func:`part_name`). Verification records are only the plan's hint
+    (which files need not be sent): :func:`finalize` trusts none it did not see written."""
     p = paths(rundir, ckpt)
-    res = {"final": p["final"], "final_exists": os.path.exists(p["final"]), "final_manifest": None,
-           "staging_exists": os.path.isdir(p["staging"]), "parts": {}, "verified": {},
+    fst, sst = (_lstat_at(None, p[k]) for k in ("final", "staging"))
+    for k, st in (("final", fst), ("staging", sst)):
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise _odd(p[k], st, "checkpoint folder" if k == "final" else "staging folder")
+    res = {"final": p["final"], "final_exists": fst is not None, "final_manifest": None,
+           "staging_exists": sst is not None, "parts": {}, "verified": {},
            "free_bytes": _free_bytes(rundir)}
-    if res["final_exists"]:
+    if fst is not None:
         res["final_manifest"] = list(_load_cache(p["final"]).values()) or None
-    if res["staging_exists"]:
-        for dirpath, dirnames, filenames in os.walk(p["staging"]):
-            dirnames[:] = [d for d in dirnames if d != VERIFIED]
+    if sst is None:
+        return res
+    long = {}
+    for rel in rels or []:
+        d, _, base = rel.rpartition("/")
+        if part_name(base).startswith(LONG_PART):
+            long[os.path.join(d, part_name(base))] = rel
+    sfd = _staging(p)
+    try:
+        for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=sfd):
+            if dirpath == ".":
+                dirnames[:] = [d for d in dirnames if d != VERIFIED]
             for n in filenames:
+                rel = os.path.normpath(os.path.join(dirpath, n))
+                st = _lstat_at(dfd, n)
+                if st is None or not stat.S_ISREG(st.st_mode):
+                    continue
                 if n.endswith(".part"):
-                    full = os.path.join(dirpath, n)
-                    res["parts"][os.path.relpath(full, p["staging"])[:-5]] = os.path.getsize(full)
-        for dirpath, _, filenames in os.walk(p["verified"]):
-            for n in filenames:
-                if not n.endswith(".json"):
+                    res["parts"][rel[:-5]] = st.st_size
+                elif rel in long:
+                    res["parts"][long[rel]] = st.st_size
+        try:
+            vfd = os.open(VERIFIED, NOFOLLOW_DIR, dir_fd=sfd)
+        except OSError:
+            return res
+        try:
+            for n in os.listdir(vfd):
+                rec = _read_json_at(vfd, n) if n.endswith(".json") else None
+                rel = rec.get("path") if isinstance(rec, dict) else None
+                if not isinstance(rel, str) or n != record_name(rel):
                     continue
                 try:
-                    with open(os.path.join(dirpath, n)) as f:
-                        rec = json.load(f)
-                except (OSError, ValueError):
+                    dfd, base = _open_parent(sfd, safe_rel(rel), p["staging"])
+                except (OSError, ToolError):
                     continue
-                rel = rec.get("path")
-                if rel and os.path.isfile(os.path.join(p["staging"], rel)) and \
-                        os.path.getsize(os.path.join(p["staging"], rel)) == rec.get("size"):
+                try:
+                    st = _lstat_at(dfd, base)
+                finally:
+                    os.close(dfd)
+                if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == rec.get("size"):
                     res["verified"][rel] = rec
+        finally:
+            os.close(vfd)
+    finally:
+        os.close(sfd)
     return res
+
+
+def _read_json_at(dfd: int | None, name: str):
+    """A JSON file of the sync's own, or None: never read through a link, nor from a pipe."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
 
 
 def _free_bytes(path: str) -> int:
@@ -388,83 +635,181 @@ def _free_bytes(path: str) -> int:
 def cmd_send(args: list) -> None:
     (path, size, mtime_ns, offset), opts = parse(args, ("FILE", "SIZE", "MTIME_NS", "OFFSET"),
                                                  {"--hash": 0, "--cache": 1})
-    size, mtime_ns, offset = int(size), int(mtime_ns), int(offset)
-    do_hash = "--hash" in opts
+    outfd = sys.stdout.fileno()
+    _grow_pipe(outfd)
+    st, digest = send_file(path, int(size), int(mtime_ns), int(offset), "--hash" in opts, outfd)
+    cache_dir = opts.get("--cache")
+    if digest and cache_dir:  # the next sync (or listing) of this folder needs no hashing
+        rel = os.path.relpath(path, cache_dir)
+        if not rel.startswith(".."):
+            _cache_update(cache_dir, [{"path": rel, **_ident(st), "sha256": digest}])
+
+
+class Changed(ToolError):
+    """The file changed under its sender (after ``send_file(framed=True)`` sent its frame)."""
+
+
+def send_file(path: str, size: int, mtime_ns: int, offset: int, do_hash: bool, outfd: int,
+              framed: bool = False) -> tuple:
+    """Bytes [offset, size) of ``path`` to ``outfd``, then its trailer; (stat, sha256 hex or None).
+    A file that changed under it fails with a ``CHANGED`` error; ``framed`` (``send-batch``): the
+    stream keeps its framing first (zeros for the bytes not sent, a ``DFLC`` trailer: the
+    receiver discards them) and :class:`Changed` is raised."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise ToolError(f"{path} is a symbolic link now; not following it") from None
         raise
+    try:
+        return _send_fd(fd, path, size, mtime_ns, offset, do_hash, outfd)
+    except _Cut as e:
+        if framed:
+            _write_zeros(outfd, size - e.pos)
+            os.write(outfd, TRAILER_CHANGED + NO_HASH.encode() + b"\n")
+            raise Changed(str(e)) from None
+        if e.pos == size:  # every byte out: the trailer says it changed
+            os.write(outfd, TRAILER_CHANGED + NO_HASH.encode() + b"\n")
+        raise ToolError(str(e)) from None
+    finally:
+        os.close(fd)
+
+
+class _Cut(ToolError):
+    """The file changed while ``pos`` bytes of the stream's were out."""
+
+    def __init__(self, message: str, pos: int):
+        super().__init__(message)
+        self.pos = pos
+
+
+def _write_zeros(outfd: int, n: int) -> None:
+    zeros = bytes(min(n, CHUNK))
+    while n > 0:
+        n -= os.write(outfd, zeros[:min(n, CHUNK)])
+
+
+def _send_fd(fd: int, path: str, size: int, mtime_ns: int, offset: int, do_hash: bool, outfd: int) -> tuple:
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise ToolError(f"{path} is not a regular file")
-    if st.st_size != size or st.st_mtime_ns != mtime_ns:
-        raise ToolError(f"{path} changed since the manifest was made (size {st.st_size}, expected {size})")
     if offset > size:
         raise ToolError(f"offset {offset} beyond the end of {path}")
+    if st.st_size != size or st.st_mtime_ns != mtime_ns:
+        raise _Cut(f"{CHANGED} {path} changed since the manifest was made (size {st.st_size}, expected {size})",
+                   offset)
     h = None
     if do_hash:
-        h = sha256_file(path, offset) if offset else hashlib.sha256()
-    outfd = sys.stdout.fileno()
-    _grow_pipe(outfd)
+        h = sha256_fd(fd, offset, name=path) if offset else hashlib.sha256()
     pos, left = offset, size - offset
     view = None
     if h is not None and left > 0:
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         view = memoryview(mm)
     step = 4 * CHUNK
-    while left > 0:  # zero-copy out (sendfile); the hash reads the same page-cache pages
-        n = min(left, step)
+    try:
+        while left > 0:  # zero-copy out (sendfile); the hash reads the same page-cache pages
+            n = min(left, step)
+            if view is not None:
+                if os.fstat(fd).st_size < pos + n:  # truncated: reading the map there would be SIGBUS
+                    raise _Cut(f"{CHANGED} {path} changed while it was sent (it is shorter now)", pos)
+                h.update(view[pos:pos + n])
+            end = pos + n
+            while pos < end:
+                try:
+                    m = os.sendfile(outfd, fd, pos, end - pos)
+                except OSError as e:
+                    if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                        raise
+                    os.lseek(fd, pos, os.SEEK_SET)
+                    m = os.write(outfd, os.read(fd, end - pos))
+                if m == 0:
+                    raise _Cut(f"{CHANGED} {path} changed while it was sent (it ended early)", pos)
+                pos += m
+            left -= n
+    finally:
         if view is not None:
-            h.update(view[pos:pos + n])
-        end = pos + n
-        while pos < end:
-            try:
-                m = os.sendfile(outfd, fd, pos, end - pos)
-            except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                    raise
-                os.lseek(fd, pos, os.SEEK_SET)
-                m = os.write(outfd, os.read(fd, end - pos))
-            if m == 0:
-                raise ToolError(f"{path} ended early")
-            pos += m
-        left -= n
-    if view is not None:
-        view.release()
-        mm.close()
+            view.release()
+            mm.close()
     if not _matches(_ident(st), os.fstat(fd)):
-        raise ToolError(f"{path} changed while it was sent")
-    trailer = b"DFLT" + (h.hexdigest() if h is not None else NO_HASH).encode() + b"\n"
-    os.write(outfd, trailer)
-    cache_dir = opts.get("--cache")
-    if h is not None and cache_dir:  # the next sync (or listing) of this folder needs no hashing
-        rel = os.path.relpath(path, cache_dir)
-        if not rel.startswith(".."):
-            _cache_update(cache_dir, [{"path": rel, **_ident(st), "sha256": h.hexdigest()}])
+        raise _Cut(f"{CHANGED} {path} changed while it was sent", pos)
+    digest = h.hexdigest() if h is not None else None
+    os.write(outfd, TRAILER + (digest or NO_HASH).encode() + b"\n")
+    return st, digest
+
+
+# ------------------------------------------------------------------------------------- send-batch
+
+BATCH_HEAD, BATCH_END = b"DFLH", b"DFLE00000000"  # then the header's length (8 hex digits) and the header
+
+
+def cmd_send_batch(args: list) -> None:
+    """``send-batch DIR SPEC``: many small files in one stream (one process pair for all, not one
+    per file). SPEC: base64 of zlib'd JSON ``[[REL, SIZE, MTIME_NS, OFFSET], ...]`` (REL under DIR).
+    Each file goes as a header ``DFLH`` LENGTH (8 hex digits) ``[REL, SIZE, MTIME_NS, OFFSET]``, its bytes and its
+    trailer (sha256 always: they are small; a file that changed goes as zeros and ``DFLC``), then
+    ``DFLE``; DIR's manifest cache gets every sha256 at the end, at once."""
+    (root, spec), _ = parse(args, ("DIR", "SPEC"), {})
+    outfd = sys.stdout.fileno()
+    _grow_pipe(outfd)
+    entries, changed = [], []
+    for rel, size, mtime_ns, offset in batch_spec(spec):
+        head = json.dumps([rel, size, mtime_ns, offset]).encode()
+        os.write(outfd, BATCH_HEAD + b"%08x" % len(head) + head)
+        try:
+            st, digest = send_file(under(root, rel), size, mtime_ns, offset, True, outfd, framed=True)
+        except Changed as e:
+            changed.append(str(e))
+            continue
+        entries.append({"path": rel, **_ident(st), "sha256": digest})
+    os.write(outfd, BATCH_END)
+    _cache_update(root, entries)
+    if changed:
+        sys.stderr.write("".join(f"ERROR {c}\n" for c in changed))
+
+
+def batch_spec(spec: str) -> list:
+    import base64
+    import zlib
+
+    files = json.loads(zlib.decompress(base64.b64decode(spec)))
+    for rel, size, mtime_ns, offset in files:
+        if not isinstance(rel, str) or not all(isinstance(v, int) and v >= 0 for v in (size, mtime_ns, offset)) \
+                or offset > size:
+            raise ToolError(f"malformed batch entry for {rel!r}")
+    return files
 
 
 # --------------------------------------------- send-from (--tunnel's forced command, training host)
 
 def cmd_send_from(args: list) -> None:
     """The forced command of a one-time key (``--tunnel``): ``send-from DIR send REL SIZE MTIME_NS
-    OFFSET [--hash]``, the words after DIR being what the eval host asked for. Only ``send`` of a
-    file under DIR, with DIR's manifest cache as ``--cache``: whoever holds the key reads that
-    checkpoint's files, and nothing else, on this host."""
+    OFFSET [--hash]`` or ``send-from DIR send-batch SPEC``, the words after DIR being what the eval
+    host asked for. Only ``send`` or ``send-batch`` of files under DIR (dotfiles too; not the
+    sync's own ``.dflash-*``), with DIR's manifest cache as ``--cache``: whoever holds the key reads
+    that checkpoint's files, and nothing else, on this host."""
+    if len(args) == 3 and args[1] == "send-batch":
+        return cmd_send_batch([args[0], args[2]])
     if len(args) < 6 or args[1] != "send":
         raise ToolError("this key only sends a checkpoint's files")
     root, rel, flags = args[0], args[2], args[6:]
-    parts = rel.split("/")
-    if rel.startswith("/") or any(not x or x in (".", "..") or x.startswith(".") for x in parts):
-        raise ToolError(f"refusing path {rel!r}")
     if flags not in ([], ["--hash"]):
         raise ToolError(f"unexpected arguments {flags!r}")
+    path = under(root, rel)
+    cmd_send([path, *args[3:6], *(["--hash", "--cache", root] if flags else [])])
+
+
+def under(root: str, rel: str) -> str:
+    """``root/rel``, refused unless it names a file under ``root`` (no ``..``, no link on the way
+    out of it, none of the sync's own ``.dflash-*`` names)."""
+    parts = rel.split("/")
+    if rel.startswith("/") or any(not x or x in (".", "..") or x.startswith(RESERVED) for x in parts):
+        raise ToolError(f"refusing path {rel!r}")
     path = os.path.join(root, rel)
     parent, top = os.path.realpath(os.path.dirname(path)), os.path.realpath(root)
     if parent != top and not parent.startswith(top.rstrip("/") + "/"):
         raise ToolError(f"{rel} is not under {root}")
-    cmd_send([path, *args[3:6], *(["--hash", "--cache", root] if flags else [])])
+    return path
 
 
 # --------------------------------------------------------------------------------------------- recv
@@ -483,27 +828,26 @@ PARK = 0.2  # recv: a stream silent this long has what arrived written out (then
 def cmd_recv(args: list) -> int:
     """Receive one file; a full disk is answered ``NOSPACE ARRIVED`` (the bytes of the file now in
     its .part, kept for the resume), not left to surface as the sender's broken pipe."""
+    part = [None]  # the open .part, once there is one
     try:
-        return _recv(args)
+        return _recv(args, part)
     except OSError as e:
         if e.errno not in NO_SPACE:
             raise
-        (rundir, ckpt, rel, *_), _ = parse(args, RECV_ARGS, RECV_FLAGS)
-        part = os.path.join(paths(rundir, ckpt)["staging"], safe_rel(rel)) + ".part"
         try:
-            arrived = os.stat(part).st_size
+            arrived = os.fstat(part[0]).st_size if part[0] is not None else 0
         except OSError:
             arrived = 0
         out(f"NOSPACE {arrived}")
         return 7
 
 
-def _recv(args: list) -> int:
+def _recv(args: list, part: list) -> int:
     pos, opts = parse(args, RECV_ARGS, RECV_FLAGS)
     pull = Pull(json.loads(opts["--pull"])) if "--pull" in opts else None
     rc = 1
     try:
-        rc = _receive(pos, opts, pull.fd if pull else sys.stdin.fileno())
+        rc = _receive(pos, opts, pull.fd if pull else sys.stdin.fileno(), part)
         return rc
     finally:
         if pull is not None:
@@ -546,31 +890,56 @@ class Pull:
         self.relay.join(2)
 
 
-def _receive(pos: list, opts: dict, inp: int) -> int:
+def _receive(pos: list, opts: dict, inp: int, opened: list) -> int:
     rundir, ckpt, rel, size, offset, mtime_ns, token = pos
     rel, size, offset, mtime_ns = safe_rel(rel), int(size), int(offset), int(mtime_ns)
     expected = opts.get("--sha256")
     p = paths(rundir, ckpt)
-    if not _still_owner(p, token):
-        raise ToolError("this sync does not hold the checkpoint lock")
-    final = os.path.join(p["staging"], rel)
-    part = final + ".part"
-    os.makedirs(os.path.dirname(part), exist_ok=True)
-    for stale in (final, os.path.join(p["verified"], rel + ".json")):
-        if os.path.exists(stale):
-            os.unlink(stale)
-    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o644)
+    sfd = _staging(p)
+    try:
+        if not _still_owner(p, token, sfd):
+            raise ToolError("this sync does not hold the checkpoint lock")
+        dfd, base = _open_parent(sfd, rel, p["staging"], create=True)
+        try:
+            vfd = _open_dir(VERIFIED, sfd, p["verified"], create=True, replace=True)
+            try:
+                return _receive_into(p, sfd, dfd, base, vfd, rel, size, offset, mtime_ns, token, expected,
+                                     inp, opened)
+            finally:
+                os.close(vfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(sfd)
+
+
+def _receive_into(p, sfd, dfd, base, vfd, rel, size, offset, mtime_ns, token, expected, inp, opened,
+                  durable: bool = True) -> int:
+    """``_receive`` with the staging folder (``sfd``), the file's folder there (``dfd``) and the
+    records' folder (``vfd``) open: every name below is opened relative to them. Not ``durable``
+    (``recv-batch``): no fsync per file; the batch syncs the file system once at its end."""
+    part = part_name(base)
+    for d, stale in ((dfd, base), (vfd, record_name(rel))):
+        st = _lstat_at(d, stale)
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            raise _odd(os.path.join(p["staging"], rel), st, "file")
+        if st is not None:
+            os.unlink(stale, dir_fd=d)
+    fd = _own_file(dfd, part)
+    opened[0] = fd
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        os.close(fd)
         raise ToolError(f"{rel}.part is being written by another process")
     have = os.fstat(fd).st_size
     if offset == 0 and have:
         os.ftruncate(fd, 0)
         have = 0
     if have != offset:
+        os.close(fd)
         raise ToolError(f"{rel}.part holds {have} bytes, the plan expected {offset}; rerun")
-    h = sha256_file(part, offset) if offset else hashlib.sha256()  # the prefix, read once
+    h = sha256_fd(fd, offset, name=f"{rel}.part") if offset else hashlib.sha256()  # the prefix, read once
     os.lseek(fd, offset, os.SEEK_SET)
     _grow_pipe(inp)
     disk = Appender(fd, offset)
@@ -607,7 +976,7 @@ def _receive(pos: list, opts: dict, inp: int) -> int:
             last_report = now
         if now - last_check >= CHECK_EVERY:
             last_check = now
-            if not _still_owner(p, token):
+            if not _still_owner(p, token, sfd):
                 return stop("LOST", 6)
     trailer = b""
     while len(trailer) < TRAILER_LEN:
@@ -618,42 +987,52 @@ def _receive(pos: list, opts: dict, inp: int) -> int:
             out(f"SHORT {got}")
             return 4
         trailer += chunk
-    if not trailer.startswith(b"DFLT"):
+    if trailer.startswith(TRAILER_CHANGED):  # the source changed under its sender: what came is no one file
         os.close(fd)
-        os.unlink(part)
+        os.unlink(part, dir_fd=dfd)
+        out("CHANGED")
+        return 8
+    if not trailer.startswith(TRAILER):
+        os.close(fd)
+        os.unlink(part, dir_fd=dfd)
         out("BAD stream framing")
-        return 3
+        return 9
     sent = trailer[4:68].decode()
     digest = h.hexdigest()
     want = [x for x in (expected, None if sent == NO_HASH else sent) if x]
     if not want:
+        os.close(fd)
         raise ToolError("no checksum to verify against")
     if any(w != digest for w in want):
         os.close(fd)
-        os.unlink(part)  # the bad bytes go: the file is re-sent from zero
+        os.unlink(part, dir_fd=dfd)  # the bad bytes go: the file is re-sent from zero
         out(f"BAD {digest} {want[0]}")
         return 3
-    os.fsync(fd)
+    if durable:
+        os.fsync(fd)
     os.close(fd)
-    os.rename(part, final)
-    _fsync_dir(os.path.dirname(final))
-    vpath = os.path.join(p["verified"], rel + ".json")
-    os.makedirs(os.path.dirname(vpath), exist_ok=True)
-    _write_json_atomic(vpath, {"path": rel, "size": size, "mtime_ns": mtime_ns, "sha256": digest})
+    os.rename(part, base, src_dir_fd=dfd, dst_dir_fd=dfd)
+    if durable:
+        os.fsync(dfd)
+    st = os.stat(base, dir_fd=dfd, follow_symlinks=False)
+    # what finalize trusts without reading the file again: written by this sync (token), this inode,
+    # unchanged since (ctime)
+    _write_at(vfd, record_name(rel), json.dumps({"path": rel, "size": size, "mtime_ns": mtime_ns, "sha256": digest,
+                                                 "token": token, "ino": st.st_ino,
+                                                 "ctime_ns": st.st_ctime_ns}).encode(), durable)
     out(f"P {got}")
     out(f"OK {digest}")
     return 0
 
 
-def _still_owner(p: dict, token: str) -> bool:
+def _still_owner(p: dict, token: str, sfd: int) -> bool:
     """Does the sync that started us still hold the lock? (the holder is alive and is ours)"""
+    if (_read_text_at(sfd, OWNER) or "").strip() != token:
+        return False
     try:
-        with open(p["owner"]) as f:
-            if f.read().strip() != token:
-                return False
+        fd = os.open(p["lock"], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
-    fd = os.open(p["lock"], os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
@@ -661,6 +1040,98 @@ def _still_owner(p: dict, token: str) -> bool:
     finally:
         os.close(fd)
     return False  # nobody holds it: our holder is gone
+
+
+def _read_text_at(dfd: int, name: str) -> str | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 4096).decode(errors="replace") if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
+
+
+def cmd_recv_batch(args: list) -> int:
+    """``recv-batch RUNDIR CKPT TOKEN [--pull ARGV_JSON]``: the files of one ``send-batch`` stream,
+    each as ``recv`` receives one; per file ``F REL``, then its ``P``/``OK``/``BAD``/``CHANGED``
+    lines; ``END`` once the stream ended whole (the file system synced). A full disk: ``NOSPACE``."""
+    part = [None]
+    try:
+        return _recv_batch(args, part)
+    except OSError as e:
+        if e.errno not in NO_SPACE:
+            raise
+        out("NOSPACE 0")
+        return 7
+
+
+def _recv_batch(args: list, opened: list) -> int:
+    (rundir, ckpt, token), opts = parse(args, ("RUNDIR", "CKPT", "TOKEN"), {"--pull": 1})
+    pull = Pull(json.loads(opts["--pull"])) if "--pull" in opts else None
+    inp = pull.fd if pull else sys.stdin.fileno()
+    rc = 1
+    p = paths(rundir, ckpt)
+    sfd = _staging(p)
+    try:
+        if not _still_owner(p, token, sfd):
+            raise ToolError("this sync does not hold the checkpoint lock")
+        vfd = _open_dir(VERIFIED, sfd, p["verified"], create=True, replace=True)
+        try:
+            while True:
+                frame = _read_exact(inp, len(BATCH_END))
+                if frame == BATCH_END:
+                    _syncfs(sfd)
+                    out("END")
+                    rc = 0
+                    return rc
+                head = _read_exact(inp, int(frame[4:], 16)) if frame and frame.startswith(BATCH_HEAD) and \
+                    re.fullmatch(rb"[0-9a-f]{8}", frame[4:]) and int(frame[4:], 16) <= 1 << 16 else None
+                if head is None:
+                    out("SHORT 0" if frame is None else "BAD stream framing")
+                    rc = 4
+                    return rc
+                rel, size, mtime_ns, offset = json.loads(head)
+                rel = safe_rel(rel)
+                out(f"F {rel}")
+                dfd, base = _open_parent(sfd, rel, p["staging"], create=True)
+                try:
+                    rc = _receive_into(p, sfd, dfd, base, vfd, rel, int(size), int(offset), int(mtime_ns), token,
+                                       None, inp, opened, durable=False)
+                finally:
+                    os.close(dfd)
+                if rc not in (0, 3, 8):  # a bad or changed file ends whole: the stream goes on
+                    return rc
+        finally:
+            os.close(vfd)
+    finally:
+        os.close(sfd)
+        if pull is not None:
+            pull.close(grace=5.0 if rc == 0 else 0.0)
+
+
+def _read_exact(inp: int, n: int):
+    """``n`` bytes of the stream, or None where it ends (or stays silent for IDLE_TIMEOUT) first."""
+    got = b""
+    while len(got) < n:
+        r, _, _ = select.select([inp], [], [], IDLE_TIMEOUT)
+        chunk = os.read(inp, n - len(got)) if r else b""
+        if not chunk:
+            return None
+        got += chunk
+    return got
+
+
+def _syncfs(fd: int) -> None:
+    """Everything written to the file system holding ``fd`` reaches the disk (one call for a batch)."""
+    try:
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).syncfs(fd) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    os.sync()
 
 
 class Appender:
@@ -716,6 +1187,15 @@ class Appender:
 
 def _writeback():
     """sync_file_range(fd, off, n, SYNC_FILE_RANGE_WRITE), or None where unavailable."""
+    if "fn" not in _WRITEBACK:
+        _WRITEBACK["fn"] = _load_writeback()
+    return _WRITEBACK["fn"]
+
+
+_WRITEBACK: dict = {}
+
+
+def _load_writeback():
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
@@ -739,10 +1219,10 @@ def cmd_serve(args: list) -> int:
     parse(args, (), {})
     import signal
 
-    session = Serve()
+    reader = LineReader()
+    session = Serve(reader)
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _stop)
-    reader = LineReader()
     try:
         while True:
             line = reader.readline(IDLE_TIMEOUT)
@@ -768,7 +1248,8 @@ class Serve:
     (stdin closed, silent for IDLE_TIMEOUT, SIGTERM/SIGHUP): the destination lock (eval host), the
     one-time key (training host), the tunnel (eval host)."""
 
-    def __init__(self):
+    def __init__(self, reader: "LineReader"):
+        self.reader = reader
         self.p = self.token = None
         self.lock_fd = -1
         self.grant: Grant | None = None
@@ -782,7 +1263,7 @@ class Serve:
         if verb == "MANIFEST":
             return json.dumps(manifest(a["dir"], bool(a.get("hash"))))
         if verb == "STATE":
-            return json.dumps(state(a["rundir"], a["ckpt"]))
+            return json.dumps(state(a["rundir"], a["ckpt"], a.get("paths")))
         if verb == "LOCK":
             if self.p is not None:
                 raise ToolError("already locked")
@@ -795,15 +1276,25 @@ class Serve:
             _drain_writers(p, self.token)
             _tidy_final(p)  # a crash right after an earlier final rename
             return ""
-        if verb in ("BEGIN", "FINALIZE") and self.p is None:
+        if verb in ("BEGIN", "DISCARD", "FINALIZE") and self.p is None:
             raise ToolError(f"{verb} without the lock")
         if verb == "BEGIN":
-            os.makedirs(self.p["staging"], exist_ok=True)
-            with open(self.p["owner"], "w") as f:
-                f.write(self.token)
+            sfd = _staging(self.p, create=True)
+            try:
+                _write_at(sfd, OWNER, self.token.encode())
+            finally:
+                os.close(sfd)
+            return ""
+        if verb == "DISCARD":  # files that changed on the training host while they were sent
+            sfd = _staging(self.p)
+            try:
+                for rel in a["paths"]:
+                    _discard(sfd, safe_rel(rel), self.p["staging"])
+            finally:
+                os.close(sfd)
             return ""
         if verb == "FINALIZE":
-            return finalize(self.p, a)
+            return finalize(self.p, a, self.token, self.reader.ended)
         if verb == "GRANT":
             if self.grant is not None:
                 raise ToolError("a key is already granted")
@@ -851,6 +1342,7 @@ class LineReader:
 
     def __init__(self):
         self.buf = b""
+        self.eof = False
 
     def readline(self, timeout: float):
         deadline = time.monotonic() + timeout
@@ -866,11 +1358,28 @@ class LineReader:
         line, _, self.buf = self.buf.partition(b"\n")
         return line.decode() + "\n"
 
+    def ended(self) -> bool:
+        """Has stdin ended already (the orchestrator gone, or given up on this session)? Reads
+        what is waiting without blocking; lines stay for ``readline``."""
+        while not self.eof and select.select([0], [], [], 0)[0]:
+            chunk = os.read(0, 1 << 16)
+            self.eof = not chunk
+            self.buf += chunk
+        return self.eof
+
 
 # ---------------------------------------------------- serve: LOCK (the destination lock, eval host)
 
 def _lock(p: dict, wait: float) -> int:
-    fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(p["lock"], os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise _odd(p["lock"], os.lstat(p["lock"]), "lock file") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _odd(p["lock"], os.lstat(p["lock"]), "lock file")
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -885,76 +1394,177 @@ def _lock(p: dict, wait: float) -> int:
 
 def _drain_writers(p: dict, token: str) -> None:
     """Orphan recv processes of a killed sync see the new token and stop; wait for their flocks."""
-    if not os.path.isdir(p["staging"]):
+    if _lstat_at(None, p["staging"]) is None:
         return
-    with open(p["owner"], "w") as f:
-        f.write(token)
-    for dirpath, dirnames, filenames in os.walk(p["staging"]):
-        for n in filenames:
-            if not n.endswith(".part"):
-                continue
-            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
-            try:
-                deadline = time.monotonic() + 10
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except OSError:
-                        if time.monotonic() > deadline:
-                            raise ToolError(f"{n} is still being written by another process")
-                        time.sleep(0.1)
-            finally:
-                os.close(fd)
+    sfd = _staging(p)
+    try:
+        _write_at(sfd, OWNER, token.encode())
+        for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=sfd):
+            for n in filenames:
+                if not (n.endswith(".part") or n.startswith(LONG_PART)):
+                    continue
+                try:
+                    fd = os.open(n, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                except OSError:
+                    continue  # a link: the receiver removes it
+                try:
+                    deadline = time.monotonic() + 10
+                    while True:
+                        try:
+                            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                            break
+                        except OSError:
+                            if time.monotonic() > deadline:
+                                raise ToolError(f"{n} is still being written by another process")
+                            time.sleep(0.1)
+                finally:
+                    os.close(fd)
+    finally:
+        os.close(sfd)
 
 
 # ---------------------------------------------------------------------- serve: FINALIZE (eval host)
 
-def finalize(p: dict, manifest_data: dict) -> str:
-    """Rename the staging folder to the checkpoint's name once every file in the manifest was
-    received and verified. The verification records stay until after the rename, so a crash at
-    any point here leaves either a staging folder whose files a rerun skips, or the finished
-    checkpoint (with records that the next ``hold`` tidies away)."""
+def finalize(p: dict, manifest_data: dict, token: str, abandoned=lambda: False) -> str:
+    """Rename the staging folder to the checkpoint's name once every file in the manifest is
+    there with the manifest's sha256: a file whose record this sync wrote (``token``) for this
+    very inode, unchanged since (ctime), is taken as verified; any other (left by an earlier sync,
+    or planted: the folder is untrusted) is hashed now, and one that differs is removed (the rerun
+    sends it). Nothing is renamed once ``abandoned()`` (the orchestrator gave up waiting). The
+    records stay until after the rename, so a crash at any point here leaves either a staging
+    folder whose files a rerun skips, or the finished checkpoint (with records that the next
+    ``LOCK`` tidies away)."""
     files = [{k: v for k, v in e.items() if k not in ("ino", "ctime_ns")}  # the source host's, not ours
              for e in manifest_data["files"]]
-    staging = p["staging"]
-    if os.path.exists(p["final"]):
-        raise ToolError(f"{p['final']} appeared meanwhile; not replacing it")
-    for e in files:
-        rel = safe_rel(e["path"])
+    excluded = manifest_data.get("excluded") or []
+    rfd = os.open(p["rundir"], os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _lstat_at(rfd, p["ckpt"]) is not None:
+            raise ToolError(f"{p['final']} appeared meanwhile; not replacing it")
+        sfd = _staging(p)
         try:
-            with open(os.path.join(p["verified"], rel + ".json")) as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            raise ToolError(f"{rel} was not received and verified")
-        if rec.get("sha256") != e["sha256"] or rec.get("size") != e["size"] or \
-                os.path.getsize(os.path.join(staging, rel)) != e["size"]:
-            raise ToolError(f"{rel} in staging does not match the manifest")
-    wanted = {e["path"] for e in files}
-    for dirpath, dirnames, filenames in os.walk(staging):
-        if dirpath == staging:
-            dirnames[:] = [d for d in dirnames if d != VERIFIED]
-        for n in filenames:
-            rel = os.path.relpath(os.path.join(dirpath, n), staging)
-            if rel not in wanted and rel != OWNER:
-                os.unlink(os.path.join(dirpath, n))  # leftovers (.part of files no longer in the ckpt)
-    _write_json_atomic(os.path.join(staging, MANIFEST), {"files": files})
-    for dirpath, _, _ in os.walk(staging):
-        _fsync_dir(dirpath)
-    os.rename(staging, p["final"])  # the checkpoint appears under its name only now, complete
-    _fsync_dir(os.path.dirname(p["final"]))
+            _verify_staged(p, sfd, files, token)
+            _sweep(sfd, {e["path"] for e in files})
+            _write_at(sfd, MANIFEST, json.dumps({"files": files, **({"excluded": excluded} if excluded else {})},
+                                                indent=1, sort_keys=True).encode())
+            for _, _, _, dfd in os.fwalk(".", dir_fd=sfd):
+                os.fsync(dfd)
+        finally:
+            os.close(sfd)
+        if abandoned():
+            raise ToolError("the sync was given up before its final rename; not finalizing")
+        os.rename(os.path.basename(p["staging"]), p["ckpt"], src_dir_fd=rfd, dst_dir_fd=rfd)
+        os.fsync(rfd)  # the checkpoint appears under its name only now, complete
+    finally:
+        os.close(rfd)
     _tidy_final(p)
     return p["final"]
 
 
+def _verify_staged(p: dict, sfd: int, files: list, token: str) -> None:
+    try:
+        vfd = os.open(VERIFIED, NOFOLLOW_DIR, dir_fd=sfd)
+    except OSError:
+        vfd = None
+    missing, bad = [], []
+    try:
+        for e in files:
+            rel = safe_rel(e["path"])
+            rec = _read_json_at(vfd, record_name(rel)) if vfd is not None else None
+            try:
+                dfd, base = _open_parent(sfd, rel, p["staging"])
+            except (FileNotFoundError, Odd):
+                missing.append(rel)
+                continue
+            try:
+                fd = os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            except OSError:
+                fd = None
+            finally:
+                os.close(dfd)
+            if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+                missing.append(rel)
+            else:
+                st = os.fstat(fd)
+                ours = isinstance(rec, dict) and rec.get("token") == token and rec.get("ino") == st.st_ino and \
+                    rec.get("ctime_ns") == st.st_ctime_ns and rec.get("sha256") == e["sha256"]
+                if st.st_size != e["size"] or (not ours and sha256_fd(fd).hexdigest() != e["sha256"]):
+                    bad.append(rel)
+            if fd is not None:
+                os.close(fd)
+    finally:
+        if vfd is not None:
+            os.close(vfd)
+    for rel in missing + bad:
+        _discard(sfd, rel, p["staging"])
+    if bad:
+        raise ToolError(f"{_few(bad)} in the staging folder {'is' if len(bad) == 1 else 'are'} not the training "
+                        f"host's file (its sha256 differs): removed; run the same command again to send "
+                        f"{'it' if len(bad) == 1 else 'them'}")
+    if missing:
+        raise ToolError(f"{_few(missing)} {'was' if len(missing) == 1 else 'were'} not received and verified "
+                        f"(discarded); run the same command again to send {'it' if len(missing) == 1 else 'them'}")
+
+
+def _sweep(sfd: int, wanted: set) -> None:
+    """Remove what the staging folder holds besides the manifest's files and the sync's own
+    bookkeeping (.part files of files no longer in the checkpoint, links): nothing is followed."""
+    for dirpath, dirnames, filenames, dfd in os.fwalk(".", dir_fd=sfd):
+        top = dirpath == "."
+        if top:
+            dirnames[:] = [d for d in dirnames if d != VERIFIED]
+        for n in list(dirnames):
+            st = _lstat_at(dfd, n)
+            if st is not None and not stat.S_ISDIR(st.st_mode):  # a link to a folder
+                os.unlink(n, dir_fd=dfd)
+                dirnames.remove(n)
+        for n in filenames:
+            rel = os.path.normpath(os.path.join(dirpath, n))
+            if rel not in wanted and not (top and n == OWNER):
+                os.unlink(n, dir_fd=dfd)
+    folders = {os.path.dirname(w) for w in wanted}
+    folders |= {f.rsplit("/", i)[0] for f in list(folders) for i in range(1, f.count("/") + 1)}
+    for dirpath, dirnames, _, dfd in os.fwalk(".", topdown=False, dir_fd=sfd):
+        for n in dirnames:
+            rel = os.path.normpath(os.path.join(dirpath, n))
+            if rel not in folders and rel != VERIFIED:
+                try:
+                    os.rmdir(n, dir_fd=dfd)  # emptied above
+                except OSError:
+                    pass
+
+
 def _tidy_final(p: dict) -> None:
     """Drop the staging bookkeeping that a finished checkpoint carried through the rename."""
-    if os.path.isdir(p["final"]):
-        shutil.rmtree(os.path.join(p["final"], VERIFIED), ignore_errors=True)
+    st = _lstat_at(None, p["final"])
+    if st is None or not stat.S_ISDIR(st.st_mode):
+        return
+    try:
+        ffd = os.open(p["final"], NOFOLLOW_DIR)
+    except OSError:
+        return
+    try:
         try:
-            os.unlink(os.path.join(p["final"], OWNER))
-        except FileNotFoundError:
-            pass
+            vfd = os.open(VERIFIED, NOFOLLOW_DIR, dir_fd=ffd)
+        except OSError:
+            vfd = None
+        if vfd is not None:
+            try:
+                for _, dirnames, filenames, dfd in os.fwalk(".", topdown=False, dir_fd=vfd):
+                    for n in filenames:
+                        os.unlink(n, dir_fd=dfd)
+                    for n in dirnames:
+                        st = _lstat_at(dfd, n)
+                        os.rmdir(n, dir_fd=dfd) if stat.S_ISDIR(st.st_mode) else os.unlink(n, dir_fd=dfd)
+            finally:
+                os.close(vfd)
+            os.rmdir(VERIFIED, dir_fd=ffd)
+        if _lstat_at(ffd, OWNER) is not None:
+            os.unlink(OWNER, dir_fd=ffd)
+    except OSError:
+        pass
+    finally:
+        os.close(ffd)
 
 
 # --------------------------- serve: GRANT, REVOKE (the one-time key on the training host, --tunnel)
@@ -969,8 +1579,9 @@ class Grant:
     machine's address as the control connection came in, an ``expiry-time`` minutes away, and a
     forced ``command`` (the orchestrator's: ``send-from`` of one checkpoint folder, the tool's code
     pinned by its hash). The file is edited under a flock of its folder and replaced atomically,
-    keeping its mode; ``remove`` takes the line out again (and expired lines of earlier syncs), and
-    the file and folder if this grant created them."""
+    keeping its mode; the line goes first, so the user's lines stay byte for byte (a last line
+    without a newline too, whatever other grants come and go); ``remove`` takes it out again (and
+    expired lines of earlier syncs), and the file and folders if this grant created them."""
 
     def __init__(self, path: str, key: str, command: str, token: str):
         if any(c in key + command for c in "\r\n\0") or len(key.split()) != 2 or not token.isalnum():
@@ -984,14 +1595,19 @@ class Grant:
         opts = ["restrict"] + ([f'from="{self.source}"'] if self.source else []) + \
             [f'expiry-time="{_host_stamp(time.time() + KEY_TTL)}"', command]
         self.line = f"{','.join(opts)} {key} {self.comment}"
-        self.made_dir = self.made_file = self.joined = False
+        self.made_dirs: list = []  # the folders this grant created, deepest first
+        self.made_file = False
         self.added = False
 
     def _edit(self, change) -> None:
         d = os.path.dirname(self.path)
         if not os.path.isdir(d):
+            missing, up = [], d
+            while not os.path.isdir(up):
+                missing.append(up)
+                up = os.path.dirname(up)
             os.makedirs(d, mode=0o700)
-            self.made_dir = True
+            self.made_dirs = missing
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(dfd, fcntl.LOCK_EX)
@@ -1032,8 +1648,7 @@ class Grant:
         def change(text):
             self.made_file = text is None
             text = "".join(ln for ln in (text or "").splitlines(True) if not _expired(ln, time.time()))
-            self.joined = bool(text) and not text.endswith("\n")
-            return text + ("\n" if self.joined else "") + self.line + "\n"
+            return self.line + "\n" + text  # first: the user's lines stay byte for byte (a last line without a newline too)
         self._edit(change)
         self.added = True
         import pwd
@@ -1050,16 +1665,15 @@ class Grant:
             kept = [ln for ln in text.splitlines(True)
                     if ln.split()[-1:] != [self.comment] and not _expired(ln, now)]
             rest = "".join(kept)
-            if self.joined and rest.endswith("\n"):  # the line break this grant added before its line
-                rest = rest[:-1]
             return None if self.made_file and not rest.strip() else rest
         self._edit(change)
         self.added = False
-        if self.made_dir:
+        for d in self.made_dirs:
             try:
-                os.rmdir(os.path.dirname(self.path))
+                os.rmdir(d)
             except OSError:
-                pass
+                break
+        self.made_dirs = []
 
 
 def _host_stamp(t: float) -> str:
@@ -1200,7 +1814,8 @@ def _pid_alive(pid: int) -> bool:
 # ------------------------------------------------------------------------------- main: the dispatch
 
 COMMANDS = {"list": cmd_list, "manifest": cmd_manifest, "state": cmd_state, "send": cmd_send,
-            "send-from": cmd_send_from, "recv": cmd_recv, "serve": cmd_serve}
+            "send-from": cmd_send_from, "send-batch": cmd_send_batch, "recv": cmd_recv,
+            "recv-batch": cmd_recv_batch, "serve": cmd_serve}
 
 
 def main(argv: list) -> int:

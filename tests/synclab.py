@@ -87,9 +87,14 @@ class Env:
             time.sleep(0.05)
 
 
+def _files(d: Path) -> list[str]:
+    """Every file under ``d``, dotfiles included, but the sync's own bookkeeping (.dflash-* at the top)."""
+    return sorted(p.relative_to(d).as_posix() for p in d.rglob("*")
+                  if p.is_file() and not p.relative_to(d).parts[0].startswith(".dflash-"))
+
+
 def identical(src: Path, dst: Path) -> None:
-    names = sorted(p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file() and not p.name.startswith("."))
-    got = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file() and not p.name.startswith("."))
+    names, got = _files(src), _files(dst)
     assert names == got
     for n in names:
         assert sha(src / n) == sha(dst / n), n

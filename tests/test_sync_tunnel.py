@@ -271,7 +271,7 @@ def test_nothing_is_left_behind_after_a_failure_or_ctrl_c(env, ssh_lab, how):
     def interrupt(plan):
         raise KeyboardInterrupt
     if how == "failure":
-        with pytest.raises(SyncError, match="changed since the manifest"):
+        with pytest.raises(SyncError, match="changed on train while it was sent"):
             env.sync("6", tunnel="tunnel", on_plan=changed)
     else:
         with pytest.raises(KeyboardInterrupt):

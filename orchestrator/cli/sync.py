@@ -11,6 +11,17 @@ from .context import CATALOG_HELP
 from .context import names as context_names
 
 
+def shown(name: str) -> str:
+    """A file or folder name as a table shows it: every character a terminal does not print as
+    itself (a newline would make a fake row) as its escape (``\\n``)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
+def name_cell(name: str) -> str:
+    """:func:`shown`, as data in rich markup."""
+    return safe(shown(name))
+
+
 def _rate_column():
     """Bytes per second in the units of every other size dflash-ops prints (KiB, MiB: human_bytes)."""
     from rich.progress import ProgressColumn
@@ -26,8 +37,8 @@ def _rate_column():
 
 
 class _SyncBars:
-    """rich progress bars for a sync: one for the checkpoint, one per file; sizes and rates in
-    KiB/MiB/GiB, as the plan table and the result line."""
+    """rich progress bars for a sync: one for the checkpoint, one per file but the small ones that
+    move in batches; sizes and rates in KiB/MiB/GiB, as the plan table and the result line."""
 
     def __init__(self, console):
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -38,18 +49,23 @@ class _SyncBars:
         self.files: dict[str, int] = {}
 
     def start(self, plan) -> None:
-        self.total = self.bars.add_task(f"[bold]{plan.checkpoint}", total=plan.to_move)
+        self.total = self.bars.add_task(f"[bold]{name_cell(plan.checkpoint)}", total=plan.to_move)
         self.bars.start()
 
     def file_started(self, f) -> None:
-        self.files[f.path] = self.bars.add_task(f"  {f.path}", total=f.size, completed=f.offset)
+        from ..sync.relay import SMALL
+
+        if f.size > SMALL:
+            self.files[f.path] = self.bars.add_task(f"  {name_cell(f.path)}", total=f.size, completed=f.offset)
 
     def moved(self, f, n: int) -> None:
-        self.bars.advance(self.files[f.path], n)
+        if f.path in self.files:
+            self.bars.advance(self.files[f.path], n)
         self.bars.advance(self.total, n)
 
     def file_restarted(self, f, lost: int) -> None:
-        self.bars.update(self.files[f.path], completed=0)
+        if f.path in self.files:
+            self.bars.update(self.files[f.path], completed=0)
         self.bars.update(self.total, total=self.bars.tasks[self.total].total + lost)
 
     def stop(self) -> None:
@@ -63,7 +79,7 @@ def _print_plan(out, plan, typed: str | None = None) -> None:
         out.print(safe(f"{typed} → {plan.run}:{plan.checkpoint} ({plan.src.name} → {plan.dst.name})"))
     out.print(safe(f"from {plan.src.name}:{plan.src_dir}\nto   {plan.dst.name}:{plan.dst_final}"), soft_wrap=True)
     out.print(console.table(None, ["file", "size", "action", "from"],
-                            [[f.path, human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
+                            [[shown(f.path), human_bytes(f.size), f.action, human_bytes(f.offset) if f.action == "resume" else "-"]
                              for f in plan.files], right=("size", "from")))
     if plan.incomplete:
         out.print(f"[yellow]not complete yet on {safe(plan.src.name)}: {safe(plan.incomplete)}; a sync now is refused[/]")
@@ -173,17 +189,17 @@ def ckpts_cmd(
     colour = {"yes": "green", "stale": "red", "partial": "yellow", "no": "dim", "?": "red"}
     one_run = len({r.run for r in rows}) == 1
     head = ["checkpoint", "step", "size", "files", "changed", "state", "on eval"]
-    cells = [[safe(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
+    cells = [[name_cell(r.name), "-" if r.step is None else str(r.step), human_bytes(r.size), str(r.files),
               datetime.fromtimestamp(r.mtime).strftime("%m-%d %H:%M"),
               "[yellow]being written[/]" if r.incomplete else "complete", f"[{colour[r.on_eval]}]{r.on_eval}[/]"]
              for r in rows]
     if not one_run:
-        head, cells = ["run", *head], [[safe(r.run), *c] for r, c in zip(rows, cells)]
+        head, cells = ["run", *head], [[name_cell(r.run), *c] for r, c in zip(rows, cells)]
     title = f"checkpoints of {rows[0].run} on {source.name}" if one_run and rows else f"checkpoints on {source.name}"
     out.print(console.table(title, head, cells, markup=True, right=("step", "size", "files")))
     for r in rows:
         if r.incomplete:
-            out.print(f"[yellow]! {safe(r.run)}:{safe(r.name)} is being written: {safe(r.incomplete)} "
+            out.print(f"[yellow]! {name_cell(r.run)}:{name_cell(r.name)} is being written: {safe(r.incomplete)} "
                       f"(sync-ckpt and watch wait for it)[/]")
     for w in warnings:
         out.print(f"[yellow]! {safe(w)}[/]")

@@ -21,7 +21,7 @@ def host_checkpoints(runner, host: Host, runs: list[TrainingRun], root_for: Call
     where the caller has one open, else by a tool run of its own."""
     args: list[str] = [host.checkpoints or "/"]
     for r in runs:
-        args += ["--run", r.name, runner.expand_home(root_for(r)), r.pattern]
+        args += ["--run", r.name, runner.absolute(root_for(r)), r.pattern]  # a relative root: from the login home
     answer = (session.call_json("LIST", args, timeout=120) if session is not None
               else run_tool(runner, host, "list", *args, timeout=120))
     for info in answer["runs"].values():

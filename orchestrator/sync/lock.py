@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from .tool import Session
 
+REHASH_RATE = 50 << 20  # bytes/s a host hashes at the least (FINALIZE's time limit)
+
 
 class Destination:
     """One checkpoint's folder on the eval host, through that host's session."""
@@ -20,11 +22,18 @@ class Destination:
     def lock(self, wait: float) -> None:
         self.session.call("LOCK", {**self.where, "token": self.token, "wait": wait}, timeout=wait + 30)
 
-    def state(self) -> dict:
-        return self.session.call_json("STATE", self.where, timeout=120)
+    def state(self, paths: list[str]) -> dict:
+        """``paths``: the checkpoint's files (the staging folder keys long names by a digest)."""
+        return self.session.call_json("STATE", {**self.where, "paths": paths}, timeout=120)
 
     def begin(self) -> None:
         self.session.call("BEGIN", timeout=60)
 
-    def finalize(self, manifest: dict) -> str:
-        return self.session.call("FINALIZE", manifest, timeout=300)
+    def discard(self, paths: list[str]) -> None:
+        """Drop what the staging folder holds of ``paths`` (they changed while they were sent)."""
+        self.session.call("DISCARD", {"paths": paths}, timeout=120)
+
+    def finalize(self, manifest: dict, rehash: int = 0) -> str:
+        """Rename the verified staging folder into place. ``rehash``: bytes of files verified by
+        an earlier sync, which the host hashes again (the staging folder is untrusted storage)."""
+        return self.session.call("FINALIZE", manifest, timeout=300 + rehash / REHASH_RATE)

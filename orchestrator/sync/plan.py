@@ -20,6 +20,12 @@ class FilePlan:
     sha256: str | None  # known on the source (cached manifest) or None: hashed in flight
     offset: int = 0
     action: str = "send"  # send | resume | skip
+    ident: tuple = ()  # the source file's (inode, ctime_ns) as the manifest found it
+
+    def changed(self, host: str) -> str:
+        """What the user reads when the file changed on the training host while it was sent."""
+        return (f"{self.path} changed on {host} while it was sent; it will be sent again: run the same command "
+                f"again (once training has finished writing it)")
 
     @property
     def to_move(self) -> int:
@@ -39,6 +45,7 @@ class SyncPlan:
     final_exists: bool = False
     free_bytes: int | None = None
     incomplete: str | None = None  # dry run: why the checkpoint is not complete yet (sync/complete.py)
+    excluded: list[dict] = field(default_factory=list)  # the source's names not sent (path, why)
 
     @property
     def dst_final(self) -> str:
@@ -73,7 +80,7 @@ def make_plan(plan: SyncPlan, src_files: list[dict], st: dict) -> None:
     plan.free_bytes = st.get("free_bytes")
     verified, parts = st.get("verified") or {}, st.get("parts") or {}
     for e in src_files:
-        f = FilePlan(e["path"], e["size"], e["mtime_ns"], e.get("sha256"))
+        f = FilePlan(e["path"], e["size"], e["mtime_ns"], e.get("sha256"), ident=(e.get("ino"), e.get("ctime_ns")))
         v = verified.get(f.path)
         if v and v.get("size") == f.size and v.get("mtime_ns") == f.mtime_ns and \
                 (f.sha256 is None or v.get("sha256") == f.sha256):

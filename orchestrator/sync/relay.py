@@ -2,6 +2,8 @@
 ``sync_host.py recv`` on the destination, the sender's stdout joined to the receiver's stdin by a
 kernel pipe (REFERENCE §5; benchmarks/bench_sync.py). The OpenSSH clients of both ends ride one
 master connection per host (transport/master.py), so a file costs a session, not a connection.
+Small files (at most ``SMALL``) go many to a stream (``send-batch``/``recv-batch``: a header,
+the bytes and a trailer per file), so a checkpoint of thousands of them costs a few streams.
 The bytes never enter this process nor touch this machine's disk, and no paramiko is in the way
 (its 512 MiB rekey deadlock, paramiko#822). ``ServerAliveInterval``/``CountMax`` make a dead
 link fail in bounded time; the remote ends give up when stdin is silent for ``idle`` seconds; a
@@ -34,7 +36,7 @@ from ..reports.render import human_bytes
 from ..transport import CONNECT_TIMEOUT
 from ..transport.master import Master
 from .plan import FilePlan, SyncPlan, SyncResult
-from .tool import SyncError, tool_argv, tool_error
+from .tool import SyncError, batch_spec, tool_argv, tool_error
 
 ALIVE_INTERVAL = 5  # ssh ServerAliveInterval: a dead link is noticed after INTERVAL*COUNT seconds
 ALIVE_COUNT = 3
@@ -70,6 +72,27 @@ def data_options(alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> tupl
 
 
 MAX_SESSIONS = 8  # files at once on one master connection (sshd's MaxSessions is 10 by default)
+SMALL = 1 << 20  # files of at most this size move in batches: one stream for many (send-batch/recv-batch)
+BATCH_FILES = 500  # at most this many files per batch
+BATCH_SPEC = 64 << 10  # and a SPEC (an argument of the sender's command line) of at most this many bytes
+
+
+def batches(files: list[FilePlan], jobs: int) -> tuple[list[list[FilePlan]], list[FilePlan]]:
+    """The small files in batches (at least ``jobs`` of them where there are that many files), and
+    the files that move one by one."""
+    small = [f for f in files if f.size <= SMALL]
+    if len(small) < 2:
+        return [], files
+    per = max(1, min(BATCH_FILES, -(-len(small) // max(jobs, 1))))
+    groups: list[list[FilePlan]] = []
+    for i in range(0, len(small), per):
+        group = small[i:i + per]
+        while len(group) > 1 and len(batch_spec(group)) > BATCH_SPEC:  # long names: fewer per batch
+            half = len(group) // 2
+            groups.append(group[:half])
+            group = group[half:]
+        groups.append(group)
+    return groups, [f for f in files if f.size > SMALL]
 
 
 @dataclass(frozen=True)
@@ -78,11 +101,12 @@ class DataPath:
     (transport/master.py, pinned to the host key its control connection accepted), or None for
     the built-in ``local`` host (run here). ``pull``: with ``--tunnel`` and ``--direct``, the
     command the eval host runs to start the sender of a file on the training host (file, offset
-    -> argv); there is no sender here then."""
+    -> argv; ``pull_batch``: SPEC -> argv for ``send-batch``); there is no sender here then."""
     src: Master | None
     dst: Master | None
     pull: Callable[[FilePlan, int], list[str]] | None = None
     mode: str = "relay"
+    pull_batch: Callable[[str], list[str]] | None = None
 
     @staticmethod
     def argv(master: Master | None, remote: list[str], alive: tuple[int, int]) -> list[str]:
@@ -133,8 +157,10 @@ class Transfer:
         if self.killed_for:
             self.kill(self.killed_for)
 
-    def run(self, on_bytes: Callable[[int], None]) -> tuple[str, str, str, str]:
-        """Returns (status line, dst stderr, src stderr, src rc)."""
+    def run(self, on_bytes: Callable[[int], None],
+            on_line: Callable[[str], None] | None = None) -> tuple[str, str, str, str]:
+        """Returns (status line, dst stderr, src stderr, src rc). ``on_line`` sees every line but
+        progress (a batch: ``F REL`` starts the next file, its progress counted from zero)."""
         self.got = 0
         self.last = time.monotonic()
         r = w = None
@@ -175,6 +201,10 @@ class Transfer:
                 self.last = time.monotonic()
             elif line:
                 status = line
+                if line.startswith("F "):
+                    self.got = 0
+                if on_line is not None:
+                    on_line(line)
         dst.wait()
         if src is not None:
             try:
@@ -193,8 +223,9 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
          alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT), idle: float = IDLE_TIMEOUT,
          stall: float = STALL_TIMEOUT, progress: SyncProgress | None = None) -> None:
     """Move every file of ``plan`` that is not skipped, ``jobs`` at once (one sender/receiver pair
-    each); a receiver that reports a bad checksum gets its file once more from zero. The first
-    failure stops the others; what arrived stays in the staging folder for the rerun."""
+    each; the small ones in batches, a pair for many: :func:`batches`); a receiver that reports a
+    bad checksum gets its file once more from zero. The first failure stops the others; what
+    arrived stays in the staging folder for the rerun."""
     todo = [f for f in plan.files if f.action != "skip"]
     if not todo:
         return
@@ -214,28 +245,70 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
                          offset, *(["--hash", "--cache", plan.src_dir] if f.sha256 is None else []))
         return path.argv(path.src, send, alive), path.argv(path.dst, recv, alive)
 
-    def one(f: FilePlan) -> None:
+    def on_bytes_of(f: FilePlan) -> Callable[[int], None]:
+        def on_bytes(n: int) -> None:
+            with lock:
+                result.bytes_moved += n
+            progress.moved(f, n)
+        return on_bytes
+
+    def one_batch(fs: list[FilePlan]) -> None:
+        spec = batch_spec(fs)
+        recv = tool_argv(dst, "--idle", f"{idle:g}", "recv-batch", plan.dst_rundir, plan.checkpoint, token)
+        if path.pull_batch is not None:
+            t = Transfer(fs[0], None, path.argv(path.dst, [*recv, "--pull", json.dumps(path.pull_batch(spec))],
+                                                alive))
+        else:
+            t = Transfer(fs[0], path.argv(path.src, tool_argv(src, "send-batch", plan.src_dir, spec), alive),
+                         path.argv(path.dst, recv, alive))
+        named = {f.path: f for f in fs}
+        done: dict[str, str] = {}
+        moved = {"f": fs[0]}
+
+        def on_line(line: str) -> None:
+            if line.startswith("F "):
+                t.f = moved["f"] = named.get(line[2:], fs[0])
+                progress.file_started(t.f)
+            elif line != "END":
+                done[moved["f"].path] = line
+        with lock:
+            if abort.is_set():
+                return
+            active[f"batch:{fs[0].path}"] = t
+        status, derr, serr, src_rc = t.run(lambda n: on_bytes_of(moved["f"])(n), on_line)
+        with lock:
+            active.pop(f"batch:{fs[0].path}", None)
+        for f in fs:
+            st = done.get(f.path, "")
+            if st.startswith("CHANGED"):
+                raise SyncError(f.changed(src.name))
+            if st.startswith("OK "):
+                ok(f, st)
+            elif st.startswith("BAD") and not abort.is_set():
+                one(f, 0)  # once more from zero, on its own
+            elif not st or status != "END":
+                raise SyncError(explain(moved["f"], t, status, derr, serr, src_rc, plan, path, alive, idle))
+
+    def ok(f: FilePlan, status: str) -> None:
+        digest = status[3:].strip()
+        if f.sha256 and digest != f.sha256:
+            raise SyncError(f"{f.path}: receiver reported {digest}, manifest {f.sha256}")
+        f.sha256 = digest
+
+    def one(f: FilePlan, offset: int | None = None) -> None:
         progress.file_started(f)
-        offset = f.offset
+        offset = f.offset if offset is None else offset
         for attempt in range(2):
             t = Transfer(f, *argv_pair(f, offset))
             with lock:
                 if abort.is_set():
                     return
                 active[f.path] = t
-
-            def on_bytes(n: int) -> None:
-                with lock:
-                    result.bytes_moved += n
-                progress.moved(f, n)
-            status, derr, serr, src_rc = t.run(on_bytes)
+            status, derr, serr, src_rc = t.run(on_bytes_of(f))
             with lock:
                 active.pop(f.path, None)
             if status.startswith("OK "):
-                digest = status[3:].strip()
-                if f.sha256 and digest != f.sha256:
-                    raise SyncError(f"{f.path}: receiver reported {digest}, manifest {f.sha256}")
-                f.sha256 = digest
+                ok(f, status)
                 return
             if status.startswith("BAD") and attempt == 0 and not abort.is_set():
                 result.resent.append(f.path)  # corrupt .part / bad stream: again from zero
@@ -252,9 +325,9 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
                     if now - t.last > stall:
                         t.kill(f"no byte moved for {stall:g}s")
 
-    def guarded(f: FilePlan) -> None:
+    def guarded(work: FilePlan | list[FilePlan]) -> None:
         try:
-            one(f)
+            one_batch(work) if isinstance(work, list) else one(work)
         except BaseException as e:
             with lock:
                 failures.append(str(e))
@@ -265,10 +338,12 @@ def move(plan: SyncPlan, path: DataPath, token: str, result: SyncResult, *, jobs
 
     wd = threading.Thread(target=watchdog, daemon=True)
     wd.start()
-    pool = ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo), MAX_SESSIONS)))
+    grouped, single = batches(todo, jobs)
+    work: list = [*sorted(single, key=lambda f: -f.to_move), *grouped]
+    pool = ThreadPoolExecutor(max_workers=max(1, min(jobs, len(work), MAX_SESSIONS)))
     try:
         progress.start(plan)
-        futures = [pool.submit(guarded, f) for f in sorted(todo, key=lambda f: -f.to_move)]
+        futures = [pool.submit(guarded, w) for w in work]
         for fut in futures:
             try:
                 fut.result()
@@ -301,6 +376,8 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
     if path.pull is not None:  # the sender's leg as the eval host's client saw it
         serr = "\n".join(ln[5:] for ln in derr.splitlines() if ln.startswith("PULL "))
         derr = "\n".join(ln for ln in derr.splitlines() if not ln.startswith("PULL "))
+    if status.startswith("CHANGED") or tool_error(serr, "").startswith("CHANGED "):
+        return f.changed(src.name)
     dead = alive[0] * alive[1]
     for host, err, m in ((dst, derr, path.dst), (src, serr, path.src)):
         text = (err + "\n" + (m.error_tail() if m is not None and not m.alive else "")).strip()
@@ -337,6 +414,9 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
     if status.startswith("BAD"):
         return f"{f.path}: sha256 mismatch again after re-sending from zero ({status}); the source may be changing"
     if status.startswith("SHORT") or not status:
-        why = tool_error(serr, "") or tool_error(derr, "") or f"the stream ended early (sender exit {src_rc})"
+        ended = (f"the stream from {src.name} ended early: {dst.name}'s connection to it closed (is {src.name} "
+                 f"stopped or unreachable from {dst.name}?)" if path.pull is not None
+                 else f"the stream ended early (sender exit {src_rc})")
+        why = tool_error(serr, "") or tool_error(derr, "") or ended
         return f"moving {where} failed: {why}; {keep}"
     return f"moving {where} failed: {status} {tool_error(derr, '')}"

@@ -80,9 +80,16 @@ def forced_sender(host: Host, src_dir: str) -> list[str]:
     return [host.python, "-S", "-c", PINNED_SENDER, hashlib.sha256(tool_blob().encode()).hexdigest(), src_dir]
 
 
-def sender_request(*args: str | int) -> list[str]:
-    """What the eval host asks the forced command for: the blob, then ``send`` and its arguments."""
-    return [tool_blob(), "send", *(str(a) for a in args)]
+def sender_request(*args: str | int, verb: str = "send") -> list[str]:
+    """What the eval host asks the forced command for: the blob, then ``send`` (or ``send-batch``)
+    and its arguments."""
+    return [tool_blob(), verb, *(str(a) for a in args)]
+
+
+def batch_spec(files) -> str:
+    """``send-batch``'s SPEC for ``files`` (FilePlans): what to send of each, compressed."""
+    return base64.b64encode(zlib.compress(json.dumps([[f.path, f.size, f.mtime_ns, f.offset] for f in files])
+                                          .encode(), 9)).decode()
 
 
 def fdpass_argv(host: Host, socket_path: str) -> list[str]:
@@ -169,9 +176,16 @@ class Session:
         return "sync_host ended: " + tool_error("\n".join(e for e in self.err if e), "connection closed")
 
     def send(self, line: str) -> None:
-        with self.wlock:
-            self.h.stdin.write((line + "\n").encode())
-            self.h.stdin.flush()
+        """Write one request; the session's end (its process killed, the connection gone) is a
+        :class:`SyncError` naming the host."""
+        try:
+            with self.wlock:
+                self.h.stdin.write((line + "\n").encode())
+                self.h.stdin.flush()
+        except (OSError, ValueError, EOFError):
+            if self.closed.is_set():
+                raise
+            raise SyncError(f"host {self.host.name}: {self._ended()}") from None
 
     def _ping_forever(self) -> None:
         while not self.closed.wait(PING_EVERY):

@@ -27,7 +27,7 @@ from .complete import judge_manifest, newest_complete, require_complete
 from .fresh import describe
 from .listing import host_checkpoints
 from .lock import Destination
-from .plan import SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
+from .plan import FilePlan, SyncPlan, SyncResult, dest_rundir, make_plan, pick_run, resolve_name, same_manifest
 from .relay import ALIVE_COUNT, ALIVE_INTERVAL, IDLE_TIMEOUT, STALL_TIMEOUT, DataPath, SyncProgress, data_options, move
 from .tool import Session, SyncError, close_all, tool_argv
 from .tunnel import TunnelUnavailable, pull_through_tunnel
@@ -136,9 +136,11 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             raise SyncError(f"source and destination are the same folder: {plan.src_dir}")
         source = ssess.call_json("MANIFEST", {"dir": plan.src_dir}, timeout=600)
         src_files = source["files"]
+        plan.excluded = source.get("excluded") or []
         if dry_run:
             plan.incomplete = judge_manifest(src_files, source["now"], r).reason or None
-            st = dsess.call_json("STATE", {"rundir": plan.dst_rundir, "ckpt": ckpt}, timeout=120)
+            st = dsess.call_json("STATE", {"rundir": plan.dst_rundir, "ckpt": ckpt,
+                                           "paths": [e["path"] for e in src_files]}, timeout=120)
             plan.final_exists = st["final_exists"]
             plan.up_to_date = st["final_exists"] and same_manifest(st["final_manifest"], src_files)
             make_plan(plan, src_files, st)
@@ -151,7 +153,7 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
         token = secrets.token_hex(16)
         dest = Destination(dsess, plan.dst_rundir, ckpt, token)
         dest.lock(lock_wait)
-        st = dest.state()
+        st = dest.state([e["path"] for e in src_files])
         plan.final_exists = st["final_exists"]
         if st["final_exists"]:
             if any(e.get("sha256") is None for e in src_files):
@@ -181,22 +183,27 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                 f"(+{human_bytes(FREE_RESERVE)} reserve), {human_bytes(st['free_bytes'])} free; nothing was moved")
         dest.begin()
         result = SyncResult(plan=plan)
-        if need:
+        if any(f.action != "skip" for f in plan.files):  # a full-size .part still has to be verified
             with data_path(srun, drun, ssess, dsess, masters, plan, token, mode, alive) as path:
                 result.path = path.mode
                 move(plan, path, token, result, jobs=jobs, alive=alive, idle=idle, stall=stall, progress=progress)
         if any(e.get("sha256") is None for e in src_files):  # first sync: see check_against
-            check_against(plan, ssess.call_json("MANIFEST", {"dir": plan.src_dir, "hash": True}, timeout=3600)["files"])
+            changed = check_against(plan, ssess.call_json("MANIFEST", {"dir": plan.src_dir, "hash": True},
+                                                          timeout=3600)["files"])
+            if changed:
+                dest.discard([f.path for f in changed])
+                raise SyncError("; ".join(f.changed(src.name) for f in changed[:3]) +
+                                (f" (and {len(changed) - 3} more files)" if len(changed) > 3 else ""))
         manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
-                               "sha256": f.sha256} for f in plan.files]}
-        dest.finalize(manifest)
+                               "sha256": f.sha256} for f in plan.files], "excluded": plan.excluded}
+        dest.finalize(manifest, rehash=sum(f.size for f in plan.files if f.action == "skip"))
         result.seconds = time.monotonic() - started
         result.verified = len(plan.files)
         result.skipped = sum(f.action == "skip" for f in plan.files)
         return result
 
 
-def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
+def check_against(plan: SyncPlan, source_files: list[dict]) -> list[FilePlan]:
     """Every file that arrived has the sha256 the training host's manifest gives over the control
     connection (and the file there is still the one listed).
 
@@ -210,18 +217,24 @@ def check_against(plan: SyncPlan, source_files: list[dict]) -> None:
     sender of this checkpoint's files, the tool's code pinned by its sha256), so the sender ran on
     that host as our code, and whoever might answer the data path in its place could not write that
     host's cache. A file the cache does not cover (a read-only source, a file rewritten meanwhile, a
-    sender that hashed some other file) is hashed there now, over the control connection."""
+    sender that hashed some other file) is hashed there now, over the control connection.
+
+    Returns the files that are not the ones listed any more (changed while they were sent)."""
     there = {e["path"]: e for e in source_files}
+    changed = []
     for f in plan.files:
         e = there.get(f.path)
-        if e is None or e["size"] != f.size or e["mtime_ns"] != f.mtime_ns:
-            raise SyncError(f"{plan.src.name}:{plan.src_dir}/{f.path} changed during the sync (is training still "
-                            f"writing it?); run the same command again")
-        if e["sha256"] != f.sha256:
+        if e is None or (e["size"], e["mtime_ns"]) != (f.size, f.mtime_ns) or \
+                (all(f.ident) and (e.get("ino"), e.get("ctime_ns")) != f.ident):
+            changed.append(f)
+        elif f.sha256 is None:
+            raise SyncError(f"{f.path} was not received and verified on {plan.dst.name}; run the same command again")
+        elif e["sha256"] != f.sha256:
             raise SyncError(f"{f.path}: the bytes that arrived on {plan.dst.name} (sha256 {f.sha256[:16]}...) are not "
                             f"the file on {plan.src.name} (sha256 {e['sha256'][:16]}..., computed there over the "
                             f"control connection): the data path delivered other content; nothing was finalized. "
                             f"A rerun sends the file again")
+    return changed
 
 
 @contextmanager
@@ -234,13 +247,13 @@ def data_path(srun, drun, ssess: Session, dsess: Session, masters: Masters, plan
     with ExitStack() as stack:
         if mode in ("tunnel", "auto"):
             try:
-                pull = stack.enter_context(pull_through_tunnel(srun, ssess, dsess, dm, plan, token, alive))
+                pull, batch = stack.enter_context(pull_through_tunnel(srun, ssess, dsess, dm, plan, token, alive))
             except TunnelUnavailable as e:
                 if mode == "tunnel":
                     raise
                 warnings.warn(TunnelFallback(f"{e}; moving the bytes through this machine instead"), stacklevel=2)
             else:
-                yield DataPath(None, dm, pull, "tunnel")
+                yield DataPath(None, dm, pull, "tunnel", batch)
                 return
         if mode == "direct":
             if not isinstance(srun, SSHRunner):
@@ -254,6 +267,9 @@ def data_path(srun, drun, ssess: Session, dsess: Session, masters: Masters, plan
                 send = tool_argv(plan.src, "send", str(PurePosixPath(plan.src_dir) / f.path), f.size, f.mtime_ns,
                                  offset, *(["--hash", "--cache", plan.src_dir] if f.sha256 is None else []))
                 return pulled.argv(send, data_options(alive), on_host=True)
-            yield DataPath(None, dm, pull, "direct")
+
+            def batch(spec: str) -> list[str]:
+                return pulled.argv(tool_argv(plan.src, "send-batch", plan.src_dir, spec), data_options(alive), on_host=True)
+            yield DataPath(None, dm, pull, "direct", batch)
             return
         yield DataPath(masters.get(srun), dm)

@@ -54,10 +54,11 @@ def _inner_options(alive: tuple[int, int]) -> tuple[str, ...]:
 
 @contextmanager
 def pull_through_tunnel(srun, ssess: Session, dsess: Session, dmaster, plan: SyncPlan, token: str,
-           alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)) -> Iterator[Callable[[FilePlan, int], list[str]]]:
-    """Set up the tunnel for ``plan`` (module docstring) and yield the command the eval host runs
-    to start the sender of a file (file, offset -> argv); a :class:`TunnelUnavailable` when it
-    cannot be set up, with nothing left behind."""
+           alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT)
+           ) -> Iterator[tuple[Callable[[FilePlan, int], list[str]], Callable[[str], list[str]]]]:
+    """Set up the tunnel for ``plan`` (module docstring) and yield the commands the eval host runs
+    to start the sender of a file (file, offset -> argv) and of a batch (SPEC -> argv); a
+    :class:`TunnelUnavailable` when it cannot be set up, with nothing left behind."""
     src, dst = plan.src, plan.dst
     if not isinstance(srun, SSHRunner) or dmaster is None:
         raise TunnelUnavailable(f"--tunnel needs SSH hosts on both ends ({src.name} → {dst.name})")
@@ -107,8 +108,9 @@ def pull_through_tunnel(srun, ssess: Session, dsess: Session, dmaster, plan: Syn
                 ssess.call("REVOKE", timeout=60)  # logged in (or not): the key has done its work
             except SyncError:
                 pass  # the session is gone: it removed the key as it ended
-        yield lambda f, offset: client(sender_request(f.path, f.size, f.mtime_ns, offset,
-                                                      *(["--hash"] if f.sha256 is None else [])))
+        yield (lambda f, offset: client(sender_request(f.path, f.size, f.mtime_ns, offset,
+                                                       *(["--hash"] if f.sha256 is None else []))),
+               lambda spec: client(sender_request(spec, verb="send-batch")))
     finally:
         try:
             dsess.call("UNTUNNEL", timeout=60)

@@ -19,6 +19,7 @@ so a host that shows the data path another key is refused.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -212,10 +213,11 @@ class HostKeyPolicy:
             raise HostKeyError(f"{ep.where}: the server offered {key.get_name()} {key.fingerprint}, a key marked "
                                f"@revoked in known_hosts; refusing it")
         if verdict == "changed":
+            name = ep.address if ep.port == 22 else f"[{ep.address}]:{ep.port}"
             raise HostKeyError(
                 f"{ep.where}: HOST KEY MISMATCH: the server offered {key.get_name()} {key.fingerprint} but {kh} "
                 f"has a different key; this may be an attack. If the host was reinstalled, remove its old line "
-                f"(`ssh-keygen -R ...` -f {kh}) and re-add it")
+                f"(`ssh-keygen -R {shlex.quote(name)} -f {shlex.quote(str(kh))}`) and re-add it")
         if verdict == "unknown" and not ep.trust_unknown:
             port = f"-p {ep.port} " if ep.port != 22 else ""
             ca = (" (known_hosts names a @cert-authority for it, but the control connection cannot check host "

@@ -109,11 +109,8 @@ class SSHRunner(Runner):
                 return self._connect_once()
             except TransportError:
                 raise
-            except paramiko.AuthenticationException:
-                keys = ", ".join(self.endpoint.identities) or "(agent/default keys)"
-                raise TransportError(
-                    f"{self._where()}: authentication failed as user {self.endpoint.user or '(default)'}"
-                    f" with identity {keys}") from None
+            except paramiko.AuthenticationException as e:
+                raise self._auth_failed(isinstance(e, paramiko.PasswordRequiredException)) from None
             except (socket.timeout, TimeoutError):
                 raise TransportError(f"{self._where()}: connection timed out after {t:g}s") from None
             except paramiko.ssh_exception.NoValidConnectionsError as e:
@@ -129,6 +126,8 @@ class SSHRunner(Runner):
                 last = e.strerror or str(e)
             except (paramiko.SSHException, EOFError) as e:
                 msg = str(e)
+                if msg == "No authentication methods available":  # no key could be loaded at all
+                    raise self._auth_failed(False) from None
                 # a server that never speaks SSH: paramiko reports the banner timeout, or (when the
                 # banner wait races the auth step under load) "No existing session"
                 if time.monotonic() - started >= 0.9 * t and ("banner" in msg.lower() or "session" in msg.lower()
@@ -138,6 +137,16 @@ class SSHRunner(Runner):
             if attempt < self.retries:
                 time.sleep(0.5 * 2 ** attempt)
         raise TransportError(f"{self._where()}: {last} (after {self.retries + 1} attempts)")
+
+    def _auth_failed(self, passphrase: bool) -> TransportError:
+        """The login was refused: the cause where it is on this side (a missing or locked key)."""
+        keys = ", ".join(self.endpoint.identities) or "(agent/default keys)"
+        missing = [k for k in self.endpoint.identities if not os.path.exists(k)]
+        why = (f": identity file {', '.join(missing)} does not exist" if missing else
+               ": the identity is protected by a passphrase; add it to ssh-agent (ssh-add FILE) first"
+               if passphrase else "")
+        return TransportError(f"{self._where()}: authentication failed as user {self.endpoint.user or '(default)'}"
+                              f" with identity {keys}{why}")
 
     def connect(self) -> "SSHRunner":
         self.connection()
