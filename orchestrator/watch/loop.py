@@ -426,6 +426,13 @@ class Watcher:
             summary = load_run(record.folder).summary
             if summary is not None:
                 return summary
+        if record.status == State.PREPARING and not record.being_resumed():
+            # the watch stopped while this run was being prepared (run.json is written before any worker
+            # starts): resumed as `eval --resume` would, a worker already started followed, not started twice
+            from ..eval.pipeline import start
+
+            self.say("info", f"{p.name}: resuming eval run {record.id} (stopped while it was being prepared)")
+            return self._follow(record, start(record, self.inv, resume=True))
         if record.status != State.RUNNING:
             return None
         self.say("info", f"{p.name}: re-attaching to eval run {record.id}")
