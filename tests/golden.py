@@ -67,3 +67,20 @@ def prompts(target, n, seed=11):
     from remote.drafters.tiny import walk_batch
     ids = walk_batch(n, PROMPT_LEN, target.config.vocab_size - 1, torch.Generator().manual_seed(seed))
     return [row[None] for row in ids]
+
+
+def chi_square_p(counts: dict, probs: dict, n: int) -> float:
+    """Pearson chi-square goodness of fit (cells with expected count < 5 pooled), its p-value: the
+    lossless-sampling tests' check that decoded samples follow the target's exact law."""
+    from scipy.stats import chi2
+
+    cells, pooled_obs, pooled_exp = [], 0, 0.0
+    for key, p in probs.items():
+        if n * p < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(key, 0), pooled_exp + n * p
+        else:
+            cells.append((counts.get(key, 0), n * p))
+    if pooled_exp > 0:
+        cells.append((pooled_obs, pooled_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    return float(chi2.sf(stat, len(cells) - 1))

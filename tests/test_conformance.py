@@ -25,7 +25,7 @@ from remote.drafters.tiny import tiny_target
 from models import freeze, trained_drafter, walk_target
 from references import (RollbackTarget, speculators_drafter, speculators_logits, zlab_drafter,
                               zlab_generate, zlab_logits)
-from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, ours_logits_per_anchor,
+from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, chi_square_p, ours_logits_per_anchor,
                     prompts, reference_from)
 
 # every test but test_anchor_mask_equals_speculators_mask_mod builds tiny targets and drafters
@@ -321,22 +321,6 @@ def test_mean_acceptance_at_t1_agrees_with_dflash_generate(tmp_path, walk):
     se = math.sqrt(v1 / n + v2 / n)
     assert abs(m1 - m2) <= 4 * se, (m1, m2, se)
     assert 1.05 < m1 < 8 and se > 0                                    # real, varied acceptance
-
-
-def chi_square_p(counts: dict, probs: dict, n: int) -> float:
-    """Pearson chi-square goodness of fit (cells with expected count < 5 pooled), its p-value."""
-    from scipy.stats import chi2
-
-    cells, pooled_obs, pooled_exp = [], 0, 0.0
-    for key, p in probs.items():
-        if n * p < 5:
-            pooled_obs, pooled_exp = pooled_obs + counts.get(key, 0), pooled_exp + n * p
-        else:
-            cells.append((counts.get(key, 0), n * p))
-    if pooled_exp > 0:
-        cells.append((pooled_obs, pooled_exp))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    return float(chi2.sf(stat, len(cells) - 1))
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from golden import prompts, reference_from
+from golden import chi_square_p, prompts, reference_from
 from models import freeze, trained_drafter, walk_target
 from references import DDTREE, ddtree_drafter, ddtree_generate, zlab_drafter
 from remote.contract.settings import DDTREE as DDTREE_RULES, EvalSettings, SettingsError
@@ -108,22 +108,6 @@ def test_sampled_tree_decoding_equals_ddtree_generate_seed_for_seed(pair):
         torch.manual_seed(seed)
         got = tree_generate(target, ours, prompt, 24, 8, None, Sampling(0.7), DDTREE_RULES)
         assert (got.output_ids, got.acceptance_lengths) == want, seed
-
-
-def chi_square_p(counts: dict, probs: dict, n: int) -> float:
-    """Pearson chi-square goodness of fit (cells with expected count < 5 pooled), its p-value."""
-    from scipy.stats import chi2
-
-    cells, pooled_obs, pooled_exp = [], 0, 0.0
-    for key, p in probs.items():
-        if n * p < 5:
-            pooled_obs, pooled_exp = pooled_obs + counts.get(key, 0), pooled_exp + n * p
-        else:
-            cells.append((counts.get(key, 0), n * p))
-    if pooled_exp > 0:
-        cells.append((pooled_obs, pooled_exp))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    return float(chi2.sf(stat, len(cells) - 1))
 
 
 @torch.no_grad()

@@ -161,6 +161,20 @@ def target_decode(target, prompt_ids: torch.Tensor, max_new_tokens: int, stop_to
                         continuation=output_ids[end:] if overshoot else None)
 
 
+def committed(accepted: list[int], bonus: int, full_blocks: bool, left: int, stop: set,
+              first: int) -> tuple[list[int], bool]:
+    """The tokens a cycle commits of its ``accepted`` drafts and ``bonus`` token, and whether decoding
+    stops after it. z-lab's rules: at most ``left`` tokens (``max_length - start - 1``), cut after a
+    stop token. Full-block rules (SpecForge's, DDTree's): the whole run, and a stop token anywhere in
+    it, or as the prefill's token ``first``, ends the loop after this cycle."""
+    new_tokens = accepted + [bonus]
+    if full_blocks:
+        return new_tokens, first in stop or any(t in stop for t in new_tokens)
+    new_tokens = new_tokens[:left]
+    stopped_at = next((i for i, t in enumerate(new_tokens) if t in stop), None)
+    return (new_tokens, False) if stopped_at is None else (new_tokens[:stopped_at + 1], True)
+
+
 @torch.inference_mode()
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY,
@@ -226,14 +240,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                 accepted, bonus = rejection_sample(drafts, sampling.probs(logits), *proposal.on(logits.device))
 
             # commit the accepted drafts and the bonus token
-            produced = accepted + 1 if specforge else min(accepted + 1, max_length - start - 1)
-            new_tokens = (drafts[0, :accepted].tolist() + [bonus])[:produced]
-            stopped_at = next((i for i, t in enumerate(new_tokens) if t in stop), None)
-            if specforge:                    # the whole run counts; a stop anywhere ends the loop
-                stopped = stopped_at is not None or output_ids[0] in stop
-            elif stopped_at is not None:
-                produced, stopped = stopped_at + 1, True
-                new_tokens = new_tokens[:produced]
+            new_tokens, stopped = committed(drafts[0, :accepted].tolist(), bonus, specforge, max_length - start - 1,
+                                            stop, output_ids[0])
+            produced = len(new_tokens)
             output_ids += new_tokens
             acceptance_lengths.append(produced)
             # features of the kept positions start..start+produced-1, from this verify (causal: the

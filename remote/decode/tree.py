@@ -62,6 +62,7 @@ import torch
 from remote.contract.settings import FULL_BLOCK_RULES
 from remote.drafters.config import DFLASH, DFLASH2
 from remote.drafters.dflash import block_input_ids
+from remote.decode.online import committed
 from remote.drafters.sampling import GREEDY, Sampling, sample
 from remote.target.cache import forward, has_linear_layers, keep_attention, keep_attention_path, new_cache
 from remote.target.model import capture, features
@@ -274,15 +275,9 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             tree_nodes.append(len(tree))
 
             # commit the path and the bonus token
-            accepted = len(path) - 1
-            produced = accepted + 1 if full else min(accepted + 1, max_length - start - 1)
-            new_tokens = ([tree.tokens[i] for i in path[1:]] + [bonus])[:produced]
-            stopped_at = next((i for i, t in enumerate(new_tokens) if t in stop), None)
-            if full:                        # the whole run counts; a stop anywhere ends the loop
-                stopped = stopped_at is not None or output_ids[0] in stop
-            elif stopped_at is not None:
-                produced, stopped = stopped_at + 1, True
-                new_tokens = new_tokens[:produced]
+            new_tokens, stopped = committed([tree.tokens[i] for i in path[1:]], bonus, full, max_length - start - 1,
+                                            stop, output_ids[0])
+            produced = len(new_tokens)
             output_ids += new_tokens
             acceptance_lengths.append(produced)
             kept = path[:produced]                      # the nodes now at positions start..start+produced-1
