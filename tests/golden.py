@@ -84,3 +84,27 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
         cells.append((pooled_obs, pooled_exp))
     stat = sum((o - e) ** 2 / e for o, e in cells)
     return float(chi2.sf(stat, len(cells) - 1))
+
+
+@torch.no_grad()
+def four_token_pair(folder: Path):
+    """A target over a 4-token vocabulary, a random DFlash drafter for it (block 4) saved in ``folder``,
+    a prompt, and the target's exact law of its first three sampled tokens (by enumeration):
+    ``(target, drafter, prompt [1, P], {tokens: probability})``."""
+    import itertools
+    import math
+
+    from models import freeze
+    from remote.drafters.checkpoint import load_drafter
+    from remote.drafters.tiny import tiny_target
+
+    target = freeze(tiny_target("qwen3", vocab_size=4, init_std=0.3, seed=2))
+    zlab_drafter(folder, target, block_size=4, layer_ids=(0, 1, 2))
+    drafter, _ = load_drafter(folder)
+    prompt = torch.tensor([[1, 2, 0, 3, 1]])
+    seqs = torch.tensor(list(itertools.product(range(4), repeat=3)))
+    logp = target(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.float().log_softmax(-1)
+    P = prompt.shape[1]
+    exact = {tuple(s.tolist()): math.exp(sum(float(logp[i, P - 1 + k, s[k]]) for k in range(3)))
+             for i, s in enumerate(seqs)}
+    return target, drafter, prompt, exact

@@ -25,7 +25,8 @@ from remote.drafters.tiny import tiny_target
 from models import freeze, trained_drafter, walk_target
 from references import (RollbackTarget, speculators_drafter, speculators_logits, zlab_drafter,
                               zlab_generate, zlab_logits)
-from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, chi_square_p, ours_logits_per_anchor,
+from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, chi_square_p, four_token_pair,
+                    ours_logits_per_anchor,
                     prompts, reference_from)
 
 # every test but test_anchor_mask_equals_speculators_mask_mod builds tiny targets and drafters
@@ -329,19 +330,9 @@ def test_speculative_sampling_is_distributed_as_the_target(tmp_path, monkeypatch
     from the prefill, the next two from one draft-verify cycle of a random drafter) equals the
     target's own (exact, by enumeration); chi-square p > 0.001 over 1000 seeded runs. The same test
     rejects a sampler that accepts every draft (p < 1e-6)."""
-    import itertools
-
     from remote.decode import online
 
-    target = freeze(tiny_target("qwen3", vocab_size=4, init_std=0.3, seed=2))
-    zlab_drafter(tmp_path, target, block_size=4, layer_ids=(0, 1, 2))
-    ours, _ = load_drafter(tmp_path)
-    prompt = torch.tensor([[1, 2, 0, 3, 1]])
-    seqs = torch.tensor(list(itertools.product(range(4), repeat=3)))
-    logp = target(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.float().log_softmax(-1)
-    P = prompt.shape[1]
-    exact = {tuple(s.tolist()): math.exp(sum(float(logp[i, P - 1 + k, s[k]]) for k in range(3)))
-             for i, s in enumerate(seqs)}
+    target, ours, prompt, exact = four_token_pair(tmp_path)
 
     def draw(n):
         counts: dict = {}

@@ -10,15 +10,14 @@ its trained drafter: real trees, with partial and deep accepts.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
 import torch
 
-from golden import chi_square_p, prompts, reference_from
+from golden import chi_square_p, four_token_pair, prompts, reference_from
 from models import freeze, trained_drafter, walk_target
-from references import DDTREE, ddtree_drafter, ddtree_generate, zlab_drafter
+from references import DDTREE, ddtree_drafter, ddtree_generate
 from remote.contract.settings import DDTREE as DDTREE_RULES, EvalSettings, SettingsError
 from remote.decode.offline import SpecForgeRules, evaluate_offline
 from remote.decode.online import target_decode
@@ -116,19 +115,9 @@ def test_sampled_tree_decoding_is_distributed_as_the_target(tmp_path, monkeypatc
     prefill's, then one tree cycle of a random drafter: 4 nodes over 2 levels) equals the target's
     own (exact, by enumeration); chi-square p > 0.001 over 600 seeded runs. The same test rejects a
     walk that follows the target's greedy choice instead of its sample (p < 1e-6)."""
-    import itertools
-
     from remote.decode import tree as tree_module
 
-    target = freeze(tiny_target("qwen3", vocab_size=4, init_std=0.3, seed=2))
-    zlab_drafter(tmp_path, target, block_size=4, layer_ids=(0, 1, 2))
-    ours, _ = load_drafter(tmp_path)
-    prompt = torch.tensor([[1, 2, 0, 3, 1]])
-    seqs = torch.tensor(list(itertools.product(range(4), repeat=3)))
-    logp = target(torch.cat([prompt.expand(len(seqs), -1), seqs], 1)).logits.float().log_softmax(-1)
-    P = prompt.shape[1]
-    exact = {tuple(s.tolist()): math.exp(sum(float(logp[i, P - 1 + k, s[k]]) for k in range(3)))
-             for i, s in enumerate(seqs)}
+    target, ours, prompt, exact = four_token_pair(tmp_path)
 
     def draw(n):
         counts: dict = {}
