@@ -175,6 +175,14 @@ def committed(accepted: list[int], bonus: int, full_blocks: bool, left: int, sto
     return (new_tokens, False) if stopped_at is None else (new_tokens[:stopped_at + 1], True)
 
 
+def full_block_output(output_ids: list[int], max_new_tokens: int, stop: set) -> list[int]:
+    """The output of a decoding under full-block rules, whose last runs counted past the end: cut at
+    ``max_new_tokens``, then after the first stop token."""
+    output_ids = output_ids[:max_new_tokens]
+    cut = next((i for i, t in enumerate(output_ids) if t in stop), None)
+    return output_ids if cut is None else output_ids[:cut + 1]
+
+
 @torch.inference_mode()
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int] | None = None, sampling: Sampling = GREEDY,
@@ -264,8 +272,6 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         _sync(device)
         wall_s = time.perf_counter() - t0
     if specforge:   # the whole runs were counted; the output is cut as spec_generate cuts it
-        output_ids = output_ids[:max_new_tokens]
-        cut = next((i for i, t in enumerate(output_ids) if t in stop), None)
-        output_ids = output_ids if cut is None else output_ids[:cut + 1]
+        output_ids = full_block_output(output_ids, max_new_tokens, stop)
     return SpecResult(output_ids=output_ids, acceptance_lengths=acceptance_lengths, wall_s=wall_s,
                       target_forwards=target_forwards, confidences=confidences or None)

@@ -62,7 +62,7 @@ import torch
 from remote.contract.settings import FULL_BLOCK_RULES
 from remote.drafters.config import DFLASH, DFLASH2
 from remote.drafters.dflash import block_input_ids
-from remote.decode.online import committed
+from remote.decode.online import committed, full_block_output
 from remote.drafters.sampling import GREEDY, Sampling, sample
 from remote.target.cache import forward, has_linear_layers, keep_attention, keep_attention_path, new_cache
 from remote.target.model import capture, features
@@ -294,8 +294,6 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
             torch.cuda.synchronize(device)
         wall_s = time.perf_counter() - t0
     if full:        # the whole runs were counted; the output is cut as ddtree_generate cuts it
-        output_ids = output_ids[:max_new_tokens]
-        cut = next((i for i, t in enumerate(output_ids) if t in stop), None)
-        output_ids = output_ids if cut is None else output_ids[:cut + 1]
+        output_ids = full_block_output(output_ids, max_new_tokens, stop)
     return TreeResult(output_ids=output_ids, acceptance_lengths=acceptance_lengths, wall_s=wall_s,
                       tree_nodes=tree_nodes)
