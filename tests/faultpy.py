@@ -5,7 +5,8 @@ of a real sync. The inventory names a two-line shell script that execs this; not
 knows about it.
 
 SPEC (JSON): ``{"dir": D, "pause": {"at": "send", "file": NAME, "bytes": N}}`` pauses the sender of
-NAME once N bytes are out (the sender sends 256 KiB per call, so N is exact), or
+NAME once N bytes are out (the sender sends 256 KiB per call, so N is exact; ``--tunnel``'s forced
+sender too), or
 ``{"dir": D, "pause": {"at": "rename", "ckpt": NAME}}`` pauses the lock holder (the eval host's
 ``serve`` session) just before it renames the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
 ``D/release`` (60 s at most), then goes on.
@@ -37,8 +38,12 @@ def plant(spec: dict, args: list) -> None:
     changed in place)."""
     first = 3 if args[1:2] == ["--idle"] else 1
     tool_args = args[first:]
+    forced = "SSH_ORIGINAL_COMMAND" in os.environ and len(args) == 2  # --tunnel's forced sender: HASH DIR
+    if forced:
+        import shlex
+        tool_args = shlex.split(os.environ["SSH_ORIGINAL_COMMAND"])[1:]  # what the eval host asked for
     imp = spec.get("impostor")
-    if imp and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == imp["file"]:
+    if imp and not forced and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == imp["file"]:
         args[first + 1] = imp["with"]
     p = spec.get("pause") or {}
     if p.get("at") == "send" and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == p["file"]:

@@ -1,6 +1,7 @@
 """What the sync tests share: a training run of its own per test on the SSH lab (``Env``), big
-files made of a 1 MiB random block (real bytes for sha256 and the ciphers), and the check that a
-synced checkpoint is byte-identical with its manifest."""
+files made of a 1 MiB random block (real bytes for sha256 and the ciphers), the check that a
+synced checkpoint is byte-identical with its manifest, a sync paused in its sender (``Paused``) and
+the hosts' ``serve`` sessions (``serve_pids``)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 from orchestrator.config.catalog import parse_catalog
 from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import sync_checkpoint
+from waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -100,3 +103,58 @@ def identical(src: Path, dst: Path) -> None:
         assert sha(src / n) == sha(dst / n), n
     manifest = json.loads((dst / ".dflash-manifest.json").read_text())
     assert {e["path"]: e["sha256"] for e in manifest["files"]} == {n: sha(src / n) for n in names}
+
+
+class Paused:
+    """A sync whose training host's sender of FILE pauses once BYTES are out (tests/faultpy.py)."""
+
+    def __init__(self, env: Env, tmp: Path, step: int, file: str, at: int, tunnel: str | None = None):
+        self.dir = tmp / "fault"
+        self.dir.mkdir()
+        spec = self.dir / "spec.json"
+        spec.write_text(json.dumps({"dir": str(self.dir), "pause": {"at": "send", "file": file, "bytes": at}}))
+        wrapper = self.dir / "python"
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {REPO / "tests" / "faultpy.py"} {spec} "$@"\n')
+        wrapper.chmod(0o755)
+        inv = load_inventory(env.lab.write_inventory(tmp / "faulty.yaml", train={"python": str(wrapper)}))
+        self.box: dict = {}
+
+        def go():
+            try:
+                self.box["res"] = sync_checkpoint(inv, env.catalog, str(step), run=env.run, tunnel=tunnel, **FAST)
+            except Exception as e:  # noqa: BLE001
+                self.box["err"] = e
+        self.t = threading.Thread(target=go)
+        self.t.start()
+        wait_for(lambda: (self.dir / "paused").exists() or not self.t.is_alive(), 60, "the pause point")
+        assert self.t.is_alive(), self.box
+
+    def release(self) -> dict:
+        (self.dir / "release").touch()
+        self.t.join(120)
+        assert not self.t.is_alive()
+        return self.box
+
+
+def serve_pids(host) -> list[int]:
+    """The `sync_host.py serve` sessions of the lab host ``host`` (by the address their sshd took them in on),
+    without their guardians."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        conn = next((e.split(b"=", 1)[1].split() for e in env if e.startswith(b"SSH_CONNECTION=")), [])
+        if b"serve" in cmd and conn[2:4] == [host.address.encode(), str(host.port).encode()] and \
+                _stdin(entry) != "/dev/null":  # not its guardian (remote/sync_host.py Guardian)
+            pids.append(int(entry))
+    return pids
+
+
+def _stdin(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/0")
+    except OSError:
+        return None

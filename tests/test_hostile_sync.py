@@ -14,11 +14,10 @@ import json
 import os
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import pytest
-from synclab import FAST, REPO, MiB, Env, identical, sha
+from synclab import FAST, REPO, MiB, Env, Paused, identical, serve_pids, sha
 from waiting import wait_for
 
 from orchestrator.config.inventory import load_inventory
@@ -139,37 +138,6 @@ def test_a_long_name_resumes(env):
     identical(src, env.dst_run / "step_6")
 
 
-class Paused:
-    """A sync whose training host's sender of FILE pauses once BYTES are out (tests/faultpy.py)."""
-
-    def __init__(self, env: Env, tmp: Path, step: int, file: str, at: int, tunnel: str | None = None):
-        self.dir = tmp / "fault"
-        self.dir.mkdir()
-        spec = self.dir / "spec.json"
-        spec.write_text(json.dumps({"dir": str(self.dir), "pause": {"at": "send", "file": file, "bytes": at}}))
-        wrapper = self.dir / "python"
-        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {REPO / "tests" / "faultpy.py"} {spec} "$@"\n')
-        wrapper.chmod(0o755)
-        inv = load_inventory(env.lab.write_inventory(tmp / "faulty.yaml", train={"python": str(wrapper)}))
-        self.box: dict = {}
-
-        def go():
-            try:
-                self.box["res"] = sync_checkpoint(inv, env.catalog, str(step), run=env.run, tunnel=tunnel, **FAST)
-            except Exception as e:  # noqa: BLE001
-                self.box["err"] = e
-        self.t = threading.Thread(target=go)
-        self.t.start()
-        wait_for(lambda: (self.dir / "paused").exists() or not self.t.is_alive(), 60, "the pause point")
-        assert self.t.is_alive(), self.box
-
-    def release(self) -> dict:
-        (self.dir / "release").touch()
-        self.t.join(120)
-        assert not self.t.is_alive()
-        return self.box
-
-
 def touch(p: Path) -> None:
     os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
 
@@ -209,21 +177,6 @@ def test_a_source_that_changes_while_it_is_sent_is_named_and_the_rerun_completes
     msg = str(err)
     assert isinstance(err, SyncError) and "Traceback" not in msg, repr(err)
     assert "model.safetensors changed on train while it was sent; it will be sent again" in msg, msg
-
-
-def serve_pids(host) -> list[int]:
-    """The `sync_host.py serve` sessions of the lab host ``host`` (by the address their sshd took them in on)."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        conn = next((e.split(b"=", 1)[1].split() for e in env if e.startswith(b"SSH_CONNECTION=")), [])
-        if b"serve" in cmd and conn[2:4] == [host.address.encode(), str(host.port).encode()]:
-            pids.append(int(entry))
-    return pids
 
 
 def test_a_killed_host_session_is_one_line_naming_the_host_and_the_rerun_completes(env, tmp_path):
@@ -266,13 +219,15 @@ class Serve:
         return self.p.stdout.readline().strip()
 
     def end(self) -> None:
-        self.p.stdin.close()
+        if not self.p.stdin.closed:
+            self.p.stdin.close()
         self.p.wait(30)
 
 
 def test_overlapping_grants_leave_authorized_keys_and_its_folders_as_they_were(tmp_path):
-    """Two `--tunnel` syncs at once on a file without a final newline, and a grant whose folders
-    did not exist: every byte and folder as before, and no granted line left unterminated."""
+    """Two `--tunnel` syncs at once on a file without a final newline, and two at once that both
+    find neither the file nor its folders (whichever ends first): every byte and folder as before,
+    no granted line left unterminated (the second grant of a file the first made left it empty)."""
     keys = tmp_path / "authorized_keys"
     before = b"ssh-ed25519 AAAAuser user@laptop"               # no final newline
     keys.write_bytes(before)
@@ -290,14 +245,19 @@ def test_overlapping_grants_leave_authorized_keys_and_its_folders_as_they_were(t
         b.end()
     assert keys.read_bytes() == before
     deep = tmp_path / "no" / "such" / "authorized_keys"
-    c = Serve()
-    try:
-        assert c.ask("GRANT " + json.dumps({**grant, "file": str(deep), "key": "ssh-ed25519 AAAAc",
-                                            "token": "c"})).startswith("GRANT")
-        assert deep.exists()
-    finally:
-        c.end()                                             # the session's end revokes
-    assert not (tmp_path / "no").exists()
+    for maker_first in (True, False):
+        c, d = Serve(), Serve()
+        try:
+            for s, t in ((c, "c"), (d, "d")):
+                assert s.ask("GRANT " + json.dumps({**grant, "file": str(deep), "key": f"ssh-ed25519 AAAA{t}",
+                                                    "token": t})).startswith("GRANT")
+            first, last = (c, d) if maker_first else (d, c)
+            assert first.ask("REVOKE") == "REVOKE"
+            assert deep.exists()                            # the other grant's line is still there
+        finally:
+            c.end()                                         # the session's end revokes
+            d.end()
+        assert not (tmp_path / "no").exists(), list((tmp_path / "no").rglob("*"))
 
 
 def test_a_host_key_mismatch_names_a_runnable_ssh_keygen_and_identity_faults_are_named(ssh_lab, tmp_path):
@@ -340,10 +300,38 @@ def test_a_relative_checkpoints_root_is_taken_from_the_login_home_once(env, tmp_
     identical(src, env.dst_run / "step_10")
 
 
-@pytest.mark.parametrize("mode", ["relay", "tunnel"])
-def test_many_small_files_move_in_a_few_streams(env, monkeypatch, mode):
+def reachable_training_host(lab, env: Env, tmp: Path):
+    """The lab with a training host the eval host can reach (for `--direct`; the lab's own two
+    cannot reach each other): an sshd of its own in the eval host's network namespace, on the same
+    files as the lab's `train`, and an `ssh` first on the eval host's PATH that logs in with the
+    lab's key (as a key of the eval host's own would). Sets ``env``'s inventory; returns the sshd."""
+    import subprocess
+
+    import sshlab
+
+    key = tmp / "direct_host_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
+    port = 2298 if lab.isolated else sshlab._free_port(lab.eval.address)
+    sshd = sshlab.ExtraSshd(lab, "eval", port, key, tmp).start()
+    known = tmp / "direct_known_hosts"
+    known.write_text(f"[{lab.eval.address}]:{port} {' '.join(key.with_suffix('.pub').read_text().split()[:2])}\n")
+    bindir = tmp / "eval-bin"
+    bindir.mkdir()
+    for name, text in ((bindir / "ssh", f'exec {shutil.which("ssh")} -i {lab.client_key} "$@"'),
+                       (tmp / "eval-python", f'PATH={bindir}:$PATH exec {sys.executable} "$@"')):
+        name.write_text(f"#!/bin/sh\n{text}\n")
+        name.chmod(0o755)
+    env.inv = load_inventory(lab.write_inventory(tmp / "direct.yaml", eval={"python": str(tmp / "eval-python")},
+                                                 train={"address": lab.eval.address, "port": port,
+                                                        "known_hosts": str(known)}))
+    return sshd
+
+
+@pytest.mark.parametrize("mode", ["relay", "tunnel", "direct"])
+def test_many_small_files_move_in_a_few_streams(env, monkeypatch, tmp_path, mode):
     """One sender/receiver pair per file made 1,000 files of 64 B take minutes: they go in batches
-    (`send-batch`/`recv-batch`), at most `jobs` streams, and arrive identical with their records."""
+    (`send-batch`/`recv-batch`), at most `jobs` streams, and arrive identical with their records;
+    with `--direct` too (a training host the eval host reaches: :func:`reachable_training_host`)."""
     import subprocess
 
     import orchestrator.sync.relay as relay
@@ -358,35 +346,106 @@ def test_many_small_files_move_in_a_few_streams(env, monkeypatch, mode):
             started.append(argv)
             super().__init__(argv, **kw)
     monkeypatch.setattr(relay.subprocess, "Popen", Counting)
-    res = env.sync("11", jobs=4, tunnel=mode)
+    if mode == "direct":
+        sshd = reachable_training_host(env.lab, env, tmp_path)
+        try:
+            res = env.sync("11", jobs=4, direct=True)
+        finally:
+            sshd.stop()
+    else:
+        res = env.sync("11", jobs=4, tunnel=mode)
     assert res.path == mode and res.verified == 303
     identical(src, env.dst_run / "step_11")
     receivers = [a for a in started if {"recv", "recv-batch"} & set(a)]
     assert len(receivers) <= 5, len(receivers)             # 4 batches and big.bin
 
 
-def test_a_finalize_the_orchestrator_gave_up_on_is_not_done_later(tmp_path):
-    """The eval host's session stopped (SIGSTOP) past FINALIZE's time limit: the sync said failed
-    and closed the session; resumed, the session must not rename the checkpoint into place."""
+@pytest.mark.timeout(120)
+def test_a_stopped_eval_host_session_fails_finalize_in_bounded_time_and_never_finalizes_later(env, monkeypatch):
+    """The eval host's `serve` stopped (SIGSTOP) as FINALIZE is asked: the sync waited 300 s for
+    the answer. Now it fails once the session has been silent for `idle` s (a working session says
+    ALIVE), naming the host; run again (SIGCONT), the session does not rename the checkpoint into
+    place, and the rerun completes."""
+    import signal
+    import time
+
+    from orchestrator.sync.lock import Destination
+
+    src = env.ckpt(13, {"model.safetensors": 1, "config.json": b"{}\n"})
+    real, stopped = Destination.finalize, []
+
+    def stop_then_finalize(self, manifest, rehash=0):
+        stopped.extend(serve_pids(env.lab.eval))
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        box["asked"] = time.monotonic()
+        return real(self, manifest, rehash)
+    box: dict = {}
+    monkeypatch.setattr(Destination, "finalize", stop_then_finalize)
+    try:
+        with pytest.raises(SyncError) as e:
+            env.sync("13")
+        took = time.monotonic() - box["asked"]
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+    msg = str(e.value)
+    assert stopped and took < FAST["idle"] + 15, took
+    assert msg.startswith("host eval: ") and "stopped" in msg and "FINALIZE" in msg and "\n" not in msg, msg
+    wait_for(lambda: not serve_pids(env.lab.eval), 30, "the stopped session to end")
+    assert not (env.dst_run / "step_13").exists() and env.staging(13).exists()
+    monkeypatch.undo()
+    env.sync("13")
+    identical(src, env.dst_run / "step_13")
+
+
+def test_a_run_folder_that_is_a_link_out_of_the_checkpoints_root_is_refused_and_named(env, tmp_path):
+    """`<checkpoints>/RUN` itself a link to a folder elsewhere: the lock file, the staging folder and
+    the checkpoint were written there. Refused before anything is made there (a dry run too); a
+    link that stays inside the checkpoints root is followed."""
+    src = env.ckpt(14, {"model.safetensors": 1, "config.json": b"{}\n"})
+    v = victim(tmp_path)
+    env.dst_run.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(v, env.dst_run)
+    for dry in (True, False):
+        with pytest.raises(SyncError) as e:
+            env.sync("14", dry_run=dry)
+        msg = str(e.value)
+        assert f"{env.dst_run} is a symbolic link to {v}, outside the checkpoints root" in msg, msg
+        unchanged(v)
+    os.unlink(env.dst_run)
+    inside = env.dst_run.with_name(env.run + "-real")
+    inside.mkdir()
+    os.symlink(inside.name, env.dst_run)
+    env.sync("14")
+    identical(src, inside / "step_14")
+
+
+def test_no_inventory_field_becomes_an_option_or_a_shell_command(ssh_lab, tmp_path):
+    """A host's address, user, identity, known_hosts and python reach OpenSSH's and the shell's
+    command lines only as the values they are: an address like `-oProxyCommand=…` is never an
+    option, a python with `;` never a second command (the one quoting place, transport/runner.py)."""
     import subprocess
 
-    data = os.urandom(5000)
-    s = Serve()
-    try:
-        lock = json.dumps({"rundir": str(tmp_path), "ckpt": "step_1", "token": "tok", "wait": 1})
-        assert s.ask(f"LOCK {lock}") == "LOCK" and s.ask("BEGIN") == "BEGIN"
-        r = subprocess.run([sys.executable, str(TOOL), "recv", str(tmp_path), "step_1", "w.bin", str(len(data)), "0",
-                            "1", "tok"], input=data + b"DFLT" + hashlib.sha256(data).hexdigest().encode() + b"\n",
-                           capture_output=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        manifest = {"files": [{"path": "w.bin", "size": len(data), "mtime_ns": 1,
-                               "sha256": hashlib.sha256(data).hexdigest()}]}
-        s.p.stdin.write(f"FINALIZE {json.dumps(manifest)}\n")   # read only after this side gave up
-        s.p.stdin.close()
-        answer = s.p.stdout.read()
-        s.p.wait(30)
-    finally:
-        if s.p.poll() is None:
-            s.p.kill()
-    assert "not finalizing" in answer, answer
-    assert not (tmp_path / "step_1").exists() and (tmp_path / ".staging-step_1" / "w.bin").exists()
+    from orchestrator.sync.tool import run_tool
+    from orchestrator.transport import SSHRunner, TransportError, endpoint_for
+
+    mark = tmp_path / "PWNED"
+    evil = f"-oProxyCommand=touch {mark}"
+    for field, value in (("address", evil), ("user", evil), ("identity", f"{tmp_path}/k; touch {mark}"),
+                         ("known_hosts", f"{tmp_path}/kh -oProxyCommand=touch {mark}")):
+        host = load_inventory(ssh_lab.write_inventory(tmp_path / f"{field}.yaml", eval={field: value})).get("eval")
+        with pytest.raises(TransportError) as e:
+            SSHRunner(host, retries=0, connect_timeout=5).connect()
+        assert "\n" not in str(e.value), str(e.value)
+        try:
+            argv = endpoint_for(host).argv(["true"], ("ConnectTimeout=5",))   # the data path's OpenSSH
+        except TransportError:
+            continue                                        # refused as it is (an address that is an option)
+        data = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert data.returncode != 0, (field, data.stderr)
+    host = load_inventory(ssh_lab.write_inventory(tmp_path / "python.yaml",
+                                                  eval={"python": f"{sys.executable}; touch {mark}"})).get("eval")
+    with SSHRunner(host) as r, pytest.raises(SyncError, match="python not found or not executable"):
+        run_tool(r, host, "manifest", str(tmp_path))
+    assert not mark.exists()

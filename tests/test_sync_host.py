@@ -128,3 +128,43 @@ def test_reserved_names_from_a_manifest_are_refused(tmp_path, rel):
     lines = hold.stdout.splitlines()
     assert lines[:2] == ["LOCK", "BEGIN"] and lines[2].startswith("ERROR") and "reserved name" in lines[2], lines
     assert not (tmp_path / "step_1").exists()
+
+
+def test_finalize_replaces_a_copy_only_by_its_digest_and_the_next_lock_removes_a_crashs_leftover(tmp_path):
+    """FINALIZE with ``replace`` renames the staging folder over the copy there only when that
+    copy's manifest has the digest given (STATE's ``final_digest``); a copy set aside by a crash
+    between the two renames (``.old-CKPT``) goes at the next LOCK."""
+    import hashlib
+
+    digest = lambda b: hashlib.sha256(b).hexdigest()  # noqa: E731
+    final = tmp_path / "step_1"
+    final.mkdir()
+    (final / "w.bin").write_bytes(b"old")
+    (final / ".dflash-manifest.json").write_text(json.dumps(
+        {"files": [{"path": "w.bin", "size": 3, "mtime_ns": 1, "sha256": digest(b"old")}]}))
+    (tmp_path / ".old-step_1" / "sub").mkdir(parents=True)
+    s = subprocess.Popen([sys.executable, str(TOOL), "serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(verb: str, payload=None) -> str:
+        s.stdin.write(verb + ("" if payload is None else " " + json.dumps(payload)) + "\n")
+        s.stdin.flush()
+        return s.stdout.readline().strip()
+    try:
+        where = {"rundir": str(tmp_path), "ckpt": "step_1"}
+        assert ask("LOCK", {**where, "token": "tok", "wait": 1}) == "LOCK"
+        assert not (tmp_path / ".old-step_1").exists()
+        copy = json.loads(ask("STATE", where)[len("STATE "):])["final_digest"]
+        assert ask("BEGIN") == "BEGIN"
+        r = subprocess.run([sys.executable, str(TOOL), "recv", str(tmp_path), "step_1", "w.bin", "3", "0", "2", "tok"],
+                           input=b"new" + b"DFLT" + digest(b"new").encode() + b"\n", capture_output=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        files = [{"path": "w.bin", "size": 3, "mtime_ns": 2, "sha256": digest(b"new")}]
+        refused = ask("FINALIZE", {"files": files, "replace": digest(b"another copy")})
+        assert refused.startswith("ERROR") and "not the copy this sync was to replace" in refused, refused
+        assert (final / "w.bin").read_bytes() == b"old"
+        done = json.loads(ask("FINALIZE", {"files": files, "replace": copy})[len("FINALIZE "):])
+        assert (final / "w.bin").read_bytes() == b"new" and done["digest"] != copy
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".lock-step_1", "step_1"]
+    finally:
+        s.stdin.close()
+        s.wait(30)

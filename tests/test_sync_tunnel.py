@@ -9,8 +9,10 @@ refused, never trusted on first use); the one-time key is restricted (a forced c
 sends files of the checkpoint folder, from this machine's address, with an expiry) and gone once
 the eval host is logged in; where the tunnel cannot be set up (no ssh client on the eval host,
 the training host refusing the key) one line says why and ``auto`` falls back to the relay; and
-after success, failure, Ctrl-C and SIGKILL nothing is left on either host or here: no
-authorized_keys line, tunnel folder (key, known_hosts, sockets), forwarded socket or connection.
+after success, failure, Ctrl-C and SIGKILL (of this process, or of a host's session while the tunnel
+is set up) nothing is left on either host or here: no authorized_keys line, tunnel folder (key,
+known_hosts, sockets), forwarded socket or connection. A stopped or killed sender on the training
+host is named as such.
 """
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ from pathlib import Path
 
 import pytest
 import sshlab
-from synclab import MiB, Env, identical
+from synclab import FAST, MiB, Env, Paused, identical, serve_pids
 
 from orchestrator.config.inventory import load_inventory
 from orchestrator.sync import SyncError, SyncProgress, TunnelFallback, TunnelUnavailable
+from orchestrator.sync import tool as tool_mod
 from orchestrator.sync.tool import tool_blob
 from orchestrator.transport import master as master_mod
 
@@ -182,7 +185,9 @@ def test_resume_and_checksum_resend_through_the_tunnel(env, ssh_lab):
 
 def test_the_one_time_key_is_restricted_and_gone_once_the_eval_host_is_in(env, ssh_lab, monkeypatch):
     """While the key is in the training host's authorized_keys (between GRANT and the eval host's
-    login), it is tried from this machine (its `from` address) for what it must not do."""
+    login), it is tried from this machine (its `from` address) for what it must not do. Its folder
+    on the eval host is 0700, and its private key is found nowhere else: not in a log, a work or
+    checkpoints folder of either host, nor in what the sync said."""
     src = env.ckpt(4, {"model.safetensors": 2, "config.json": b"{}\n"})
     tr, seen = ssh_lab.train, {}
     real_forward = master_mod.Master.forward
@@ -191,6 +196,8 @@ def test_the_one_time_key_is_restricted_and_gone_once_the_eval_host_is_in(env, s
         line = next(ln for ln in authorized_keys(ssh_lab).splitlines() if KEY_TAG in ln)
         seen["line"] = line
         key = tunnel_dir() / "id"
+        seen["mode"] = tunnel_dir().stat().st_mode & 0o777
+        seen["secret"] = [ln for ln in key.read_text().splitlines() if ln and not ln.startswith("-----")]
 
         def ssh(*args, remote=None):
             argv = ["ssh", "-F", "/dev/null", "-i", str(key), "-o", "IdentitiesOnly=yes", "-o", "IdentityAgent=none",
@@ -232,6 +239,13 @@ def test_the_one_time_key_is_restricted_and_gone_once_the_eval_host_is_in(env, s
     assert "id" not in seen["files"] and "id.pub" not in seen["files"]
     assert seen["keys_now"] == env.keys_before
     nothing_left(ssh_lab, env)
+    assert seen["mode"] == 0o700 and len(seen["secret"]) > 2
+    where = [tr.log, ssh_lab.eval.log, *(p for h in (tr, ssh_lab.eval) for p in h.root.rglob("*") if p.is_file())]
+    for path in where:
+        if path.stat().st_size < (1 << 20):
+            text = path.read_bytes()
+            assert not any(part.encode() in text for part in seen["secret"][1:-1]), path
+    assert not any(part in repr(res) for part in seen["secret"])
 
 
 def test_an_impostor_behind_the_tunnel_is_refused(env, ssh_lab, monkeypatch, tmp_path):
@@ -380,3 +394,79 @@ def test_the_eval_hosts_inventory_default_and_an_awkward_folder_name(ssh_lab, tm
     res = env.sync("1", tunnel="relay")          # the command line wins over the inventory
     assert res.bytes_moved == 0
     nothing_left(ssh_lab, env)
+
+
+@pytest.mark.parametrize("host, point", [("train", "granted"), ("eval", "pull")])
+def test_a_hosts_session_killed_while_the_tunnel_is_set_up_is_one_line_and_leaves_nothing(env, ssh_lab, monkeypatch,
+                                                                                        host, point):
+    """`sync_host.py serve` SIGKILLed right after the training host granted the one-time key, or on
+    the eval host while it logs in through the tunnel: the key line stayed in authorized_keys until
+    its expiry, the tunnel folder (the one-time private key in it) until the next sync, and the
+    message blamed the training host's refusal of the login. Now the session's guardian undoes
+    them at once, and the line names the host whose session ended."""
+    src = env.ckpt(11, {"model.safetensors": 2, "config.json": b"{}\n"})
+    victim = ssh_lab.train if host == "train" else ssh_lab.eval
+
+    def kill():
+        pids = serve_pids(victim)
+        assert pids
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    if point == "granted":
+        real_forward = master_mod.Master.forward
+
+        def forward(self, spec):
+            kill()
+            return real_forward(self, spec)
+        monkeypatch.setattr(master_mod.Master, "forward", forward)
+    else:
+        real_answer = tool_mod.Session._answer
+
+        def answer(self, verb, timeout):
+            if verb == "PULL":
+                time.sleep(0.1)                  # the eval host is starting its connection through the tunnel
+                kill()
+            return real_answer(self, verb, timeout)
+        monkeypatch.setattr(tool_mod.Session, "_answer", answer)
+    started = time.monotonic()
+    with pytest.raises(SyncError) as e:
+        env.sync("11", tunnel="tunnel")
+    msg = str(e.value)
+    assert time.monotonic() - started < 30
+    assert not isinstance(e.value, TunnelUnavailable), msg   # not a reason to fall back to the relay
+    assert msg.startswith(f"host {host}: sync_host ended: killed") and "\n" not in msg, msg
+    nothing_left(ssh_lab, env)
+    monkeypatch.undo()
+    assert env.sync("11", tunnel="tunnel").path == "tunnel"
+    identical(src, env.dst_run / "step_11")
+    nothing_left(ssh_lab, env)
+
+
+@pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
+def test_a_stopped_or_killed_sender_on_the_training_host_is_named(env, ssh_lab, tmp_path, how):
+    """The training host's sender stopped or killed mid-file: "host eval: no data arrived" and "the
+    stream ... ended early" named the wrong host or no cause; now the training host and what
+    happened to its sender, in the idle time at most."""
+    src = env.ckpt(12, {"model.safetensors": 3, "config.json": b"{}\n"})
+    p = Paused(env, tmp_path, 12, "model.safetensors", MiB, tunnel="tunnel")
+    pid = int((p.dir / "paused").read_text().split()[1])
+    os.kill(pid, getattr(signal, how))
+    started = time.monotonic()
+    try:
+        p.t.join(60)
+        took = time.monotonic() - started
+    finally:
+        if how == "SIGSTOP":
+            os.kill(pid, signal.SIGCONT)
+    err = p.release().get("err")
+    msg = str(err)
+    assert isinstance(err, SyncError) and "\n" not in msg and "exit 0" not in msg, repr(err)
+    assert took < FAST["idle"] + 15, took
+    if how == "SIGSTOP":
+        assert msg.startswith("no data came from host train through the tunnel from eval for 6s") and \
+            "is its sender stopped" in msg, msg
+    else:
+        assert msg.startswith("the sender on host train (through the tunnel from the eval host) was killed"), msg
+    nothing_left(ssh_lab, env)
+    assert env.sync("12", tunnel="tunnel").path == "tunnel"
+    identical(src, env.dst_run / "step_12")

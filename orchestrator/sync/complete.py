@@ -2,16 +2,18 @@
 `sync-ckpt` and `watch` share (a checkpoint still being written is never synced or evaluated).
 
 Complete = both
-* **quiet**: no file in it changed for the run's ``settle`` seconds (catalog; measured on the
-  training host's own clock, so clock skew between hosts does not matter; but on shared storage
-  the mtimes come from the file server's clock: a file dated well in the future is named as skew,
-  and ``settle: 0`` with a ``marker`` is the rule that needs no clock), and
+* **quiet**: no file in it changed for the run's ``settle`` seconds (catalog), measured on the
+  training host's own clock: from a file's newest mtime or ctime, whichever is later. An mtime can
+  be set to anything (a writer whose clock runs behind, times kept by ``cp -p``/``rsync -a``/``tar``
+  as a copy arrives), a ctime is the host's time of the last change; clock skew between hosts does
+  not matter. On shared storage both come from the file server's clock: a file dated well in the
+  future is named as skew, and ``settle: 0`` with a ``marker`` is the rule that needs no clock), and
 * **the expected files exist**: the file the run names as ``marker`` in the catalog (training
   writes it last), or else a ``config.json`` plus weights (``*.safetensors``/``.pt``/``.pth``/
   ``.bin``; every shard of a ``-0000k-of-0000n`` set).
 
 Inputs are what the host's ``sync_host list``/``manifest`` already report: relative paths, the
-newest mtime, and the host's clock at the time of the answer.
+newest mtime and ctime, and the host's clock at the time of the answer.
 """
 from __future__ import annotations
 
@@ -59,14 +61,16 @@ def missing_files(paths: list[str], marker: str | None) -> list[str]:
     return missing
 
 
-def judge(paths: list[str], newest_mtime: float, host_now: float, run: TrainingRun) -> Verdict:
-    """Whether a checkpoint with files ``paths`` (newest change at ``newest_mtime``, both on the
-    training host's clock ``host_now``) is complete under ``run``'s rule."""
+def judge(paths: list[str], newest_mtime: float, host_now: float, run: TrainingRun,
+          newest_ctime: float | None = None) -> Verdict:
+    """Whether a checkpoint with files ``paths`` (newest mtime ``newest_mtime``, newest ctime
+    ``newest_ctime``, both on the training host's clock ``host_now``) is complete under ``run``'s rule."""
     missing = missing_files(paths, run.marker)
     if missing:
         return Verdict(False, f"expected files missing: {', '.join(missing[:5])}"
                               f"{' …' if len(missing) > 5 else ''}")
-    age = host_now - newest_mtime
+    changed = max(newest_mtime, newest_ctime if newest_ctime is not None else newest_mtime)
+    age = host_now - changed
     if run.settle <= 0:         # the expected files alone (a marker) say it is complete
         return Verdict(True)
     if age < -CLOCK_SKEW:
@@ -75,20 +79,24 @@ def judge(paths: list[str], newest_mtime: float, host_now: float, run: TrainingR
                               f"set `marker` (a file training writes last) and `settle: 0` for run {run.name} in "
                               f"the catalog")
     if age < run.settle:
-        return Verdict(False, f"a file changed {max(age, 0):.0f}s ago (settle time {run.settle:g}s)",
+        behind = changed - newest_mtime
+        dated = (f" though its mtime says {host_now - newest_mtime:.0f}s ago (a writer whose clock runs behind the "
+                 f"training host's, or times kept from a copy)" if behind > CLOCK_SKEW else "")
+        return Verdict(False, f"a file changed {max(age, 0):.0f}s ago{dated} (settle time {run.settle:g}s)",
                        wait=run.settle - max(age, 0.0))
     return Verdict(True)
 
 
 def judge_listed(entry: dict, host_now: float, run: TrainingRun) -> Verdict:
     """:func:`judge` on one checkpoint of a ``sync_host list`` answer."""
-    return judge(entry.get("paths") or [], entry["mtime"], host_now, run)
+    return judge(entry.get("paths") or [], entry["mtime"], host_now, run, entry.get("ctime"))
 
 
 def judge_manifest(files: list[dict], host_now: float, run: TrainingRun) -> Verdict:
-    """:func:`judge` on a ``sync_host manifest`` answer's files (mtimes in ns)."""
+    """:func:`judge` on a ``sync_host manifest`` answer's files (mtimes and ctimes in ns)."""
     newest = max((f["mtime_ns"] for f in files), default=0) / 1e9
-    return judge([f["path"] for f in files], newest, host_now, run)
+    ctimes = [f["ctime_ns"] for f in files if f.get("ctime_ns") is not None]
+    return judge([f["path"] for f in files], newest, host_now, run, max(ctimes) / 1e9 if ctimes else None)
 
 
 def newest_complete(info: dict, run: TrainingRun) -> str | None:

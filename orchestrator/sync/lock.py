@@ -7,6 +7,8 @@ session gives up the lock when this side stops pinging or its connection drops.
 """
 from __future__ import annotations
 
+import json
+
 from .tool import Session
 
 REHASH_RATE = 50 << 20  # bytes/s a host hashes at the least (FINALIZE's time limit)
@@ -34,6 +36,9 @@ class Destination:
         self.session.call("DISCARD", {"paths": paths}, timeout=120)
 
     def finalize(self, manifest: dict, rehash: int = 0) -> str:
-        """Rename the verified staging folder into place. ``rehash``: bytes of files verified by
-        an earlier sync, which the host hashes again (the staging folder is untrusted storage)."""
-        return self.session.call("FINALIZE", manifest, timeout=300 + rehash / REHASH_RATE)
+        """Rename the verified staging folder into place (over the copy there when ``manifest``'s
+        ``replace`` is that copy's digest); returns the new copy's digest (STATE's ``final_digest``).
+        ``rehash``: bytes of files verified by an earlier sync, which the host hashes again (the
+        staging folder is untrusted storage)."""
+        answer = self.session.call("FINALIZE", manifest, timeout=300 + rehash / REHASH_RATE)
+        return json.loads(answer)["digest"]

@@ -70,6 +70,7 @@ class SyncResult:
     resent: list[str] = field(default_factory=list)
     dry_run: bool = False
     path: str = ""  # how the bytes moved: relay, tunnel or direct ("" when none moved)
+    copy_digest: str | None = None  # the copy this sync put in place (None: it found one up to date)
 
     @property
     def rate(self) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -145,6 +146,9 @@ class Transfer:
 
     def kill(self, why: str) -> None:
         self.killed_for = self.killed_for or why
+        self._stop_all()
+
+    def _stop_all(self) -> None:
         for p in list(self.procs):
             try:
                 os.killpg(p.pid, 9)
@@ -210,7 +214,10 @@ class Transfer:
             try:
                 src.wait(timeout=10 if dst.returncode == 0 else 3)
             except subprocess.TimeoutExpired:
-                self.kill("sender did not stop")
+                if status:  # the receiver said why it ended: stopping the sender is only tidying up
+                    self._stop_all()
+                else:
+                    self.kill("sender did not stop")
                 src.wait()
         for t in threads:
             t.join(5)
@@ -373,9 +380,12 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
         return (f"no space left on {dst.name}:{dst_dir or '?'} while moving {f.path}: {arrived:,} of "
                 f"{f.size:,} bytes arrived (kept in the staging folder); free space there and run the same "
                 f"command again: it resumes")
+    sender_rc = t.rcs[0]
     if path.pull is not None:  # the sender's leg as the eval host's client saw it
-        serr = "\n".join(ln[5:] for ln in derr.splitlines() if ln.startswith("PULL "))
-        derr = "\n".join(ln for ln in derr.splitlines() if not ln.startswith("PULL "))
+        lines = derr.splitlines()
+        serr = "\n".join(ln[5:] for ln in lines if ln.startswith("PULL "))
+        sender_rc = next((int(ln.split()[1]) for ln in lines if re.fullmatch(r"PULLRC -?\d+", ln)), None)
+        derr = "\n".join(ln for ln in lines if not ln.startswith(("PULL ", "PULLRC ")))
     if status.startswith("CHANGED") or tool_error(serr, "").startswith("CHANGED "):
         return f.changed(src.name)
     dead = alive[0] * alive[1]
@@ -400,15 +410,22 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
             return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while moving {where} "
                     f"(ssh: {tail}); {keep}")
     for host, rc, err, ssh_used in ((dst, t.rcs[1], derr, not dst.is_local),
-                                    (src, t.rcs[0], serr, t.src_argv is not None and not src.is_local)):
-        if ssh_used and rc == 255 and not t.killed_for:  # ssh itself failed: the connection
-            tail = (err.strip().splitlines() or ["connection closed"])[-1]
-            return (f"lost the connection to host {host.name} ({host.address}:{host.port}) while "
-                    f"moving {where} (ssh: {tail}); {keep}")
+                                    (src, sender_rc, serr, path.pull is not None or
+                                     (t.src_argv is not None and not src.is_local))):
+        if ssh_used and rc == 255 and not t.killed_for:  # ssh itself failed, or says nothing: the command was killed
+            via = " (through the tunnel from the eval host)" if host is src and path.mode == "tunnel" else ""
+            if not err.strip():
+                return (f"the {'sender' if host is src else 'receiver'} on host {host.name}{via} was killed "
+                        f"(ended by a signal) while moving {where}; {keep}")
+            return (f"lost the connection to host {host.name} ({host.address}:{host.port}){via} while "
+                    f"moving {where} (ssh: {err.strip().splitlines()[-1]}); {keep}")
     if t.killed_for:
         return f"stopped moving {where}: {t.killed_for}; {keep}"
-    if status.startswith("IDLE"):
-        return f"host {dst.name}: no data arrived for {idle:g}s while moving {where}; {keep}"
+    if status.startswith("IDLE"):  # the receiver waited: the sender's end of the stream went silent
+        via = f" through the tunnel from {dst.name}" if path.mode == "tunnel" else \
+            f" to {dst.name}" if path.pull is not None else ""
+        return (f"no data came from host {src.name}{via} for {idle:g}s while moving {where}: is its sender "
+                f"stopped, or the link stalled? {keep}")
     if status.startswith("LOST"):
         return f"host {dst.name}: this sync lost the checkpoint lock while moving {where}"
     if status.startswith("BAD"):
@@ -416,7 +433,7 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
     if status.startswith("SHORT") or not status:
         ended = (f"the stream from {src.name} ended early: {dst.name}'s connection to it closed (is {src.name} "
                  f"stopped or unreachable from {dst.name}?)" if path.pull is not None
-                 else f"the stream ended early (sender exit {src_rc})")
+                 else f"the stream from {src.name} ended early (its sender's exit status {src_rc})")
         why = tool_error(serr, "") or tool_error(derr, "") or ended
         return f"moving {where} failed: {why}; {keep}"
     return f"moving {where} failed: {status} {tool_error(derr, '')}"

@@ -123,11 +123,14 @@ class Session:
     """``sync_host.py serve`` on a host over its control connection: the one tool start a sync
     needs per host for everything but moving bytes (listing, manifest, lock, state, finalize, the
     tunnel's key and end). One request, one answer line; pinged every PING_EVERY seconds so it
-    knows this side is alive. Whatever it set up on the host is undone when it ends: on
-    :meth:`close`, or by itself when the connection drops or this process dies."""
+    knows this side is alive, and it says ``ALIVE`` while it works on a long request, so that a
+    session silent for ``idle`` seconds (its process stopped or hung, its connection stalled) fails
+    the request then, naming the host, whatever the request's own time limit. Whatever it set up on
+    the host is undone when it ends: on :meth:`close`, or by itself when the connection drops or this
+    process dies (or by its guardian there when its own process is killed)."""
 
     def __init__(self, runner, host: Host, idle: float):
-        self.host = host
+        self.host, self.idle = host, idle
         self.h = runner.open_exec(tool_argv(host, "--idle", f"{idle:g}", "serve"))
         self.lines: queue.Queue = queue.Queue()
         self.wlock, self.call_lock = threading.Lock(), threading.Lock()
@@ -149,10 +152,19 @@ class Session:
 
     def _answer(self, verb: str, timeout: float) -> str:
         name = self.host.name
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise SyncError(f"host {name}: no answer from sync_host in {timeout:g}s ({verb})") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                line = self.lines.get(timeout=max(0.0, min(left, self.idle)))
+            except queue.Empty:
+                if left <= self.idle:
+                    raise SyncError(f"host {name}: no answer from sync_host in {timeout:g}s ({verb})") from None
+                raise SyncError(f"host {name}: its sync_host session gave no sign of life for {self.idle:g}s while "
+                                f"answering {verb}: its process is stopped or hung, or the connection to {name} "
+                                f"stalled; run the same command again once {name} answers") from None
+            if line != "ALIVE":
+                break
         if line is None:
             self.lines.put(None)  # stays ended for later calls
             raise SyncError(f"host {name}: {self._ended()}")
@@ -173,7 +185,9 @@ class Session:
         if rc in (126, 127):
             return f"python not found or not executable: {self.host.python}"
         time.sleep(0.05)  # the stderr pump's last lines
-        return "sync_host ended: " + tool_error("\n".join(e for e in self.err if e), "connection closed")
+        gone = "killed (no exit status), or its connection closed" if rc is not None and rc < 0 else \
+            "connection closed"
+        return "sync_host ended: " + tool_error("\n".join(e for e in self.err if e), gone)
 
     def send(self, line: str) -> None:
         """Write one request; the session's end (its process killed, the connection gone) is a

@@ -106,10 +106,14 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                     dry_run: bool = False, direct: bool | None = None, tunnel: str | None = None,
                     lock_wait: float = LOCK_WAIT, alive: tuple[int, int] = (ALIVE_INTERVAL, ALIVE_COUNT),
                     idle: float = IDLE_TIMEOUT, stall: float = STALL_TIMEOUT, progress: SyncProgress | None = None,
-                    on_plan: Callable[[SyncPlan], None] | None = None) -> SyncResult:
+                    on_plan: Callable[[SyncPlan], None] | None = None,
+                    replace_own_copy: str | None = None) -> SyncResult:
     """Copy checkpoint ``name`` of a training run (default: the run with the newest checkpoint)
     from the training host to the eval host; ``dry_run`` only plans. ``on_plan`` sees the plan
-    before any byte moves. ``tunnel``: relay, tunnel, auto or direct (default: ``data_mode``)."""
+    before any byte moves. ``tunnel``: relay, tunnel, auto or direct (default: ``data_mode``).
+    A copy of other files already on the eval host is refused, unless its digest is
+    ``replace_own_copy`` (the ``copy_digest`` of an earlier result: a copy the caller made itself),
+    which the new copy then replaces at the final rename."""
     src, dst = inv.pick("train", src_name), inv.pick("eval", dst_name)
     with ExitStack() as stack:
         srun = stack.enter_context(runner_for(src, inv))
@@ -170,9 +174,11 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
             copy = {e["path"]: e.get("sha256") for e in st["final_manifest"] or []}
             now = {e["path"]: e.get("sha256") for e in src_files}
             changed = sorted(p for p in copy.keys() | now.keys() if copy.get(p) != now.get(p))
-            why = (f"a copy of other files (changed on {src.name} since it was synced: {describe(changed)})"
-                   if copy else "without a dflash manifest")
-            raise SyncError(f"{dst.name}:{plan.dst_final} already exists, {why}; move it away to sync again")
+            if replace_own_copy is None or st.get("final_digest") != replace_own_copy:
+                why = (f"a copy of other files (changed on {src.name} since it was synced: {describe(changed)})"
+                       if copy else "without a dflash manifest")
+                raise SyncError(f"{dst.name}:{plan.dst_final} already exists, {why}; move it away to sync again")
+            plan.final_exists = False       # the caller's own copy: replaced at the final rename
         make_plan(plan, src_files, st)
         if on_plan:
             on_plan(plan)
@@ -195,8 +201,9 @@ def sync_checkpoint(inv: Inventory, catalog: Catalog, name: str, *, run: str | N
                 raise SyncError("; ".join(f.changed(src.name) for f in changed[:3]) +
                                 (f" (and {len(changed) - 3} more files)" if len(changed) > 3 else ""))
         manifest = {"files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
-                               "sha256": f.sha256} for f in plan.files], "excluded": plan.excluded}
-        dest.finalize(manifest, rehash=sum(f.size for f in plan.files if f.action == "skip"))
+                               "sha256": f.sha256} for f in plan.files], "excluded": plan.excluded,
+                    **({"replace": st["final_digest"]} if st["final_exists"] else {})}
+        result.copy_digest = dest.finalize(manifest, rehash=sum(f.size for f in plan.files if f.action == "skip"))
         result.seconds = time.monotonic() - started
         result.verified = len(plan.files)
         result.skipped = sum(f.action == "skip" for f in plan.files)

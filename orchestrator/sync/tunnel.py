@@ -72,7 +72,7 @@ def pull_through_tunnel(srun, ssess: Session, dsess: Session, dmaster, plan: Syn
     except SessionError as e:
         raise TunnelUnavailable(f"--tunnel: host {dst.name} cannot pull: "
                                 f"{e.reason.removeprefix('NOSSH ') or e}") from None
-    try:
+    try:  # a failure on the way may be a host's session gone (killed): then that is the cause (_undo)
         try:
             command = authorized_keys_command(forced_sender(src, plan.src_dir))
         except ValueError as e:
@@ -103,16 +103,35 @@ def pull_through_tunnel(srun, ssess: Session, dsess: Session, dmaster, plan: Syn
                                     f"{ep.where} showed this machine: host key verification failed") from None
                 raise TunnelUnavailable(f"--tunnel: host {src.name} refused the eval host's login through the "
                                         f"tunnel: {why}") from None
-        finally:
-            try:
-                ssess.call("REVOKE", timeout=60)  # logged in (or not): the key has done its work
-            except SyncError:
-                pass  # the session is gone: it removed the key as it ended
+        except SyncError:
+            _undo(ssess, "REVOKE", cause=True)
+            raise
+        except BaseException:
+            _undo(ssess, "REVOKE", cause=False)
+            raise
+        _undo(ssess, "REVOKE", cause=True)  # logged in: the key has done its work
         yield (lambda f, offset: client(sender_request(f.path, f.size, f.mtime_ns, offset,
                                                        *(["--hash"] if f.sha256 is None else []))),
                lambda spec: client(sender_request(spec, verb="send-batch")))
-    finally:
-        try:
-            dsess.call("UNTUNNEL", timeout=60)
-        except SyncError:
-            pass  # the session is gone: it removed the tunnel's folder as it ended
+    except SyncError:
+        _undo(dsess, "UNTUNNEL", cause=True)
+        raise
+    except BaseException:
+        _undo(dsess, "UNTUNNEL", cause=False)
+        raise
+    else:
+        _undo(dsess, "UNTUNNEL", cause=False)
+
+
+def _undo(session: Session, verb: str, cause: bool) -> None:
+    """Have ``session`` undo its part of the tunnel (``verb``). A session that is gone undid it as
+    it ended (its guardian on the host, if its process was killed); with ``cause`` its end is
+    raised, as what failed the sync (a host refusing the login, or a forward failing, because a
+    session was killed, is only the consequence)."""
+    try:
+        session.call(verb, timeout=60)
+    except SessionError:
+        pass  # the session answered: it is there, and undid what it could
+    except SyncError:
+        if cause:
+            raise
