@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from orchestrator.config.catalog import CatalogError, TrainingRun, parse_catalog
 from orchestrator.sync import sync_checkpoint
-from orchestrator.sync.complete import IncompleteCheckpoint, judge, missing_files
+from orchestrator.sync.complete import IncompleteCheckpoint, judge, judge_listed, judge_manifest, missing_files
 from synclab import FAST, Env, identical
 
 RUN = TrainingRun(name="v5", dir="v5", settle=30)
+QUICK = TrainingRun(name="v5", dir="v5", settle=0)     # complete = the expected files are there
 
 
 def test_rule_needs_config_and_weights_or_the_marker():
@@ -89,20 +94,22 @@ def test_a_checkpoint_with_only_its_config_is_refused_not_finalised(env):
 
 
 def test_files_still_changing_are_refused_until_quiet_and_latest_names_the_newest_complete(env):
-    _set_rule(env, settle=30)
-    old = env.ckpt(100, {"config.json": b"{}\n", "model.safetensors": 1})
-    _age(old, 600)
+    settle = 3                  # quiet time is the host's (ctime): it is waited out, not faked with mtimes
+    _set_rule(env, settle=settle)
+    env.ckpt(100, {"config.json": b"{}\n", "model.safetensors": 1})
+    time.sleep(settle)
     env.ckpt(200, {"config.json": b"{}\n", "model.safetensors": 1})  # written just now
+    written = time.monotonic()
     with pytest.raises(IncompleteCheckpoint, match=r"step_200 is not complete yet: a file changed \d+s ago "
-                                                   r"\(settle time 30s\).*try again in \d+s.*newest complete "
+                                                   r"\(settle time 3s\).*try again in \d+s.*newest complete "
                                                    r"checkpoint is step_100"):
         env.sync("latest")
     assert not (env.dst_run / "step_200").exists() and not env.staging(200).exists()
     plans = []
     env.sync("latest", dry_run=True, on_plan=plans.append)  # a dry run shows it, refuses nothing
-    assert plans[0].incomplete and "settle time 30s" in plans[0].incomplete
+    assert plans[0].incomplete and "settle time 3s" in plans[0].incomplete
     assert sync_checkpoint(env.inv, env.catalog, "100", run=env.run, **FAST).verified == 2
-    _age(env.src_run / "step_200", 60)
+    time.sleep(max(0.0, written + settle - time.monotonic()))
     assert env.sync("latest").plan.checkpoint == "step_200"
 
 
@@ -120,26 +127,55 @@ def test_a_marker_file_is_what_complete_means_when_the_run_names_one(env):
 def test_a_checkpoint_of_more_than_a_thousand_files_can_be_complete(tmp_path):
     """1200 weight shards: the training host's listing names every top-level file, so the rule
     sees the whole shard set (a listing cut at 1000 paths made it incomplete for ever)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from orchestrator.sync.complete import judge_listed, newest_complete
+    from orchestrator.sync.complete import newest_complete
 
     ckpt = tmp_path / "v5" / "step_100"
     ckpt.mkdir(parents=True)
     (ckpt / "config.json").write_text("{}\n")
     for k in range(1, 1201):
         (ckpt / f"model-{k:05d}-of-01200.safetensors").write_bytes(b"w")
-    _age(ckpt, 120)
-    tool = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
-    res = subprocess.run([sys.executable, str(tool), "list", str(tmp_path), "--run", "v5", "v5", "step_{step}"],
-                         capture_output=True, text=True, timeout=120)
-    answer = json.loads(res.stdout)
-    info = {**answer["runs"]["v5"], "now": answer["now"]}
+    info = _listed(tmp_path)
     (entry,) = info["checkpoints"]
-    assert judge_listed(entry, info["now"], RUN).complete, judge_listed(entry, info["now"], RUN).reason
-    assert newest_complete(info, RUN) == "step_100"
+    assert judge_listed(entry, info["now"], QUICK).complete, judge_listed(entry, info["now"], QUICK).reason
+    assert newest_complete(info, QUICK) == "step_100"
+
+
+def _tool(*args: str) -> dict:
+    """An answer of remote/sync_host.py run here (this machine as the training host)."""
+    tool = Path(__file__).resolve().parents[1] / "remote" / "sync_host.py"
+    res = subprocess.run([sys.executable, str(tool), *args], capture_output=True, text=True, timeout=120)
+    return json.loads(res.stdout)
+
+
+def _listed(root: Path) -> dict:
+    answer = _tool("list", str(root), "--run", "v5", "v5", "step_{step}")
+    return {**answer["runs"]["v5"], "now": answer["now"]}
+
+
+def test_quiet_time_is_the_hosts_own_and_a_file_dated_behind_or_ahead_is_named(tmp_path):
+    """Files written just now, dated an hour behind the training host's clock (a writer whose clock
+    runs behind, or times kept as a copy arrives: `cp -p`, `rsync -a`), are not quiet: the host's
+    ctime says when they changed (before: complete at once, quiet time read from the mtimes);
+    an hour ahead is named as before. The sync's manifest judges the same."""
+    for step, offset in ((100, -3600), (200, 3600)):
+        d = tmp_path / "v5" / f"step_{step}"
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}\n")
+        (d / "model.safetensors").write_bytes(b"w")
+        for f in d.iterdir():
+            os.utime(f, (time.time() + offset,) * 2)
+    info = _listed(tmp_path)
+    entries = {c["name"]: c for c in info["checkpoints"]}
+    behind = judge_listed(entries["step_100"], info["now"], RUN)
+    assert not behind.complete and behind.wait == pytest.approx(30, abs=5), behind
+    assert re.fullmatch(r"a file changed \ds ago though its mtime says 360\ds ago \(a writer whose clock runs behind "
+                        r"the training host's, or times kept from a copy\) \(settle time 30s\)", behind.reason), behind
+    ahead = judge_listed(entries["step_200"], info["now"], RUN)
+    assert not ahead.complete and re.match(r"a file is dated 3\d\d\ds in the future", ahead.reason), ahead
+    for step, verdict in ((100, behind), (200, ahead)):
+        answer = _tool("manifest", str(tmp_path / "v5" / f"step_{step}"))
+        sync = judge_manifest(answer["files"], answer["now"], RUN)
+        assert not sync.complete and re.sub(r"\d+", "N", sync.reason) == re.sub(r"\d+", "N", verdict.reason), sync
 
 
 def test_a_file_server_clock_ahead_is_named_and_a_marker_with_settle_0_needs_no_clock():

@@ -4,7 +4,6 @@ line, the same message, exit 2, before any host is contacted); config discovery 
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -69,7 +68,8 @@ def error_line(*args: str) -> tuple[int, str]:
 
 SAME_MISTAKE = {
     "host": [["eval", "--host", "ct12"], ["hosts", "check", "ct12"], ["sync-ckpt", "step20k", "--to", "ct12"],
-             ["ckpts", "--to", "ct12"], ["sync-ckpt", "step20k", "--from", "ct12"], ["runs", "--host", "ct12"]],
+             ["ckpts", "--to", "ct12"], ["sync-ckpt", "step20k", "--from", "ct12"], ["runs", "--host", "ct12"],
+             ["clean", "--host", "ct12"]],
     "role": [["eval", "--host", "ct200"], ["sync-ckpt", "step20k", "--to", "ct200"], ["ckpts", "--to", "ct200"]],
     "training run": [["ckpts", "v6"], ["sync-ckpt", "v6:step20k"], ["sync-ckpt", "step20k", "--run", "v6"]],
     "run": [["show", "zlb"], ["parity", "zlb"], ["attach", "zlb"], ["cancel", "zlb"], ["compare", "zlb", "v5"],
@@ -244,8 +244,8 @@ def test_fallback_wall_is_what_a_flipped_key_value_table_prints():
 
 @pytest.fixture
 def checkpoints(project, monkeypatch):
-    """The built-in local host as a training host: v5's step_1000 complete, step_2000 only a
-    config.json so far (a checkpoint being written)."""
+    """The built-in local host as a training host: v5's step_1000 with its files (complete once
+    quiet: see :func:`settle`), step_2000 only a config.json so far (a checkpoint being written)."""
     home = project / "home"
     monkeypatch.setenv("DFLASH_OPS_HOME", str(home))
     done, writing = home / "checkpoints" / "v5" / "step_1000", home / "checkpoints" / "v5" / "step_2000"
@@ -253,11 +253,16 @@ def checkpoints(project, monkeypatch):
         d.mkdir(parents=True)
     (done / "config.json").write_text("{}\n")
     (done / "model.safetensors").write_bytes(b"\0" * 4096)
-    old = time.time() - 3600
-    for f in done.iterdir():
-        os.utime(f, (old, old))
     (writing / "config.json").write_text(" " * 822)
     return home
+
+
+def settle(project, seconds: float) -> None:
+    """v5's settle time in the catalog. Quiet time is the host's (ctime): a test waits it out."""
+    cat = project / "configs" / "drafters.yaml"
+    data = yaml.safe_load(cat.read_text())
+    data["runs"]["v5"]["settle"] = seconds
+    cat.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 COMMANDS = [["runs"], ["show", V5], ["compare", "zlab", "v5", "--resamples", "200"], ["hosts"], ["config"],
@@ -281,6 +286,8 @@ def test_output_fits_80_columns_with_ids_whole_and_no_fallback_wall(project, che
 
 
 def test_a_checkpoint_being_written_is_marked_with_the_reason(project, checkpoints):
+    settle(project, 0.5)
+    time.sleep(0.5)
     res = run("ckpts", "v5", "--from", "local", "--to", "local", columns=80)
     assert res.exit_code == 0, res.output
     rows = {ln.split("│")[1].strip(): ln for ln in res.stdout.splitlines() if ln.count("│") > 3}
@@ -292,9 +299,10 @@ def test_a_checkpoint_being_written_is_marked_with_the_reason(project, checkpoin
     listed = json.loads(run("ckpts", "v5", "--from", "local", "--to", "local", "--json").stdout)["checkpoints"]
     assert [(c["name"], c["incomplete"]) for c in listed] == [
         ("step_1000", ""), ("step_2000", "expected files missing: weights (*.safetensors, *.pt, *.pth or *.bin)")]
+    settle(project, 60)
     (checkpoints / "checkpoints" / "v5" / "step_2000" / "model.safetensors").write_bytes(b"\0" * 64)
     listed = json.loads(run("ckpts", "v5", "--from", "local", "--to", "local", "--json").stdout)["checkpoints"]
-    assert listed[1]["incomplete"].startswith("a file changed 0s ago (settle time 60s)")
+    assert re.match(r"a file changed \d+s ago \(settle time 60s\)", listed[1]["incomplete"]), listed
 
 
 def _commands(command, path=()):

@@ -19,7 +19,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,12 +36,8 @@ def project(ssh_lab, embedded_pair, tmp_path_factory):
     models = ssh_lab.eval.root / "models"
     shutil.copytree(pair["target"], models / "qwen-tiny", dirs_exist_ok=True)
     shutil.copytree(pair["drafter"], models / "zlab-tiny", dirs_exist_ok=True)
-    an_hour_ago = time.time() - 3600     # written earlier in training: past the catalog's settle time
-    for step in (10000, 20000):
-        ckpt = ssh_lab.train.root / "checkpoints" / "v5" / f"step_{step}"
-        shutil.copytree(pair["drafter"], ckpt, dirs_exist_ok=True)
-        for f in ckpt.rglob("*"):
-            os.utime(f, (an_hour_ago, an_hour_ago))
+    for step in (10000, 20000):          # copied in whole just now: the catalog's `settle: 0` waits for nothing
+        shutil.copytree(pair["drafter"], ssh_lab.train.root / "checkpoints" / "v5" / f"step_{step}", dirs_exist_ok=True)
     shutil.rmtree(ssh_lab.eval.root / "checkpoints" / "v5", ignore_errors=True)
     lab = ssh_lab.inventory_dict(train={"roles": ["train"]}, eval={"roles": ["eval"], "gpus": 0})["hosts"]
     folder = tmp_path_factory.mktemp("tour")
@@ -50,7 +45,7 @@ def project(ssh_lab, embedded_pair, tmp_path_factory):
                                                           sort_keys=False))
     (folder / "configs").mkdir()
     (folder / "configs" / "drafters.yaml").write_text(yaml.safe_dump({
-        "runs": {"v5": {"dir": "v5", "pattern": "step_{step}"}},
+        "runs": {"v5": {"dir": "v5", "pattern": "step_{step}", "settle": 0}},
         "drafters": {"v5": {"run": "v5", "format": "zlab", "target": "qwen-tiny"},
                      "zlab": {"path": str(models / "zlab-tiny"), "format": "zlab", "target": "qwen-tiny"}},
         "targets": {"qwen-tiny": {"path": str(models / "qwen-tiny")}}}, sort_keys=False))

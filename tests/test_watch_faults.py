@@ -3,11 +3,19 @@ in for (the listing, the completeness rule, the host probes, the state and the t
 the real ones): an eval host that does not answer is waited for (no attempt counted, its share
 left to hosts that answer), a polling watch survives a failed listing of the training host, a
 checkpoint the trainer rotated away is skipped as such, a given-up point is named each pass with
-how to retry it, and an earlier run stands for a checkpoint only with the weights it measured."""
+how to retry it, an earlier run stands for a checkpoint only with the weights it measured, and a
+checkpoint saved again after its point is evaluated again (the old point kept as superseded).
+On the SSH lab with the real sync: a copy watch synced is replaced when its checkpoint changes,
+one made otherwise is refused."""
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
+import os
 import socket
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +26,19 @@ from remote.contract.settings import EvalSettings
 
 RUN = "v9"
 SETTINGS = EvalSettings(suite="gsm8k", mode="offline", prompts=1)
+_EVALS = itertools.count(1)
+
+
+def fake_eval(runs: Path, run: str, p, weights: Path, on_id) -> dict:
+    """An eval of point ``p`` stood in for: a run folder whose env.json records the sha256 of the
+    weights in ``weights`` (as the worker records the copy it loaded), and its headline numbers."""
+    from fakeruns import make_run
+
+    rid = f"20260202-{next(_EVALS):04d}-{run}-step{p.step}-local"
+    sha = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in weights.glob("*.safetensors")}
+    make_run(runs, rid, run, p.name, prompts=1, host="local", env={"drafter": {"sha256": sha}})
+    on_id(rid)
+    return {"prompts": 1, "tau_macro": 2.0 + p.step / 1000, "tau_pooled": 2.0, "mode": "offline"}
 
 
 def closed_port() -> int:
@@ -60,7 +81,7 @@ class Lab:
         self.on_eval = lambda name: None
         monkeypatch.setattr("orchestrator.sync.sync_checkpoint", self.sync)
         monkeypatch.setattr("orchestrator.watch.loop.Watcher._evaluate", lambda w, p, drafter, host, on_id:
-                            self.evaluate(p))
+                            self.evaluate(p, on_id))
 
     def save(self, step: int) -> None:
         d = self.run_dir / f"step_{step}"
@@ -86,10 +107,11 @@ class Lab:
 
             raise SyncError(self.fail[name])
         self.synced.append((name, dst.name))
+        return types.SimpleNamespace(copy_digest=None)
 
-    def evaluate(self, p) -> dict:
+    def evaluate(self, p, on_id) -> dict:
         self.on_eval(p.name)
-        return {"prompts": 1, "tau_macro": 2.0 + p.step / 1000, "tau_pooled": 2.0, "mode": "offline"}
+        return fake_eval(self.names.runs_root, RUN, p, self.run_dir / p.name, on_id)
 
     def watcher(self, hosts=("local",), **opts):
         from orchestrator.watch.loop import Watcher, WatchOptions
@@ -245,3 +267,118 @@ def test_an_earlier_run_stands_for_a_checkpoint_only_with_the_weights_it_measure
     assert w.state.points["step_100"].eval_run == f"20260101-0001-{RUN}-step100-local"
     assert lab.lines(f"step_200: run 20260101-0002-{RUN}-step200-local not reused: the weights it measured "
                      "(model.safetensors) are not the checkpoint's on local now")
+
+
+def test_a_checkpoint_saved_again_is_evaluated_again_and_its_old_point_kept_as_superseded(tmp_path, monkeypatch):
+    lab = Lab(tmp_path, monkeypatch, steps=(100, 200))
+    w = lab.watcher()
+    w.watch(once=True, every_s=0)
+    old_run = w.state.points["step_200"].eval_run
+    state = json.loads((w.folder / "state.json").read_text())     # as a watch before superseded points wrote it
+    for key in ("superseded", "copies"):
+        state.pop(key, None)
+    for point in state["points"].values():
+        point.pop("ident", None)
+    (w.folder / "state.json").write_text(json.dumps(state))
+    # step_200 saved again with other weights; step_100 only touched (the same bytes)
+    (lab.run_dir / "step_200" / "model.safetensors").write_bytes(b"v" * 64)
+    os.utime(lab.run_dir / "step_100" / "model.safetensors")
+    lab.synced.clear()
+    w = lab.watcher()
+    result = w.watch(once=True, every_s=0)
+    assert result.evaluated == ["step_200"] and [n for n, _ in lab.synced] == ["step_200"], lab.said
+    assert lab.lines("step_200: saved again on local since it was evaluated (model.safetensors changed); "
+                     "evaluated again, its old point kept as superseded")
+    (old,) = w.state.superseded
+    assert (old.name, old.status, old.eval_run) == ("step_200", "superseded", old_run)
+    assert lab.points(w) == {"step_100": ("done", 0), "step_200": ("done", 0)}
+    assert w.state.points["step_200"].eval_run != old_run
+    md = (w.folder / "trajectory.md").read_text()
+    assert "the newest of 2 checkpoints evaluated" in md, md          # the superseded point is no step's value
+    assert "Superseded" in md and f"| 200 | step_200 | 2.200 | {old_run} | saved again on local" in md, md
+    assert "superseded (saved again since)" in (w.folder / "plots" / "tau.svg").read_text()    # a grey mark
+    # the next pass lists the same files: nothing hashed or evaluated again
+    assert not lab.watcher().watch(once=True, every_s=0).evaluated
+
+
+def test_a_copy_watch_synced_is_replaced_when_its_checkpoint_changes_and_one_it_did_not_is_refused(
+        ssh_lab, tmp_path, monkeypatch):
+    """step_100 saved again after its point: the eval host's copy is watch's own (its digest in
+    state.json), so it is synced again over it (before: "already exists, a copy of other files" for
+    ever). A copy of which watch has no record (synced by hand) is refused as before, left as it was."""
+    from orchestrator.names import Resolver
+    from orchestrator.sync import SyncError
+    from orchestrator.watch.loop import Watcher, WatchOptions
+    from synclab import FAST, Env, identical
+
+    env = Env(ssh_lab, tmp_path)
+    env.cat_path.write_text(json.dumps({"runs": {env.run: {"dir": env.run, "pattern": "step_{step}", "settle": 0}},
+                                        "drafters": {env.run: {"run": env.run, "format": "zlab", "target": "t"}},
+                                        "targets": {"t": {"path": "/nonexistent"}}}))
+    env.ckpt(100, {"config.json": b"{}\n", "model.safetensors": b"a" * 1000})
+    runs, copy = tmp_path / "runs", env.dst_run / "step_100"
+    monkeypatch.setattr(Watcher, "_evaluate", lambda w, p, drafter, host, on_id:       # measures the eval host's copy
+                        fake_eval(runs, env.run, p, copy, on_id))
+    said = []
+
+    def watch():
+        w = Watcher(Resolver(str(env.inv_path), str(env.cat_path), runs),
+                    WatchOptions(run=env.run, hosts=["eval"], settings=SETTINGS, redo=True),
+                    lambda level, msg: said.append(msg),
+                    sync_kw=FAST)
+        return w, w.watch(once=True, every_s=0)
+    w, result = watch()
+    assert result.evaluated == ["step_100"] and list(w.state.copies["eval"]) == ["step_100"]
+    env.ckpt(100, {"model.safetensors": b"b" * 1000})
+    w, result = watch()
+    assert result.evaluated == ["step_100"] and not result.failed, said
+    identical(env.src_run / "step_100", copy)
+    assert not (env.dst_run / ".old-step_100").exists()
+    measured = json.loads((runs / w.state.points["step_100"].eval_run / "env.json").read_text())["drafter"]["sha256"]
+    assert measured == {"model.safetensors": hashlib.sha256(b"b" * 1000).hexdigest()}
+    env.ckpt(100, {"model.safetensors": b"c" * 1000})
+    with pytest.raises(SyncError, match="already exists, a copy of other files"):     # a digest not the copy's
+        env.sync("100", replace_own_copy=hashlib.sha256(b"not that copy").hexdigest())
+    assert (copy / "model.safetensors").read_bytes() == b"b" * 1000
+
+
+def test_an_eval_whose_worker_hangs_is_recorded_as_stalled_and_the_watch_moves_on(tmp_path, monkeypatch):
+    """Before: a hung worker (alive, its follower's heartbeats coming, no progress) was followed for
+    ever: the watch stalled with it and evaluated nothing more."""
+    from fakeruns import hung_job, local_run
+    from orchestrator.eval.pipeline import jobs_of
+    from orchestrator.names import Resolver
+    from orchestrator.runs.record import RunRecord
+
+    lab = Lab(tmp_path, monkeypatch, steps=(100, 200))
+    inventory = yaml.safe_load((tmp_path / "inventory.yaml").read_text())
+    inventory["hosts"]["local"]["stall_minutes"] = 0.05
+    (tmp_path / "inventory.yaml").write_text(yaml.safe_dump(inventory))
+    lab.names = Resolver(str(tmp_path / "inventory.yaml"), str(tmp_path / "drafters.yaml"), tmp_path / "runs")
+    rid = f"20260101-000000-{RUN}-step200-local"
+    folder = local_run(tmp_path / "home", tmp_path / "runs", rid, status="running", drafter=RUN, checkpoint="step_200")
+    pid = hung_job(tmp_path / "home" / "runs" / rid, done=2)
+    w = lab.watcher()
+
+    def evaluate(name):         # step_200's eval: a worker that hangs after 2 of its 3 prompts
+        if name == "step_200":
+            record = RunRecord.load(folder)
+            w._follow(record, jobs_of(record, w.inv))
+    lab.on_eval = evaluate
+    passes = []
+    watching = threading.Thread(target=lambda: passes.append(w.watch(once=True, every_s=0)), daemon=True)
+    try:
+        watching.start()
+        watching.join(60)
+        assert passes, "the watch is still following the hung worker"
+    finally:
+        try:
+            os.killpg(pid, 9)
+        except ProcessLookupError:
+            pass
+    assert passes[0].evaluated == ["step_100"] and passes[0].failed == ["step_200"], passes[0]
+    p = w.state.points["step_200"]
+    assert (p.status, p.attempts) == ("failed", 1)
+    assert p.reason.startswith(f"run {rid} stalled: local: no progress from its worker for 0.05 min (2 of 3 prompts "
+                               f"done)") and f"dflash-ops cancel {rid}" in p.reason, p.reason
+    assert lab.lines(f"step_200: failed (attempt 1 of 3): run {rid} stalled")

@@ -8,7 +8,9 @@ trajectory report. The state (state.py) is written before each step starts, so a
 resumes where it stopped; a failure is recorded with its reason and retried on later passes, at
 most ``max_attempts`` times. What is no checkpoint's fault costs no attempt: a host that does not
 answer (the pass goes on with the hosts that do; the next pass tries it again), a training host
-whose listing fails, a checkpoint the trainer deleted before it was synced (``gone``).
+whose listing fails, a checkpoint the trainer deleted before it was synced (``gone``). A done
+checkpoint whose weights change on the training host is evaluated again (its old point kept as
+superseded), and a copy this watch synced of it is replaced.
 """
 from __future__ import annotations
 
@@ -136,6 +138,7 @@ class Watcher:
         self.lock = threading.Lock()  # guards the state across host threads
         self.state: WatchState | None = None
         self.train_series: dict = {}
+        self.src_dir: str | None = None     # the run's folder on the training host, as its listing says
 
     # --- one pass ----------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class Watcher:
         try:
             with runner_for(src, self.inv) as srun:
                 info = self._listing(srun, src)
+                self.src_dir = info["dir"]
                 self.train_series = self._training_metrics(srun, src)
         except OperationFailed as e:    # a host that does not answer, a listing that failed: the next pass
             result.unlisted = f"cannot list run {self.run.name} on training host {src.name}: {e}"
@@ -162,7 +166,7 @@ class Watcher:
         for name, why in result.waiting:
             self.say("info", f"{name}: not complete yet ({why}); later")
         if info.get("exists", True):
-            self._review({c["name"] for c in info["checkpoints"]})
+            self._review({c["name"]: c for c in info["checkpoints"]})
         b = self.state.baseline
         if self.opts.baseline and b.get("status") != "done" and b.get("attempts", 0) < self.opts.max_attempts:
             self._baseline()
@@ -187,7 +191,7 @@ class Watcher:
                 except queue.Empty:
                     return
                 name = c["name"]
-                outcome = self._checkpoint(name, c["step"], host)
+                outcome = self._checkpoint(name, c["step"], host, c.get("ident"))
                 with self.lock:
                     why = self.state.points[name].reason or ""
                     if outcome == "unreachable":        # left to the other hosts, or to the next pass
@@ -234,14 +238,19 @@ class Watcher:
             info = self._listing(srun, src)
         return not info.get("exists", True) or any(c["name"] == name for c in info["checkpoints"])
 
-    def _review(self, listed: set[str]) -> None:
+    def _review(self, listed: dict[str, dict]) -> None:
         """Before the pass: a point the training host no longer lists is ``gone`` (unless its eval
-        runs on); a given-up one is tried again when ``--max-attempts`` was raised past the limit it
-        was given up under, else named with how to try it again."""
+        runs on); a done one whose files changed there is checked (:meth:`_recheck`); a given-up one
+        is tried again when ``--max-attempts`` was raised past the limit it was given up under, else
+        named with how to try it again."""
         for p in sorted(self.state.points.values(), key=lambda p: p.step):
             if p.name not in listed:
                 if p.status not in ("done", "gone") and not (p.status == "evaluating" and p.eval_run):
                     self._gone(p)
+            elif p.status == "done":
+                entry = listed[p.name]
+                if entry.get("ident") != p.ident and entry["verdict"].complete:
+                    self._recheck(p, entry["ident"])
             elif p.status == "gave_up":
                 limit = p.limit or p.attempts
                 if self.opts.max_attempts > limit:
@@ -252,6 +261,44 @@ class Watcher:
                 else:
                     self.say("warn", f"{p.name}: given up after {p.attempts} attempt(s) ({p.reason}); "
                                      f"--max-attempts {limit + 1} tries it again")
+
+    def _recheck(self, p: Point, ident: str) -> None:
+        """Done point ``p``'s checkpoint lists other files (path, size, mtime) than it was evaluated
+        from: hashed on the training host against the weights its eval run measured (env.json).
+        Changed: the point is superseded (kept, marked) and the checkpoint evaluated anew; touched
+        only, or nothing recorded to compare with: the new listing is kept."""
+        from ..sync.fresh import describe
+
+        measured = self._measured(p.eval_run)
+        if measured:
+            try:
+                src, now = self._weights_now(p.name)
+            except OperationFailed as e:
+                self.say("warn", f"{p.name}: its files changed on the training host, and could not be hashed there "
+                                 f"({e}); checked again next pass")
+                return
+            changed = sorted(f for f, h in measured.items() if now.get(f) != h)
+            if changed:
+                why = f"saved again on {src} since it was evaluated ({describe(changed)} changed)"
+                with self.lock:
+                    self.state.supersede(p, why)
+                self.say("info", f"{p.name}: {why}; evaluated again, its old point kept as superseded")
+                return
+        with self.lock:
+            p.ident = ident
+            self.state.save()
+
+    def _measured(self, eval_run: str | None) -> dict[str, str]:
+        """{file: sha256} of the weights eval run ``eval_run`` measured (its env.json); {} when unknown."""
+        from ..runs.folders import RunError, load_run, run_folder
+
+        if not eval_run:
+            return {}
+        try:
+            env = load_run(run_folder(self.runs_root, eval_run)).env or {}
+        except (RunError, OSError):
+            return {}
+        return (env.get("drafter") or {}).get("sha256") or {}
 
     def _gone(self, p: Point) -> None:
         with self.lock:
@@ -285,9 +332,11 @@ class Watcher:
 
     # --- one checkpoint ------------------------------------------------------------------------
 
-    def _checkpoint(self, name: str, step: int, host: str) -> str:
-        """Sync, evaluate and record one checkpoint on ``host``: done, failed, gone, waiting,
-        unreachable (``host`` stopped answering) or unlisted (the training host did)."""
+    def _checkpoint(self, name: str, step: int, host: str, ident: str | None = None) -> str:
+        """Sync, evaluate and record one checkpoint on ``host`` (``ident``: the listing of its files
+        this pass): done, failed, gone, waiting, unreachable (``host`` stopped answering) or
+        unlisted (the training host did). A copy this watch synced to ``host`` before, of files
+        that changed since, is replaced; a copy made otherwise is refused by the sync."""
         from ..sync import sync_checkpoint
         from ..sync.complete import IncompleteCheckpoint
         from ..sync.tool import SyncBusy
@@ -299,15 +348,22 @@ class Watcher:
             summary = self._resume_eval(p)
             if summary is None and not self.opts.redo:
                 summary = self._reuse(p)
+                if summary is not None:
+                    p.ident = ident             # the run's weights are the checkpoint's files now
             if summary is None:
-                with self.lock:
-                    self.state.mark(p, "syncing", host=host)
+                with self.lock:                 # the files the point stands for: the ones listed when it was synced
+                    self.state.mark(p, "syncing", host=host, ident=ident)
                 self.say("info", f"{name}: syncing to {host}")
                 self.on_event(host, {events.KEY: events.SYNC, "checkpoint": name})
                 syncing = True
-                sync_checkpoint(self.inv, self.catalog, name, run=self.run.name, src_name=self.opts.src,
-                                dst_name=host, **self.sync_kw)
+                synced = sync_checkpoint(self.inv, self.catalog, name, run=self.run.name, src_name=self.opts.src,
+                                         dst_name=host, replace_own_copy=self.state.copies.get(host, {}).get(name),
+                                         **self.sync_kw)
                 syncing = False
+                if synced.copy_digest:
+                    with self.lock:
+                        self.state.copies.setdefault(host, {})[name] = synced.copy_digest
+                        self.state.save()
                 summary = self._evaluate(p, f"{self.label}:{name}", host, lambda rid: self._mark(p, "evaluating",
                                                                                                  eval_run=rid))
         except (IncompleteCheckpoint, SyncBusy) as e:      # not complete yet, or another sync of it: later
@@ -374,7 +430,7 @@ class Watcher:
 
         src = self.inv.pick("train", self.opts.src)
         with runner_for(src, self.inv) as srun:
-            folder = f"{self._listing(srun, src)['dir']}/{name}"
+            folder = f"{self.src_dir or self._listing(srun, src)['dir']}/{name}"
             files = run_tool(srun, src, "manifest", folder, "--hash", timeout=3600)["files"]
         return src.name, {f["path"]: f["sha256"] for f in files}
 
@@ -459,9 +515,13 @@ class Watcher:
         return self._follow(record, jobs)
 
     def _follow(self, record: RunRecord, jobs) -> dict:
-        from ..eval.pipeline import complete
+        """Follow an eval run to its end; a worker that makes no progress for its host's
+        ``stall_minutes`` ends it with RunStalled: a failed attempt of the point (its worker left
+        running, the line says how to attach or cancel), and the watch goes on."""
+        from ..eval.pipeline import complete, stall_limits
 
-        summary, _ = complete(record, jobs, lambda i, ev: self.on_event(record.shards[i].host, ev))
+        summary, _ = complete(record, jobs, lambda i, ev: self.on_event(record.shards[i].host, ev),
+                              stall_limits(record, self.inv))
         return summary
 
     def _baseline(self) -> None:

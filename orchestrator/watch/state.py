@@ -10,6 +10,11 @@ Checkpoint status:  syncing -> evaluating -> done
                     any -> waiting (not complete yet, another sync of it, a host that does not
                            answer: no attempt counted; tried again on a later pass)
                     any but done -> gone (the training host no longer lists it; listed again: new)
+                    done -> superseded (its weights changed on the training host since: the point
+                           is kept in ``superseded``, and the checkpoint is a new point)
+
+``copies`` records the checkpoint copies this watch synced to each eval host (the sync's digest
+of each): only such a copy may be replaced when its checkpoint changes on the training host.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ class Point:
     eval_run: str | None = None
     host: str | None = None
     limit: int | None = None          # gave_up: the --max-attempts it was given up under
+    ident: str | None = None          # the training host's listing of its files (path, size, mtime) when synced
     updated: str = ""
     summary: dict = field(default_factory=dict)   # the eval's headline numbers (tau, ddtree, acceptance)
 
@@ -58,6 +64,8 @@ class WatchState:
     settings: dict                                  # the eval settings, the same for every point
     baseline: dict = field(default_factory=dict)    # {label, status, eval_run, summary, reason}
     points: dict[str, Point] = field(default_factory=dict)
+    superseded: list[Point] = field(default_factory=list)      # done points whose checkpoint changed since
+    copies: dict[str, dict[str, str]] = field(default_factory=dict)  # eval host -> {checkpoint: copy digest}
     path: Path | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -70,7 +78,9 @@ class WatchState:
         try:
             raw = json.loads(path.read_text())
             state = cls(run=raw["run"], settings=raw["settings"], baseline=raw.get("baseline") or {},
-                        points={k: Point(**v) for k, v in raw.get("points", {}).items()}, path=path)
+                        points={k: Point(**v) for k, v in raw.get("points", {}).items()},
+                        superseded=[Point(**v) for v in raw.get("superseded", [])],
+                        copies=raw.get("copies") or {}, path=path)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise WatchStateError(f"{path}: unreadable watch state ({e}); move it away to start over") from None
         changed = {k: (state.settings.get(k), v) for k, v in settings.items() if state.settings.get(k) != v}
@@ -82,7 +92,8 @@ class WatchState:
 
     def save(self) -> None:
         data = {"run": self.run, "settings": self.settings, "baseline": self.baseline,
-                "points": {k: asdict(p) for k, p in sorted(self.points.items(), key=lambda kv: kv[1].step)}}
+                "points": {k: asdict(p) for k, p in sorted(self.points.items(), key=lambda kv: kv[1].step)},
+                "superseded": [asdict(p) for p in self.superseded], "copies": self.copies}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f"{STATE_FILE}.tmp{os.getpid()}")
         with open(tmp, "w") as f:
@@ -114,6 +125,13 @@ class WatchState:
             self.mark(p, "gave_up", reason=reason, limit=max_attempts)
         else:
             self.mark(p, "failed", reason=reason)
+
+    def supersede(self, p: Point, reason: str) -> None:
+        """Done point ``p`` no longer stands for its checkpoint (changed since): kept, marked
+        ``superseded``, and the checkpoint is evaluated as a new point."""
+        p.status, p.reason, p.updated = "superseded", reason, now_iso()
+        self.superseded.append(self.points.pop(p.name))
+        self.save()
 
     def done_points(self) -> list[Point]:
         return sorted((p for p in self.points.values() if p.status == "done"), key=lambda p: p.step)

@@ -1,7 +1,8 @@
 """``runs/watch-<RUN>/trajectory.md`` + self-contained ``trajectory.html``: eval τ vs training
 step with bootstrap CIs per point, per-position acceptance over steps (a heat map), the baseline
 drafter as a band, the training run's own logged metrics on the same axis, a confidence head's
-calibration per checkpoint (where the drafter has one), and the alarms."""
+calibration per checkpoint (where the drafter has one), and the alarms. A superseded point (its
+checkpoint saved again since it was evaluated) is shown apart, grey, never as its step's value."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -65,8 +66,8 @@ def ddtree_speedups(run_dir: Path | None) -> dict[str, float]:
 
 
 def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, float]] | None,
-             train_tag: str | None) -> bytes | None:
-    if not points:
+             train_tag: str | None, superseded: list[tuple[int, float]] = ()) -> bytes | None:
+    if not points and not superseded:
         return None
     chart = Chart("τ vs training step", "training step", "τ (accepted tokens per block)")
     steps = [p["step"] for p in points]
@@ -90,6 +91,8 @@ def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, f
         chart.line(*zip(*predicted), "τ predicted by the confidence head", "C1", dash="2 2")
     if train:
         chart.line([s for s, _ in train], [v for _, v in train], f"training: {train_tag}", "C3", marker=False)
+    for i, (step, tau) in enumerate(superseded):    # one mark each: never joined into a line
+        chart.line([step], [tau], "superseded (saved again since)" if i == 0 else None, "C7", opacity=0.6)
     return chart.svg()
 
 
@@ -254,7 +257,10 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     if base:
         doc.para(f"Baseline **{base['label']}** (same settings): τ macro {base['tau']:.3f}"
                  + (f" [{base['ci'][0]:.3f}, {base['ci'][1]:.3f}]" if base["ci"] else "") + ".")
-    doc.plot("tau", "τ vs training step", plot_tau(points, base, train.get(tau_tag) if tau_tag else None, tau_tag),
+    old = sorted(state.superseded, key=lambda p: p.step)
+    doc.plot("tau", "τ vs training step", plot_tau(points, base, train.get(tau_tag) if tau_tag else None, tau_tag,
+                                                   [(p.step, p.summary["tau_macro"]) for p in old
+                                                    if p.summary.get("tau_macro") is not None]),
              "no checkpoint evaluated yet")
     doc.plot("acceptance", "Per-position acceptance over training", plot_acceptance(points),
              "no per-position acceptance yet")
@@ -262,6 +268,10 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     if head:
         doc.para(CALIBRATION_NOTE, "note")
     doc.plot("training", "Training metrics", plot_training(train, tau_tag))
+    if old:
+        doc.table(["step", "checkpoint", "τ macro", "eval run", "why"],
+                  [[str(p.step), p.name, fnum(p.summary.get("tau_macro"), 3), p.eval_run or "—", p.reason or ""]
+                   for p in old], heading="Superseded (not in the trajectory: the checkpoint changed since)")
     pending = [p for p in sorted(state.points.values(), key=lambda p: p.step) if p.status != "done"]
     if pending:
         doc.table(["step", "checkpoint", "status", "attempts", "reason"],
