@@ -28,13 +28,13 @@ REMOTE_LAYERS = [
     ["remote.contract"],
 ]
 # shipped as one file (piped into an interpreter, or a compressed argument): they import nothing of remote
-REMOTE_STANDALONE = ["remote.sync_host", "remote.host.probe"]
+REMOTE_STANDALONE = ["remote.sync_host", "remote.host.probe", "remote.host.clean"]
 # what the control plane may import of the worker: the contract, and the self-contained host tools whose
 # constants it shares (the probe's engine snippet) or whose class it hands to Ray
 ORCHESTRATOR_MAY_IMPORT = ["remote.contract", "remote.host.probe", "remote.host.ray_task"]
 LAYERS = [
     ["orchestrator.cli"],
-    ["orchestrator.watch"],
+    ["orchestrator.watch", "orchestrator.clean"],
     ["orchestrator.names"],
     ["orchestrator.eval", "orchestrator.sync"],
     ["orchestrator.reports"],

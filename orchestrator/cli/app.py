@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from . import config, evals, export, hosts, runs, sync, watch
+from . import clean, config, evals, export, hosts, runs, sync, watch
 from .context import options
 from .guard import GuardedGroup
 
@@ -44,7 +44,7 @@ def main_options(
     options(ctx).inventory_path = inventory
 
 
-for group in (hosts, runs, evals, sync, export, config, watch):
+for group in (hosts, runs, evals, sync, export, config, watch, clean):
     group.register(app)
 
 

@@ -98,6 +98,17 @@ class LocalRunner(Runner):
         except FileNotFoundError:
             raise TransportError(f"host {self.name}: no such file: {remote}") from None
 
+    def get_tail(self, remote, local, limit) -> int:
+        Path(local).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(self._path(remote), "rb") as src, open(local, "wb") as dst:
+                size = os.fstat(src.fileno()).st_size
+                src.seek(max(0, size - limit))
+                shutil.copyfileobj(src, dst)
+        except FileNotFoundError:
+            raise TransportError(f"host {self.name}: no such file: {remote}") from None
+        return size
+
     def put_text(self, text, remote) -> None:
         dst = self._path(remote)
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -120,6 +120,21 @@ class Runner(ABC):
     @abstractmethod
     def get_file(self, remote: str, local: str | os.PathLike) -> None: ...
 
+    def get_tail(self, remote: str, local: str | os.PathLike, limit: int) -> int:
+        """The last ``limit`` bytes of ``remote`` (all of it when shorter) into ``local``; returns
+        the remote file's whole size. (Here: the whole file comes and is cut; SSH and local read
+        only the tail.)"""
+        self.get_file(remote, local)
+        size = os.path.getsize(local)
+        if size > limit:
+            with open(local, "r+b") as f:
+                f.seek(size - limit)
+                tail = f.read()
+                f.seek(0)
+                f.write(tail)
+                f.truncate()
+        return size
+
     @abstractmethod
     def put_text(self, text: str, remote: str) -> None: ...
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import disk_error
 from .endpoint import CONNECT_TIMEOUT, SSHEndpoint, endpoint_for
 from .errors import CommandTimeout, TransportError
 from .runner import KILL_GRACE, ExecHandle, Result, Runner, as_bytes, command_line, decode
@@ -276,6 +277,21 @@ class SSHRunner(Runner):
         Path(local).parent.mkdir(parents=True, exist_ok=True)
         self._sftp_call("download", remote, lambda c: c.get(self._rpath(remote), str(local), preserve_mode=False))
 
+    def get_tail(self, remote, local, limit) -> int:
+        Path(local).parent.mkdir(parents=True, exist_ok=True)
+
+        def get(c):
+            with c.sftp().open(self._rpath(remote), "rb") as f, open(local, "wb") as dst:
+                size = f.stat().st_size
+                f.seek(max(0, size - limit))
+                f.prefetch(size)
+                while True:
+                    data = f.read(1 << 20)
+                    if not data:
+                        return size
+                    dst.write(data)
+        return self._sftp_call("download", remote, get)
+
     def put_text(self, text, remote) -> None:
         self._mkparent(remote)
 
@@ -298,4 +314,6 @@ class SSHRunner(Runner):
         except PermissionError:
             raise TransportError(f"host {self.name}: permission denied: {remote}") from None
         except OSError as e:
+            if disk_error(e):       # a download's file here (SFTP reports no such errno of the host)
+                raise
             raise TransportError(f"host {self.name}: cannot {what} {remote}: {e}") from None
