@@ -4,7 +4,8 @@ when it passes, the host's libraries (:func:`runtime_problems`) and the memory p
 
 ``python -m remote.preflight DRAFTER --target DIR [--verify-hashes] [--suite S --prompts N
 --max-new-tokens M --device cuda --dtype D --target-devices N|auto --max-memory GIB]`` prints
-``{"inspect": REPORT, "memory": PLAN or null, "reused": bool}`` as JSON, the only thing on stdout (what
+``{"inspect": REPORT, "memory": PLAN or null, "reused": bool, "target_identity": the target's identity
+(remote/target/memory.py: what a resume compares) or null}`` as JSON, the only thing on stdout (what
 a library prints goes to stderr); the library problems, a bad suite and prompt ids outside the
 target's vocabulary are in REPORT's ``problems``. Exit 0 when all pass, 1 when a check fails, 2 usage.
 
@@ -38,7 +39,7 @@ from pathlib import Path
 from remote.drafters.checkpoint import CheckpointError, refuse_special_files
 from remote.inspect import inspect
 from remote.target.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens,
-                                  free_memory, parse_plan_arguments, plan, run_dtype)
+                                  free_memory, identity, parse_plan_arguments, plan, run_dtype)
 from remote.suites.prompts import BUILTIN, HF_SUITES, PromptError, vocabulary_problem
 from remote.contract.versions import TRANSFORMERS_TESTED, installed_versions, transformers_problem
 from remote.host.proc import write_atomic
@@ -72,6 +73,10 @@ def runtime_problems(target: str, device: str = "cpu") -> list[str]:
     from remote.target.model import guard_cpu_kernels
     from remote.target.cache import self_test
 
+    from remote.target.memory import assumed_gpu_memory
+
+    if device.startswith("cuda") and assumed_gpu_memory() is not None:
+        device = "cpu"          # the GPUs are elsewhere (a Slurm login node): the worker checks again there
     guard_cpu_kernels(device)
     try:
         config = AutoConfig.from_pretrained(target, trust_remote_code=False)
@@ -268,7 +273,8 @@ def preflight(args: argparse.Namespace) -> tuple[dict, int]:
         fresh = {"checks": None if kept["checks"] else checked, "self-test": self_test, "tokens": counts}
         keep(args.cache, keys, {part: value for part, value in fresh.items()
                                 if value is not None and value is not kept[part]})
-    return {"inspect": report, "memory": plan_, "reused": reused}, 0 if report["ok"] and plan_ and plan_["fits"] else 1
+    return ({"inspect": report, "memory": plan_, "reused": reused, "target_identity": identity(args.target)},
+            0 if report["ok"] and plan_ and plan_["fits"] else 1)
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The files of the longest tests first (whole evals, clusters, the tour), so that the two worker
 # processes end together rather than one starting the tour last; pyproject's addopts keep this order
 # (--no-loadscope-reorder).
-LONGEST_FIRST = ("test_tour.py", "test_ray.py", "test_watch.py", "test_variants_e2e.py", "test_faults_eval.py",
+LONGEST_FIRST = ("test_slurm.py", "test_tour.py", "test_ray.py", "test_watch.py", "test_variants_e2e.py", "test_faults_eval.py",
                  "test_eval.py", "test_gpus.py", "test_online.py", "test_exactness.py", "test_faults_remote.py",
                  "test_secrets.py", "test_conformance.py", "test_specforge_ref.py", "test_worker.py", "test_sync.py",
                  "test_hostile_sync.py", "test_hostile_inputs.py", "test_specforge_parity.py", "test_ddtree_ref.py",
-                 "test_tree_hybrid.py")
+                 "test_tree_hybrid.py", "test_sync_tunnel.py")
 
 
 def pytest_runtest_setup(item):

@@ -171,13 +171,15 @@ class SSHLab:
 
 class ExtraSshd:
     """One more sshd on a lab host (in its network namespace), on ``port``, with host key ``key``
-    (a private key file), the lab's authorized keys and ``config`` (more sshd_config lines);
+    (a private key file), the lab's authorized keys, ``config`` (more sshd_config lines) and ``env``
+    (more variables for its sessions);
     stopping it leaves its open sessions running. On the host's own port (its sshd stopped first)
     it is an impostor of that host."""
 
-    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path, config: str = ""):
+    def __init__(self, lab: SSHLab, host: LabHost | str, port: int, key: Path, base: Path, config: str = "",
+                 env: dict[str, str] | None = None):
         self.lab, self.host = lab, lab.hosts[host] if isinstance(host, str) else host
-        self.port, self.key, self.base, self.config = port, key, base, config
+        self.port, self.key, self.base, self.config, self.env = port, key, base, config, env
         self.pidfile: Path | None = None
 
     def start(self) -> "ExtraSshd":
@@ -186,8 +188,8 @@ class ExtraSshd:
         self.pidfile = d / "pid"
         cfg = d / "sshd_config"
         cfg.write_text(sshd_config(port=self.port, address=h.address, host_key=self.key, pidfile=self.pidfile,
-                                   authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}")
-                       + self.config)
+                                   authorized_keys=f"{self.lab.base / 'authorized_keys'} {h.authorized_keys}",
+                                   env=self.env) + self.config)
         self.lab.exec_in(h, [SSHD, "-f", str(cfg), "-E", str(d / "log")], check=True)
         _wait_listening(replace(h, port=self.port, log=d / "log"))
         return self
@@ -334,14 +336,15 @@ AllowTcpForwarding yes
 MaxStartups 50:30:100
 MaxSessions 50
 Subsystem sftp internal-sftp
-SetEnv OMP_NUM_THREADS={threads}
+SetEnv OMP_NUM_THREADS={threads}{env}
 """
 
 
 def sshd_config(**fields) -> str:
     """A lab host's sshd_config; its sessions get this test process's torch threads (SetEnv;
     tests/conftest.py sets one)."""
-    return SSHD_CONFIG.format(threads=os.environ.get("OMP_NUM_THREADS", "1"), **fields)
+    env = "".join(f" {k}={v}" for k, v in (fields.pop("env", None) or {}).items())   # one SetEnv line: sshd uses the first
+    return SSHD_CONFIG.format(threads=os.environ.get("OMP_NUM_THREADS", "1"), env=env, **fields)
 
 
 def start_lab(base: str | os.PathLike) -> SSHLab:

@@ -249,3 +249,43 @@ def test_a_job_that_fills_the_disk_is_failed_with_its_exit_code_and_no_space_nam
     record.shards[0].fetched = True
     with pytest.raises(EvalError, match=r"state failed, exit code 1: no space left on the disk holding"):
         finish(record)
+
+
+def test_a_host_clock_stepped_back_stops_neither_the_heartbeat_nor_cancels_grace(tmp_path, monkeypatch, capsys):
+    """The host's wall clock stepped back (NTP, by hand) while a quiet job runs: follow keeps its
+    heartbeat (before: none for as long as the step, so the reader said "lost contact" after 60 s)
+    and cancel's grace ends on time (before: SIGKILL as much later). The step is made on the clock
+    launch.py reads; its timers run on the monotonic clock."""
+    import threading
+    import types
+
+    from remote.host import launch as host_launch
+
+    back = [0.0]
+    real = time.time
+    monkeypatch.setattr(host_launch, "time", types.SimpleNamespace(
+        time=lambda: real() - back[0], monotonic=time.monotonic, sleep=time.sleep))
+    job = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                 "print('{}', flush=True); time.sleep(60)"]
+    pid = json.loads(launch("start", str(tmp_path), "--", *job).stdout)["pid"]
+    try:
+        wait_until(lambda: (tmp_path / "events.jsonl").read_text(), what="the job to ignore SIGTERM")
+        follower = threading.Thread(target=host_launch.follow, args=(tmp_path,), kwargs={"heartbeat": 0.2}, daemon=True)
+        follower.start()
+        time.sleep(0.3)
+        back[0] = 3600.0
+        time.sleep(1.2)
+        beats = capsys.readouterr().out.count('"heartbeat"')
+        assert beats >= 4, f"{beats} heartbeat(s) in 1.5 s, the clock stepped back after 0.3 s"
+        answer: list[dict] = []
+        canceller = threading.Thread(target=lambda: answer.append(host_launch.cancel(tmp_path, grace=0.5)), daemon=True)
+        canceller.start()
+        time.sleep(0.2)
+        back[0] = 7200.0                                # stepped back again during the grace
+        canceller.join(10)
+        assert answer and answer[0]["state"] == "failed" and answer[0]["exit_code"] == -signal.SIGKILL, answer
+        follower.join(10)
+        assert not follower.is_alive()
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)

@@ -46,7 +46,7 @@ def test_ray_inventory_entries(tmp_path):
            ({"kind": "ray", "address": "ray://head"}, "must be ray://HOST:PORT"),
            ({"kind": "ray", "address": "ray://head:10001", "jump": "lab"}, "field 'jump' is for SSH hosts"),
            ({"kind": "ray", "address": "ray://head:10001", "via": "nope"}, "'nope' is not an SSH host"),
-           ({"kind": "slurm", "address": "x"}, "field 'kind' must be one of ssh, ray"),
+           ({"kind": "lsf", "address": "x"}, "field 'kind' must be one of ssh, ray, slurm"),
            ({"address": "10.0.0.2", "via": "lab"}, "field 'via' is for `kind: ray`")]
     for entry, message in bad:
         with pytest.raises(InventoryError, match=message.replace("(", r"\(")):

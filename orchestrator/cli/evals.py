@@ -74,6 +74,16 @@ class _Progress:
             self.bars.update(task, phase="finished" if ev.get("state") == "done" else safe(ev.get("state")))
         elif kind == events.ERROR:
             self.errors[i] = str(ev.get("message", ""))
+        elif kind == events.SCHEDULER:          # a Slurm task: queued (with Slurm's reason), then on a node
+            label = safe(self.record.shards[i].label)
+            if ev.get("state") == "queued":
+                self.bars.update(task, phase="queued", last=safe(str(ev.get("why") or "")))
+                self.bars.console.print(f"{label}: job {safe(str(ev.get('job')))} {safe(str(ev.get('why') or 'queued'))}",
+                                        highlight=False)
+            elif ev.get("state") == "running":
+                where = f"job {safe(str(ev.get('job')))} on {safe(str(ev.get('node') or '?'))}"
+                self.bars.update(task, phase="running", last=where)
+                self.bars.console.print(f"{label}: running, {where}", highlight=False)
 
     def interrupted(self) -> str:
         """What is true when the user presses Ctrl-C: which workers still run, which finished."""
@@ -94,16 +104,16 @@ class _Progress:
                 f"missing: [bold]dflash-ops show {rid}[/] writes it.")
 
 
-def _follow_and_finish(record, jobs, out) -> None:
+def _follow_and_finish(record, jobs, out, stall: dict | None = None) -> None:
     """Follow the run, then merge, report and summarize it; Ctrl-C detaches (exit 130) and says
-    what is true at that moment."""
+    what is true at that moment. ``stall``: the stall limits (eval/pipeline.py stall_limits)."""
     from ..eval.pipeline import EvalError, complete, failed_logs
 
     progress = _Progress(record, out)
     try:
         try:
             with progress.bars:
-                summary, (_, html_path) = complete(record, jobs, progress.on_event)
+                summary, (_, html_path) = complete(record, jobs, progress.on_event, stall)
         finally:
             for i, msg in progress.errors.items():
                 out.print(f"[red]{safe(record.shards[i].label)}: {safe(msg)}[/]")
@@ -159,6 +169,10 @@ def _locate_or_sync(names, choice, host, sync: bool, out, err):
     return choice
 
 
+STALL_HELP = ("Stop following a worker that reports no progress for M minutes (it is left running; "
+              "0: never; default: the host's `stall_minutes` in the inventory).")
+
+
 @with_settings
 def eval_cmd(
     ctx: typer.Context,
@@ -177,6 +191,11 @@ def eval_cmd(
     sync: bool = typer.Option(False, "--sync", help="Copy the checkpoint from the training host first when the eval "
                                                     "host lacks it (no checkpoint named: the training host's newest)."),
     resume: Optional[str] = typer.Option(None, "--resume", metavar="RUN", help="Continue a cut-off run."),
+    force: bool = typer.Option(False, "--force", help="With --resume: continue even though the drafter's weights, "
+                                                      "the target or dflash-ops changed since its finished prompts "
+                                                      "(recorded in the run and its report)."),
+    stall_minutes: Optional[float] = typer.Option(None, "--stall-minutes", min=0, metavar="M",
+                                                  help=STALL_HELP),
     detach: bool = typer.Option(False, "--detach", help="Start and return; follow later with `attach`."),
     as_json: bool = typer.Option(False, "--json", help="With --detach: print the started run as JSON."),
     verify_weights: bool = typer.Option(False, "--verify-weights",
@@ -189,7 +208,7 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..eval.pipeline import check_sglang_option, new_run, start
+    from ..eval.pipeline import check_sglang_option, new_run, stall_limits, start
     from ..eval.placement import parse_gpus
     from ..reports.tracking import check_trackers
 
@@ -197,6 +216,9 @@ def eval_cmd(
     names = context_names(ctx, catalog=catalog, runs_dir=runs_dir)
     if as_json and not detach:
         raise InputError("--json goes with --detach (a followed run prints its progress)")
+    if force and not resume:
+        raise InputError("--force goes with --resume (it continues a run whose drafter, target or dflash-ops "
+                         "changed)")
     trackers = check_trackers(log_to)
     check_sglang_option(sglang)
     parse_gpus(gpus)        # bad --gpus: one red line before any host is contacted
@@ -222,11 +244,15 @@ def eval_cmd(
     if status:
         status.start()
     try:
+        forced = len(record.forced)
         jobs = start(record, names.inventory, resume=bool(resume),
-                     on_phase=lambda h, phase: status.update(f"{h}: {phase} ...") if status else None)
+                     on_phase=lambda h, phase: status.update(f"{h}: {phase} ...") if status else None, force=force)
     finally:
         if status:
             status.stop()
+    for change in record.forced[forced:]:
+        err.print(f"[yellow]--force: resumed although the {safe(change['what'])} of {safe(change['shard'])} changed "
+                  f"({safe(change['change'])}); recorded in the run[/]")
     where = ", ".join(record.hosts)
     if detach:
         if as_json:
@@ -237,7 +263,7 @@ def eval_cmd(
             out.print(f"follow with: dflash-ops attach {record.id}")
         return
     out.print(f"run [bold]{safe(record.id)}[/] started on {safe(where)}")
-    _follow_and_finish(record, jobs, out)
+    _follow_and_finish(record, jobs, out, stall_limits(record, names.inventory, stall_minutes))
     if trackers:
         from ..reports.tracking import log_run
 
@@ -249,9 +275,11 @@ RUN_HELP = "A run id (or a unique prefix), a drafter label or LABEL:CKPT (its ne
 
 
 def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),
+               stall_minutes: Optional[float] = typer.Option(None, "--stall-minutes", min=0, metavar="M",
+                                                             help=STALL_HELP),
                runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP)):
     """Follow a running (or finished but not yet fetched) run again, then fetch and report it."""
-    from ..eval.pipeline import jobs_of, reattach
+    from ..eval.pipeline import jobs_of, reattach, stall_limits
 
     names = context_names(ctx, runs_dir=runs_dir)
     record = names.run_record(run, prefer=("running",))
@@ -259,7 +287,7 @@ def attach_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP)
     out = console.out()
     for line in reattach(record, jobs):
         out.print(safe(line))
-    _follow_and_finish(record, jobs, out)
+    _follow_and_finish(record, jobs, out, stall_limits(record, names.inventory, stall_minutes))
 
 
 def cancel_cmd(ctx: typer.Context, run: str = typer.Argument(..., help=RUN_HELP),

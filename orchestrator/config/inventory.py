@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -57,6 +58,46 @@ class EngineSpec:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
 
 
+SLURM_FIELDS = ("login", "partition", "account", "qos", "time", "gres", "constraint", "sbatch_args", "setup",
+                "gpu_memory")
+# sbatch options dflash-ops sets itself (or a field sets): not in sbatch_args
+SBATCH_OWN = ("array", "job-name", "output", "error", "parsable", "wrap", "chdir", "gres", "gpus", "partition",
+              "account", "qos", "time", "constraint", "signal", "export", "input", "wait", "test-only")
+_SBATCH_ARG = re.compile(r"--([a-z][a-z0-9-]*)(=[^\n\r\0]*)?")
+_SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
+
+
+@dataclass(frozen=True)
+class SlurmSpec:
+    """A Slurm cluster's job settings (``kind: slurm`` in the inventory): ``login`` is the inventory
+    host (an SSH host, or ``local``) where ``sbatch``, ``squeue``, ``scontrol`` and ``scancel`` run;
+    the rest become sbatch options of every job (``gres``: ``gpu`` or ``gpu:TYPE``, the count is a
+    worker's GPUs); ``setup``: a script on the cluster each job sources first (its ``module load``
+    lines); ``gpu_memory``: GiB per GPU, where the nodes' GRES do not say."""
+    login: str
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    gres: str = "gpu"
+    constraint: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    setup: str | None = None
+    gpu_memory: float | None = None
+
+    def sbatch_options(self, gpus_per_task: int) -> list[str]:
+        """The options of every job of this cluster (argv items, never a shell line)."""
+        opts = [f"--{name}={value}" for name, value in (("partition", self.partition), ("account", self.account),
+                                                         ("qos", self.qos), ("time", self.time),
+                                                         ("constraint", self.constraint)) if value]
+        if gpus_per_task:
+            opts.append(f"--gres={self.gres}:{gpus_per_task}")
+        return opts + list(self.sbatch_args)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
+
+
 @dataclass(frozen=True)
 class Host:
     name: str
@@ -74,12 +115,14 @@ class Host:
     checkpoints: str | None = None
     sglang: str | None = None       # the URL without credentials (what is shown and recorded)
     gpus: int | None = None
-    kind: str = "ssh"               # ssh | ray (address: ray://HOST:PORT, a Ray cluster's client server)
+    kind: str = "ssh"               # ssh | ray (address: ray://HOST:PORT, a Ray cluster's client server) | slurm
     via: str | None = None          # ray: reach the address through an SSH tunnel from this inventory host
     example: bool = False           # a placeholder (the shipped examples): listed, never connected to
     tunnel: bool | str | None = None   # eval host: sync-ckpt pulls through a tunnel (true, false, auto)
     authorized_keys: str | None = None  # training host: where sync-ckpt --tunnel adds its one-time key
     engine: EngineSpec | None = None  # its serving engine (`eval --engine`)
+    stall_minutes: float = 30.0     # eval host: no event from a worker this long ends following it (0: never)
+    slurm: SlurmSpec | None = None  # kind slurm: the cluster's login host and job settings
     is_local: bool = False
     # the SSH fields the inventory file itself set (they override ~/.ssh/config; transport/endpoint.py)
     ssh_set: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
@@ -99,11 +142,17 @@ class Host:
     def endpoint(self) -> str:
         if self.is_ray:
             return self.address + (f" via {self.via}" if self.via else "")
+        if self.is_slurm:
+            return f"slurm via {self.slurm.login}"
         return "local" if self.is_local else f"{self.address}:{self.port}"
 
     @property
     def is_ray(self) -> bool:
         return self.kind == "ray"
+
+    @property
+    def is_slurm(self) -> bool:
+        return self.kind == "slurm"
 
     def on_host(self, expand_home: Callable[[str | None], str | None]) -> "Host":
         """This host with ``~`` in its paths (workdir, checkpoints, python) expanded on the host
@@ -115,7 +164,8 @@ class Host:
 
     def to_dict(self) -> dict:
         """The inventory's view of the host (what `hosts --json` prints)."""
-        return {f.name: (list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, EngineSpec) else v)
+        return {f.name: (list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, (EngineSpec, SlurmSpec))
+                         else v)
                 for f in fields(self) if f.repr for v in [getattr(self, f.name)]}
 
 
@@ -135,14 +185,25 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "checkpoints": ((str,), "a string (path)"),
     "sglang": ((str,), "a string (URL)"),
     "gpus": ((int,), "an integer"),
-    "kind": ((str,), "ssh or ray"),
+    "kind": ((str,), "ssh, ray or slurm"),
     "via": ((str,), "a string (an SSH host of the inventory)"),
     "example": ((bool,), "true or false"),
     "tunnel": ((bool, str), "true, false or auto"),
     "authorized_keys": ((str,), "a string (path on the host)"),
     "engine": ((dict,), "a mapping {kind: vllm|sglang, python: PATH} or {kind: ..., url: URL}"),
+    "stall_minutes": ((int, float), "a number of minutes (0: never)"),
+    "login": ((str,), "a string (an SSH host of the inventory, or local)"),
+    "partition": ((str,), "a string (a Slurm partition)"),
+    "account": ((str,), "a string (a Slurm account)"),
+    "qos": ((str,), "a string (a Slurm QOS)"),
+    "time": ((str, int), "a Slurm time limit (minutes, or [D-]HH:MM:SS)"),
+    "gres": ((str,), "gpu or gpu:TYPE (the count is each worker's GPUs)"),
+    "constraint": ((str,), "a string (a Slurm node constraint)"),
+    "sbatch_args": ((list,), "a list of --option=value strings"),
+    "setup": ((str,), "a string (a script path on the cluster)"),
+    "gpu_memory": ((int, float), "a number of GiB per GPU"),
 }
-KINDS = ("ssh", "ray")
+KINDS = ("ssh", "ray", "slurm")
 RAY_ONLY = {"via"}
 NOT_RAY = {"engine"}                # Ray clusters: fields refused (the engine's servers would outlive the actor)
 SSH_ONLY = {"port", "user", "identity", "known_hosts", "trust_host_key", "ssh_config", "jump", "sglang", "tunnel",
@@ -303,6 +364,9 @@ def _host_from_entry(
         raise InventoryError(f"{where}: field 'port' must be between 1 and 65535, got {entry['port']}")
     if "gpus" in entry and entry["gpus"] is not None and entry["gpus"] < 0:
         raise InventoryError(f"{where}: field 'gpus' must be >= 0, got {entry['gpus']}")
+    stall = entry.get("stall_minutes")
+    if stall is not None and not 0 <= stall < float("inf"):
+        raise InventoryError(f"{where}: field 'stall_minutes' must be a number of minutes >= 0 (0: never), got {stall}")
     roles = entry.get("roles")
     if roles is not None:
         for r in roles:
@@ -323,6 +387,9 @@ def _host_from_entry(
         except ValueError as e:
             raise InventoryError(f"{where}: field 'sglang': not a valid URL ({e})") from None
 
+    slurm_only = sorted(set(SLURM_FIELDS) & set(values))
+    if slurm_only and values.get("kind") != "slurm":
+        raise InventoryError(f"{where}: field '{slurm_only[0]}' is for `kind: slurm` entries")
     if base is not None:  # overriding the built-in local host
         if "kind" in values or "via" in values:
             raise InventoryError(f"{where}: the built-in local host takes no 'kind' or 'via'")
@@ -331,6 +398,8 @@ def _host_from_entry(
         raise InventoryError(f"{where}: field 'kind' must be one of {', '.join(KINDS)}, got {values['kind']!r}")
     if values.get("kind") == "ray":
         return _ray_host(where, name, values)
+    if values.get("kind") == "slurm":
+        return _slurm_host(where, name, values)
     if RAY_ONLY & set(values):
         raise InventoryError(f"{where}: field 'via' is for `kind: ray` entries (an SSH host uses 'jump')")
 
@@ -403,6 +472,52 @@ def _ray_host(where: str, name: str, values: dict[str, Any]) -> Host:
     return Host(name=name, **{"roles": ("eval",), **values})
 
 
+def _slurm_host(where: str, name: str, values: dict[str, Any]) -> Host:
+    """A Slurm cluster: ``login`` names the inventory host where its commands run; the job
+    settings are checked here, so that a typo is one line before anything is submitted."""
+    wrong = sorted((SSH_ONLY | RAY_ONLY | NOT_RAY | {"address"}) & set(values))
+    if wrong:
+        raise InventoryError(f"{where}: field '{wrong[0]}' is not for `kind: slurm` (the cluster is reached through "
+                             f"its login host: `login: HOST`, an SSH host of the inventory or local)")
+    if not values.get("login"):
+        raise InventoryError(f"{where}: missing field 'login' (the inventory host where sbatch runs, or local)")
+    if "train" in values.get("roles", ()):
+        raise InventoryError(f"{where}: field 'roles': a Slurm cluster is an eval host (role eval), not a training host")
+    if not values.get("workdir"):
+        raise InventoryError(f"{where}: missing field 'workdir' (storage the login node and the compute nodes both see)")
+    time_ = values.get("time")
+    if time_ is not None:
+        time_ = str(time_)
+        if isinstance(values["time"], bool) or not _SLURM_TIME.fullmatch(time_):
+            raise InventoryError(f"{where}: field 'time' must be a Slurm time limit (minutes, MM:SS, HH:MM:SS or "
+                                 f"D-HH:MM:SS), got {values['time']!r}")
+    gres = values.get("gres", "gpu")
+    parts = gres.split(":")
+    if not (1 <= len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9_.-]+", p) for p in parts)) or parts[-1].isdigit():
+        raise InventoryError(f"{where}: field 'gres' must be gpu or gpu:TYPE (the count is each worker's GPUs: "
+                             f"--target-devices), got {gres!r}")
+    args = values.get("sbatch_args") or []
+    for a in args:
+        m = _SBATCH_ARG.fullmatch(a) if isinstance(a, str) else None
+        if m is None:
+            raise InventoryError(f"{where}: field 'sbatch_args': {a!r} is not --option or --option=value (each item "
+                                 f"one option, passed to sbatch as one argument)")
+        if m.group(1) in SBATCH_OWN:
+            raise InventoryError(f"{where}: field 'sbatch_args': --{m.group(1)} is set by dflash-ops"
+                                 + (f" (use the field '{m.group(1)}')" if m.group(1) in SLURM_FIELDS else ""))
+    gpu_memory = values.get("gpu_memory")
+    if gpu_memory is not None and (isinstance(gpu_memory, bool) or not gpu_memory > 0):
+        raise InventoryError(f"{where}: field 'gpu_memory' must be a positive number of GiB, got {gpu_memory!r}")
+    spec = SlurmSpec(login=values.pop("login"), partition=values.pop("partition", None),
+                     account=values.pop("account", None), qos=values.pop("qos", None),
+                     time=time_, gres=values.pop("gres", "gpu"), constraint=values.pop("constraint", None),
+                     sbatch_args=tuple(values.pop("sbatch_args", ()) or ()), setup=values.pop("setup", None),
+                     gpu_memory=float(gpu_memory) if gpu_memory is not None else None)
+    values.pop("time", None)
+    values.pop("gpu_memory", None)
+    return Host(name=name, slurm=spec, **{"roles": ("eval",), **values})
+
+
 def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) -> Inventory:
     inv = Inventory(hosts={"local": builtin_local()}, path=path)
     if data is None:
@@ -424,7 +539,18 @@ def parse_inventory(data: Any, path: Path, ssh_config_path: Path | None = None) 
     for host in inv:
         _check_jump(path, host, inv)
         _check_via(path, host, inv)
+        _check_login(path, host, inv)
     return inv
+
+
+def _check_login(path: Path, host: Host, inv: Inventory) -> None:
+    if host.slurm is None:
+        return
+    hop = inv.hosts.get(host.slurm.login)
+    if hop is None or hop.is_ray or hop.is_slurm:
+        choices = [h.name for h in inv if not h.is_ray and not h.is_slurm]
+        raise InventoryError(f"{path}: host '{host.name}': field 'login': '{host.slurm.login}' is not an SSH host of "
+                             f"the inventory or local{did_you_mean(host.slurm.login, choices)}")
 
 
 def _check_via(path: Path, host: Host, inv: Inventory) -> None:

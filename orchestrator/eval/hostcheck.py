@@ -138,6 +138,8 @@ def check_host(host: Host, timeout: float = 60.0, inventory: Inventory | None = 
     def fill(report: HostReport) -> None:
         if host.is_ray:
             _check_cluster(report, host, inventory, timeout)
+        elif host.is_slurm:
+            _check_slurm(report, host, inventory, timeout)
         else:
             with runner_for(host, inventory, connect_timeout=min(timeout, 10.0)) as runner:
                 _probe(report, host.on_host(runner.expand_home), runner, timeout)
@@ -210,6 +212,40 @@ def _check_cluster(report: HostReport, host: Host, inventory: Inventory | None, 
     report.warnings = [w for w in report.warnings if not w.startswith("nvidia-smi")]
     if host.gpus and cluster.gpus < host.gpus:
         report.warnings.append(f"inventory says {host.gpus} GPU(s), the cluster has {cluster.gpus}")
+
+
+def _check_slurm(report: HostReport, host: Host, inventory: Inventory | None, timeout: float) -> None:
+    """A Slurm cluster (``kind: slurm``): Slurm's version and each partition's nodes and GPUs, the
+    probe on its login host, and a tiny CPU job that says whether the compute nodes' python has the
+    worker's packages and whether they see ``workdir`` (it writes a file the login host reads)."""
+    from . import slurm as slurm_backend
+
+    with slurm_backend.login_runner(host, inventory) as runner:
+        there = host.on_host(runner.expand_home)
+        cluster = slurm_backend.cluster_info(there, runner)
+        report.reachable = True
+        _probe(report, replace(there, gpus=None), runner, timeout, cuda=False)
+        report.cuda = f"slurm {cluster.version}" + (f" ({cluster.name})" if cluster.name else "")
+        report.gpus = [f"partition {p.name}{'*' if p.name == cluster.default else ''}"
+                       + ("" if p.up else " (down)") + f": {len(p.nodes)} node(s), "
+                       + ", ".join(f"{n['name']} {n['state']} {n['gpus']} GPU" for n in p.nodes)
+                       for p in cluster.partitions]
+        part = cluster.partition(host.slurm.partition)
+        if part is None:
+            report.errors.append(f"no partition {host.slurm.partition or '(default)'} on the cluster (it has "
+                                 f"{', '.join(p.name for p in cluster.partitions) or 'none'}): set `partition:`")
+        elif host.gpus != 0 and not part.gpus:
+            report.errors.append(f"partition {part.name} has no GPU in its nodes' GRES: set `partition:` to a GPU "
+                                 f"partition, or `gpus: 0` for CPU jobs")
+        found = slurm_backend.probe_job(there, runner, timeout)
+        if found.get("error"):
+            report.errors.append(found["error"])
+        else:
+            missing = [n for n in ("torch", "transformers") if not found.get(n)]
+            if missing:
+                report.errors.append(f"the compute nodes' python {there.python} lacks {', '.join(missing)} (set "
+                                     f"`python:` to the ML environment there, or `setup:` to a script that loads it)")
+            report.warnings = [w for w in report.warnings if not w.startswith("nvidia-smi")]
 
 
 def check_hosts(hosts: list[Host], timeout: float = 60.0,

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import secrets
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -16,16 +18,29 @@ from typing import Iterator
 from remote.contract import events
 from remote.contract.engines import LOGS as ENGINE_LOGS
 
+from ..errors import disk_error
 from ..transport import Runner, TransportError
 
 FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log", "events.jsonl", "cmd.json",
+           "placement.json",                                          # a Slurm task's node and GPUs
            *(f"out/{name}" for name in ENGINE_LOGS.values()))      # the engine's server logs (--engine)
 RESULTS = ("results.jsonl", "summary.json", "env.json")     # what a worker that ended `done` leaves
+LOGS = ("worker.log", *ENGINE_LOGS.values())                 # fetched up to LOG_CAP: their last part
+LOG_CAP = 8 << 20
 _CODE_DIR = re.compile(r"[0-9a-f]{16}")
 
 
 class FetchFailed(TransportError):
     """A finished worker's result files did not come back (the shard stays unfetched)."""
+
+
+class WorkerStalled(Exception):
+    """A worker alive on its host (the follower's heartbeats come) that wrote no event for
+    ``seconds``: hung, or far slower than it should be."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"no event from the worker for {seconds:.0f} s")
+        self.seconds = seconds
 
 
 def check_shard(record_id: str, shard, host, code: bool = True) -> None:
@@ -83,6 +98,11 @@ class HostJob:
             raise TransportError(f"status of {self.run_dir}: {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout)
 
+    def folder_gone(self) -> bool:
+        """Is the job's run folder gone from the host (removed to free space)? Asked without the
+        shipped code, which `dflash-ops clean` removes with it."""
+        return not self.runner.run(["test", "-d", self.run_dir], timeout=30).ok
+
     def digest(self, folder: str, names: list[str]) -> dict[str, str | None]:
         """{name: sha256 of ``folder/name`` on the host, or None where there is no such file}."""
         res = self._launch("digest", folder, "--", *names, timeout=3600)
@@ -103,15 +123,19 @@ class HostJob:
         res = self._launch("cancel", self.run_dir, timeout=60)
         return json.loads(res.stdout) if res.ok else {"state": "unknown", "error": res.stderr.strip()}
 
-    def follow(self, offset: int = 0, read_timeout: float = 60.0) -> Iterator[dict]:
+    def follow(self, offset: int = 0, read_timeout: float = 60.0, stall_s: float | None = None) -> Iterator[dict]:
         """Events as the worker writes them; the last one is ``{"event": "exit", ...}``.
-        Closing the iterator (or Ctrl-C) only closes the connection; the job keeps running."""
+        Closing the iterator (or Ctrl-C) only closes the connection; the job keeps running.
+        ``stall_s``: raise :class:`WorkerStalled` once the worker wrote no event for that long
+        (monotonic time, from the start of following or the end of a scheduler's queue; seen at
+        the host's next heartbeat)."""
         handle = self.runner.open_exec([self.python, "-m", "remote.host.launch", "follow", self.run_dir,
                                         "--offset", str(offset)], env={"PYTHONPATH": self.code_dir},
                                        cwd=self.code_dir)
         chan = getattr(handle, "chan", None)
         if chan is not None:
             chan.settimeout(read_timeout)     # the host sends a heartbeat every 10 s
+        heard, queued = time.monotonic(), False    # the last event (the worker's progress), not a heartbeat
         try:
             for raw in handle.stdout:
                 line = raw.decode("utf-8", "replace").strip() if isinstance(raw, bytes) else raw.strip()
@@ -122,7 +146,12 @@ class HostJob:
                 except json.JSONDecodeError:
                     continue
                 if event.get(events.KEY) == events.HEARTBEAT:
+                    if stall_s is not None and not queued and time.monotonic() - heard > stall_s:
+                        raise WorkerStalled(time.monotonic() - heard)
                     continue
+                if event.get(events.KEY) == events.SCHEDULER:     # waiting in a queue is no stall
+                    queued = event.get("state") == "queued"
+                heard = time.monotonic()
                 yield event
                 if event.get(events.KEY) == events.EXIT:
                     return
@@ -138,17 +167,23 @@ class HostJob:
         Each file comes into a temporary sibling and is renamed over the local one only once it
         came whole: a file that does not come leaves the local one as it was. A file of
         ``required`` (names in :data:`RESULTS`) that does not come raises :class:`FetchFailed`,
-        naming each and why: the shard is then not fetched."""
+        naming each and why: the shard is then not fetched. A full or read-only disk here raises
+        its OSError (the files are still all on the host)."""
         local_dir.mkdir(parents=True, exist_ok=True)
         got, missing = [], []
         for rel in FETCHED:
             name = Path(rel).name
             tmp = local_dir / f".{name}.{os.getpid()}.{secrets.token_hex(6)}.part"
             try:
-                self.runner.get_file(f"{self.run_dir}/{rel}", tmp)
+                if name in LOGS:
+                    self.fetch_log(rel, tmp)
+                else:
+                    self.runner.get_file(f"{self.run_dir}/{rel}", tmp)
                 os.replace(tmp, local_dir / name)
                 got.append(name)
             except (TransportError, OSError) as e:
+                if disk_error(e):
+                    raise
                 if name in required:
                     missing.append(f"{name} ({getattr(e, 'strerror', None) or e})")
             finally:
@@ -157,9 +192,28 @@ class HostJob:
             raise FetchFailed(f"could not fetch {', '.join(missing)} from {self.run_dir} on {self.runner.name}")
         return got
 
+    def fetch_log(self, rel: str, local: Path, cap: int = LOG_CAP) -> None:
+        """The log ``rel`` of the job into ``local``: whole up to ``cap`` bytes, else its last
+        ``cap`` bytes from a line's start, after one line saying so and where the whole log is."""
+        remote = f"{self.run_dir}/{rel}"
+        size = self.runner.get_tail(remote, local, cap)
+        if size <= cap:
+            return
+        from ..reports.render import human_bytes
+
+        tail = Path(local).read_bytes()
+        tail = tail[tail.find(b"\n") + 1:]
+        note = (f"[dflash-ops: the first {human_bytes(size - len(tail))} of this log were not fetched; the whole log "
+                f"({human_bytes(size)}) is {self.runner.name}:{remote}]\n")
+        Path(local).write_bytes(note.encode() + tail)
+
     def log_tail(self, lines: int = 30) -> str:
+        tmp = Path(tempfile.gettempdir()) / f"dflash-ops-log.{os.getpid()}.{secrets.token_hex(6)}"
         try:
-            text = self.runner.read_text(f"{self.run_dir}/worker.log")
+            self.runner.get_tail(f"{self.run_dir}/worker.log", tmp, 64 << 10)
+            text = tmp.read_bytes().decode("utf-8", "replace")
         except (TransportError, OSError):
             return ""
+        finally:
+            tmp.unlink(missing_ok=True)
         return "\n".join(text.splitlines()[-lines:])

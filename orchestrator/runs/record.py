@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from itertools import count
 from pathlib import Path
 
+from remote.contract.locks import held
 from remote.contract import events, runfiles
 from remote.contract.settings import EvalSettings
 from remote.contract.states import State
@@ -107,7 +108,8 @@ class Shard:
     done: int = 0                   # prompts its worker had finished when last heard from
     prompts: int | None = None      # prompts its worker has to do (None: not heard yet)
     why: str | None = None          # the host's reason for that state (a full disk, a lost job), if any
-    ray: dict | None = None         # a Ray host's shard: its actor, job, node (backends/ray.py)
+    ray: dict | None = None         # a Ray host's shard: its actor, job, node (eval/ray.py)
+    slurm: dict | None = None       # a Slurm host's shard: its job array task, node, GPUs (eval/slurm.py)
 
     @property
     def label(self) -> str:
@@ -179,6 +181,7 @@ class RunRecord:
     shards: list[Shard] = field(default_factory=list)
     step: int | None = None         # the checkpoint's training step
     cancels: int = 0                # times `cancel` stopped it (a resume that started meanwhile sees it)
+    forced: list[dict] = field(default_factory=list)   # what `eval --resume --force` resumed despite: {at, shard, what, change}
     folder: Path | None = field(default=None, repr=False, compare=False)   # runs/<id>, not saved
 
     @property
@@ -291,17 +294,7 @@ class RunRecord:
 
     def being_resumed(self) -> bool:
         """Is an `eval --resume` of this run preparing it right now (holding ``RESUME_LOCK``)?"""
-        try:
-            fd = os.open(self.folder / RESUME_LOCK, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        return held(self.folder / RESUME_LOCK)
 
     def cancelled_meanwhile(self) -> bool:
         """Was the run cancelled after this record was read (run.json on disk says so)?"""
@@ -371,6 +364,10 @@ class RunRecord:
             s.prompts, s.done = event.get("prompts"), event.get("done") or 0
         elif event.get(events.KEY) == events.PROMPT:
             s.done, s.prompts = event.get("done", s.done), event.get("prompts", s.prompts)
+        elif event.get(events.KEY) == events.SCHEDULER and s.slurm is not None:
+            s.state = _state(event.get("state"))
+            s.slurm = {**s.slurm, "state": event.get("slurm_state"), **({"node": event["node"]} if event.get("node")
+                                                                         else {})}
         else:
             return
         self.save()
@@ -390,10 +387,10 @@ class RunRecord:
         """The user stopped following; the workers keep running."""
         self.save()
 
-    def settle(self) -> str:
+    def settle(self, save: bool = True) -> str:
         """After following: ``cancelled`` (a `cancel` stopped it meanwhile), ``unfinished`` (some
         shard not fetched: still running), ``failed`` (some worker failed) or ``done``; the status
-        follows."""
+        follows (written now, or with ``save`` False by the caller's :meth:`save`: a run merged first)."""
         self._adopt_cancel()
         if self.status == State.CANCELLED:
             outcome = "cancelled"
@@ -403,8 +400,19 @@ class RunRecord:
             self.status, outcome = State.FAILED, "failed"
         else:
             self.status, outcome = State.DONE, "done"
-        self.save()
+        if save:
+            self.save()
         return outcome
+
+    def unmergeable(self) -> None:
+        """Its finished shards' results cannot be merged (a prompt id twice): failed; the files stay."""
+        self.status = State.FAILED
+        self.save()
+
+    def forced_resume(self, changes: list[dict]) -> None:
+        """`eval --resume --force` resumes although ``changes`` ({at, shard, what, change}: the drafter,
+        the target or the worker code differ from the finished rows'); written with the start."""
+        self.forced += changes
 
     def cancelled(self, stopped: list[int]) -> None:
         """`cancel` stopped the workers of shards ``stopped`` (a shard whose worker had ended by
@@ -426,10 +434,10 @@ def _state(value) -> State:
 
 
 _TYPES = {"id": str, "drafter": str, "checkpoint": (str, type(None)), "target": str, "created_at": str,
-          "step": (int, type(None)), "cancels": int}
+          "step": (int, type(None)), "cancels": int, "forced": list}
 _SHARD_TYPES = {"host": str, "index": int, "count": int, "gpu": (str, type(None)), "run_dir": str, "code_dir": str,
                 "python": str, "drafter_path": str, "target_path": str, "fetched": bool,
-                "exit_code": (int, type(None)), "ray": (dict, type(None)), "done": int, "prompts": (int, type(None)),
+                "exit_code": (int, type(None)), "ray": (dict, type(None)), "slurm": (dict, type(None)), "done": int, "prompts": (int, type(None)),
                 "why": (str, type(None))}
 
 
@@ -450,6 +458,8 @@ def _check_types(record: RunRecord) -> None:
     for name, kind in _TYPES.items():
         if not isinstance(getattr(record, name), kind):
             raise TypeError(f"'{name}' has the wrong type ({type(getattr(record, name)).__name__})")
+    if not all(isinstance(f, dict) and all(isinstance(v, str) for v in f.values()) for f in record.forced):
+        raise TypeError("'forced' is not a list of objects of strings")
     for s in record.shards:
         for name, kind in _SHARD_TYPES.items():
             if not isinstance(getattr(s, name), kind) or (kind is int and isinstance(getattr(s, name), bool)):

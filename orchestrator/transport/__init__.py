@@ -33,4 +33,8 @@ def runner_for(host: "Host", inventory: "Inventory | None" = None, *,
     if host.is_ray:
         raise TransportError(f"host {host.name} is a Ray cluster (kind: ray): it runs eval shards only, it has no "
                              f"SSH commands or files")
+    if host.is_slurm:                   # its commands and files: those of its login host
+        if inventory is None:
+            raise TransportError(f"host {host.name} is a Slurm cluster: its login host needs the inventory")
+        return runner_for(inventory.get(host.slurm.login), inventory, connect_timeout=connect_timeout, retries=retries)
     return SSHRunner(endpoint_for(host, inventory), connect_timeout=connect_timeout, retries=retries)

@@ -14,6 +14,7 @@ ERROR = "error"          # {"message"}: why it stopped
 # the run control (remote/host/launch.py follow)
 HEARTBEAT = "heartbeat"  # the follower is alive while the worker is quiet
 EXIT = "exit"            # the last line: the job's state and exit code
+SCHEDULER = "scheduler"  # a Slurm task's state changed: {"state": queued|running|..., "slurm_state", "why", "node", "job"}
 
 # watch's own, shown beside its workers' events
 SYNC = "sync"            # {"checkpoint"}: a checkpoint being synced to the eval host

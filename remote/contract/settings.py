@@ -84,6 +84,8 @@ FIELDS = (
 )
 
 
+# pre-flight on a machine without the run's GPUs (a Slurm login node): GiB per GPU to plan the target against
+ASSUMED_GPU_MEMORY_ENV = "DFLASH_OPS_ASSUMED_GPU_MEMORY_GB"
 CPU_WORKERS_ENV = "DFLASH_OPS_CPU_WORKERS"   # a CPU worker's environment: how many of its run's workers share the host
 
 

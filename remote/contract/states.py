@@ -9,6 +9,7 @@ from enum import Enum
 class State(str, Enum):
     PREPARING = "preparing"          # a run in pre-flight: no worker started yet
     PENDING = "pending"              # a shard not started yet
+    QUEUED = "queued"                # a scheduler's job waiting for its resources (a Slurm task)
     RUNNING = "running"
     DONE = "done"                    # exit code 0 (a run: every shard done and fetched)
     FAILED = "failed"                # a nonzero exit code

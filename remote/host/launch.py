@@ -31,7 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-from remote.contract.events import EXIT, HEARTBEAT, KEY, PROGRESS
+from remote.contract.events import EXIT, HEARTBEAT, KEY, PROGRESS, SCHEDULER
+from remote.contract.locks import held
+from remote.host import slurm
 from remote.host.proc import alive as _alive, start_time as _start_time, write_atomic as _write_atomic
 
 LOCK = ".start.lock"                 # held by `start` from its state check until the pid file is written
@@ -145,10 +147,10 @@ def no_space(run_dir: Path) -> str | None:
     return f"no space left on the disk holding {run_dir} ({free:,} bytes free)"
 
 
-def _record_exit(run_dir: Path, fd: int, code: int) -> None:
-    """``exit_code``: the code, and on a second line why, when the disk is full (written into the
+def _record_exit(run_dir: Path, fd: int, code: int, why: str | None = None) -> None:
+    """``exit_code``: the code, and on a second line why (``why``, or a full disk) (written into the
     reserved file, then renamed into place: no new block is needed)."""
-    why = no_space(run_dir) if code != 0 else None
+    why = why or (no_space(run_dir) if code != 0 else None)
     text = (f"{code}\n" + (f"{why}\n" if why else "")).encode()[:RESERVED]
     try:
         os.pwrite(fd, text, 0)
@@ -203,23 +205,16 @@ def _exit_state(code_file: Path) -> dict:
 
 def _job_lock_held(run_dir: Path) -> bool:
     """Does a job (or its supervisor) started in ``run_dir`` still live? It holds :data:`JOB_LOCK`."""
-    try:
-        fd = os.open(run_dir / JOB_LOCK, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
+    return held(run_dir / JOB_LOCK)
 
 
 def state(run_dir: Path) -> dict:
     """The job's state. The pid file names it; the job lock says it lives when the pid file cannot
     (lost, unreadable): ``running`` with no pid, never signalled, never started twice."""
     pid_file, code_file = run_dir / "pid", run_dir / "exit_code"
+    job = slurm.job_of(run_dir)
+    if job is not None:                     # a task of a Slurm job array: Slurm knows, not a pid here
+        return slurm.state(run_dir, job, _exit_state)
     if code_file.exists():
         return _exit_state(code_file)
     rec = _read_pid(pid_file) if pid_file.exists() else None
@@ -259,13 +254,20 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
     the exit line's ``dropped_lines``): a huge or endless line costs the host neither memory nor
     CPU again and again."""
     events = run_dir / "events.jsonl"
-    last_beat = time.time()
+    last_beat = time.monotonic()           # never the wall clock: a host's may be stepped back (NTP, by hand)
     pos, pending, dropping, dropped = offset, b"", 0, 0     # pending: the unterminated line so far
+    told = None                            # what the scheduler said last (a Slurm task)
     while True:
-        if time.time() - last_beat > heartbeat:
+        if time.monotonic() - last_beat > heartbeat:
             print(json.dumps({KEY: HEARTBEAT}), flush=True)
-            last_beat = time.time()
+            last_beat = time.monotonic()
         st = state(run_dir)
+        if "slurm" in st:
+            now = {"state": st["state"], "slurm_state": st["slurm"]["state"], "why": st.get("why"),
+                   "node": st["slurm"].get("node") or None, "job": st["job"]}
+            if now != told:
+                print(json.dumps({KEY: SCHEDULER, **now}), flush=True)
+                told = now
         while True:                        # read after the state: once the job has ended this is all of it
             data = _read_from(events, pos, READ_CHUNK)
             if not data:
@@ -287,7 +289,7 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
             pending += tail
             if dropping or len(pending) > max_line:
                 dropping, pending = dropping + len(pending), b""
-        if st["state"] != "running":
+        if st["state"] not in ("running", "queued"):
             end = {KEY: EXIT, **st, "offset": offset}
             if pending or dropping:
                 end["torn_tail"] = {"bytes": len(pending) + dropping,
@@ -312,6 +314,9 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
     """SIGTERM, then SIGKILL after ``grace`` seconds, to the job's process group; only while the
     process behind the pid file is provably the job (see the module docstring). The answer is the
     job's state, with ``"signalled"``: whether this call signalled it."""
+    job = slurm.job_of(run_dir)
+    if job is not None:
+        return slurm.cancel(run_dir, job, _exit_state)
     st = state(run_dir)
     if st["state"] == "unverifiable":
         return {**st, "why": st["why"] + "; not signalled", "signalled": False}
@@ -330,11 +335,11 @@ def cancel(run_dir: Path, grace: float = 10.0) -> dict:
             break
         except PermissionError as e:
             return {**st, "why": f"cannot signal process group {pid}: {e}", "signalled": False}
-        deadline = time.time() + grace
-        while time.time() < deadline and _alive(pid, start):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and _alive(pid, start):
             time.sleep(0.1)
-    deadline = time.time() + 5                         # the supervisor records the exit code
-    while state(run_dir)["state"] == "running" and time.time() < deadline:
+    deadline = time.monotonic() + 5                    # the supervisor records the exit code
+    while state(run_dir)["state"] == "running" and time.monotonic() < deadline:
         time.sleep(0.05)
     return {**state(run_dir), "signalled": True}
 
@@ -356,6 +361,37 @@ def digest(folder: Path, names: list[str]) -> dict[str, str | None]:
     return out
 
 
+def prepare(run_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str] | None,
+            secrets: dict[str, str] | None, fresh: bool) -> None:
+    """A Slurm task's folder made ready for ``run`` (what ``start`` checks, then ``cmd.json``; the
+    secrets in a file only its owner reads, never in argv or cmd.json); Slurm starts it later."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        held = _held_before(run_dir) if fresh else None
+        if held:
+            raise SystemExit(f"{run_dir}: another run's job was started here before ({held}); two runs with the same "
+                             f"id? Start the eval again (it gets a new id)")
+        st = state(run_dir)
+        if st["state"] in ("running", "queued") or _job_lock_held(run_dir):
+            raise SystemExit(f"{run_dir}: a job is still {st['state'] if st['state'] == 'queued' else 'running'} "
+                             f"there ({st.get('job') or st.get('why') or 'it holds ' + str(run_dir / JOB_LOCK)})")
+        (run_dir / slurm.SECRETS).unlink(missing_ok=True)
+        if secrets:
+            fd = os.open(run_dir / slurm.SECRETS, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(secrets, f)
+        _write_atomic(run_dir / "cmd.json", json.dumps({"argv": argv, "cwd": cwd, "env": env or {}}))
+    finally:
+        os.close(lock)
+
+
+def run(run_dir: Path) -> int:
+    """A Slurm task's body (remote/host/slurm.py's job script execs it on the compute node)."""
+    return slurm.run(run_dir, JOB_LOCK, _record_exit, lambda d: _reserve(d / EXIT_RESERVED))
+
+
 def _env_from_stdin() -> dict[str, str]:
     try:
         env = json.loads(sys.stdin.read() or "{}")
@@ -368,7 +404,7 @@ def _env_from_stdin() -> dict[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m remote.host.launch", description=__doc__)
-    p.add_argument("action", choices=("start", "follow", "status", "cancel", "digest"))
+    p.add_argument("action", choices=("start", "follow", "status", "cancel", "digest", "prepare", "submit", "run"))
     p.add_argument("run_dir", help="the run folder (digest: the folder of the files named after --)")
     p.add_argument("--offset", type=int, default=0)
     p.add_argument("--cwd", default=None)
@@ -376,6 +412,9 @@ def main(argv=None) -> int:
                                                              "for the job on stdin (secrets: never argv)")
     p.add_argument("--fresh", action="store_true", help="start: a new run; refused where another run's job "
                                                          "was started before")
+    p.add_argument("--env-json", default=None, help="prepare: a JSON object of environment variables for the job")
+    p.add_argument("--slurm-json", default=None, help="submit: {tasks, count, python, code_dir, setup, job_name} "
+                                                       "(the sbatch options follow --)")
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
@@ -389,6 +428,18 @@ def main(argv=None) -> int:
             print(f"could not start {cmd[0]} in {run_dir} (see {run_dir / 'worker.log'})", file=sys.stderr)
             return 1
         print(json.dumps({"pid": pid}), flush=True)
+    elif args.action == "prepare":
+        if not cmd:
+            p.error("prepare needs -- COMMAND ...")
+        prepare(run_dir, cmd, args.cwd, json.loads(args.env_json) if args.env_json else None,
+                _env_from_stdin() if args.env_stdin else None, fresh=args.fresh)
+        print(json.dumps({"prepared": str(run_dir)}), flush=True)
+    elif args.action == "submit":
+        spec = json.loads(args.slurm_json or "{}")
+        print(json.dumps(slurm.submit(run_dir, spec["tasks"], spec["count"], cmd, spec["python"], spec["code_dir"],
+                                      spec.get("setup"), spec["job_name"])), flush=True)
+    elif args.action == "run":
+        return run(run_dir)
     elif args.action == "follow":
         return follow(run_dir, args.offset)
     elif args.action == "digest":

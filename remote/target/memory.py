@@ -14,6 +14,7 @@ The context of the longest prompt is its tokens plus ``max_new_tokens`` per turn
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import struct
 import sys
@@ -50,6 +51,19 @@ def weight_files(folder: str | Path) -> list[Path]:
     if (folder / "model.safetensors").is_file():
         return [folder / "model.safetensors"]
     return sorted(folder.glob("*.safetensors"))
+
+
+def identity(folder: str | Path) -> dict | None:
+    """What a resume compares of a target folder, cheaply (no weights read): config.json's sha256
+    and the name and size of each weight file a loader reads (:func:`weight_files`); None for what
+    is not a readable model folder (a hub id)."""
+    folder = Path(folder).expanduser()
+    try:
+        config = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()
+        weights = {p.name: p.stat().st_size for p in weight_files(folder)}
+    except (OSError, WeightsError):
+        return None
+    return {"config_sha256": config, "weights": weights}
 
 
 def header_parameters(path: Path) -> int:
@@ -183,7 +197,11 @@ def free_memory(device: str, target_devices: int | str | None, max_memory_gb: fl
     """(device, free bytes) of the devices the target will use: ``target_devices`` GPUs (``auto``:
     every visible one), or this machine's available RAM on CPU; each capped at ``max_memory_gb``."""
     cap = int(max_memory_gb * GiB) if max_memory_gb else None
-    if device.startswith("cuda"):
+    assumed = assumed_gpu_memory()
+    if device.startswith("cuda") and assumed is not None:      # planned where the GPUs are not (a login node)
+        out = [(f"cuda:{i}", int(assumed * GiB)) for i in range(1 if target_devices == "auto" else
+                                                                 int(target_devices or 1))]
+    elif device.startswith("cuda"):
         import torch
         count = torch.cuda.device_count()
         n = count if target_devices == "auto" else int(target_devices or 1)
@@ -192,6 +210,20 @@ def free_memory(device: str, target_devices: int | str | None, max_memory_gb: fl
     else:
         out = [("cpu", available_ram())]
     return [(d, min(free, cap) if cap is not None else free) for d, free in out]
+
+
+def assumed_gpu_memory() -> float | None:
+    """GiB per GPU the plan assumes when pre-flight runs where the run's GPUs are not (a Slurm
+    login node; remote.contract.settings.ASSUMED_GPU_MEMORY_ENV), else None: measured."""
+    import os
+
+    from remote.contract.settings import ASSUMED_GPU_MEMORY_ENV
+
+    try:
+        value = float(os.environ.get(ASSUMED_GPU_MEMORY_ENV) or "nan")
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def available_ram() -> int:
