@@ -5,6 +5,15 @@ its traceback.
 """
 from __future__ import annotations
 
+import errno
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)    # this machine's disk is full or read-only
+
+
+def disk_error(e: BaseException) -> OSError | None:
+    """``e`` when it is a write refused by a full or read-only disk (:data:`DISK_ERRNOS`), else None."""
+    return e if isinstance(e, OSError) and e.errno in DISK_ERRNOS else None
+
 
 class DflashOpsError(Exception):
     """An expected failure; ``str(error)`` is the user-facing message, ``exit_code`` the

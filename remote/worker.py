@@ -288,7 +288,7 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
     import torch
 
     from remote.drafters.checkpoint import load_drafter
-    from remote.target.memory import check as memory_check
+    from remote.target.memory import check as memory_check, identity as target_identity
     from remote.suites.prompts import reference_turns
     from remote.target.model import features_device, gdn_kernel_path, load_target
     settings = ctx.settings
@@ -340,7 +340,8 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
            "dtype": dtype, "kernel_path": gdn_kernel_path(target), "versions": versions(),
            "drafter": {**ckpt.describe(), "sha256": weight_hashes(ckpt)},
            "target": {"path": str(Path(ctx.target).resolve()), "model_type": target.config.model_type,
-                      "num_hidden_layers": getattr(getattr(target.config, "text_config", target.config), "num_hidden_layers", None)},
+                      "num_hidden_layers": getattr(getattr(target.config, "text_config", target.config), "num_hidden_layers", None),
+                      "identity": target_identity(ctx.target)},
            "suite": {"name": suite.name, "sha256": suite.sha256, "prompts": len(suite.rows),
                      "shard": ctx.shard, "ids": [r.id for r in rows_to_do]},
            "settings": {"mode": settings.mode, "max_new_tokens": settings.max_new_tokens, "max_blocks": settings.max_blocks,
@@ -492,9 +493,11 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
             for b in decoding.budgets:      # each budget its own decoding of the prompt
                 tree = tree_generate(target, drafter, ids, n_max, b, stops, sampling, decoding.semantics)
                 trees[str(b)] = {"acceptance_lengths": tree.acceptance_lengths, "output_ids": tree.output_ids,
-                                 "wall_s": tree.wall_s, "divergence": diverged(tree.output_ids)}
+                                 "wall_s": tree.wall_s, "cycles_s": tree.cycles_s, "stage_s": tree.stage_s,
+                                 "divergence": diverged(tree.output_ids)}
             divergence = diverged(spec.output_ids)
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
+                               "cycles_s": spec.cycles_s, "stage_s": spec.stage_s,
                                "target_wall_s": base.wall_s, "divergence": divergence,
                                "lossless": divergence is None if sampling.greedy else None,
                                "confidences": spec.confidences, "ddtree": trees})
@@ -533,7 +536,8 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
             result["ddtree"][b] = {"acceptance_lengths": lengths, "tau": row_stats(lengths)["tau"]}
             if ctx.settings.mode == "online":
                 trees = [s["ddtree"][b] for s in turn_stats]
-                result["ddtree"][b].update(output_ids=trees[-1]["output_ids"], wall_s=sum(t["wall_s"] for t in trees))
+                result["ddtree"][b].update(output_ids=trees[-1]["output_ids"], wall_s=sum(t["wall_s"] for t in trees),
+                                           **summed_stages(trees))
                 if sampling.greedy:
                     result["ddtree"][b]["lossless"] = not any(t["divergence"] for t in trees)
                     result["ddtree"][b].update(divergence_row(trees))
@@ -545,12 +549,19 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
             result["expected"] = merge_expected([s["expected"] for s in turn_stats])
     else:
         result["wall_s"] = sum(s["wall_s"] for s in turn_stats)
+        result.update(summed_stages(turn_stats))
         result["target_wall_s"] = sum(s["target_wall_s"] for s in turn_stats)
         result["lossless"] = all(s["lossless"] for s in turn_stats) if sampling.greedy else None
         result.update(divergence_row(turn_stats))
         if phase is not None and not (result.get("divergence") and not result["divergence"]["near_tie"]):
             result["engine"] = serve_engine(ctx, phase, row, turns, turn_stats, target, drafter, tokenizer, stops)
     return result
+
+
+def summed_stages(turns: list[dict]) -> dict:
+    """``cycles_s`` and ``stage_s`` (each stage's seconds) of one prompt's decodings, summed over its turns."""
+    stages = {k: sum(t["stage_s"][k] for t in turns) for k in turns[0]["stage_s"]}
+    return {"cycles_s": sum(t["cycles_s"] for t in turns), "stage_s": stages}
 
 
 def divergence_row(turn_stats: list[dict]) -> dict:

@@ -227,12 +227,19 @@ def add_confidences(run_dir: Union[str, Path], skill: float = 2.0, seed: int = 0
     return rows
 
 
+# how add_online_ddtree splits a cycle's time over its stages
+TREE_SHARES = {"draft": 0.25, "tree_build": 0.05, "tree_compile": 0.05, "verify": 0.55, "commit": 0.10}
+LINEAR_SHARES = {"draft": 0.3, "verify": 0.6, "commit": 0.1}
+
+
 def add_online_ddtree(run_dir: Union[str, Path], budgets: Sequence[int] = (4, 8, 16, 32), seed: int = 0,
                       cycle_s: float = 0.02, node_s: float = 0.0005) -> list[dict]:
     """Give an online run DDTree budgets as the worker records them (``ddtree[N]``: acceptance
-    lengths, τ, the target's output, ``wall_s``, ``lossless``): τ grows with N, a cycle costs
-    ``cycle_s + node_s × N``, so the speed peaks at a middle budget. results.jsonl and summary.json
-    (the worker's own `summarize`) rewritten, env.json's ``ddtree_budgets`` set. Returns the rows."""
+    lengths, τ, the target's output, ``wall_s``, ``cycles_s`` and ``stage_s``, ``lossless``): τ
+    grows with N, a cycle costs ``cycle_s + node_s × N`` (split over the stages in the shares of
+    ``TREE_SHARES``), so the speed peaks at a middle budget; the linear decoding's cycles get
+    ``LINEAR_SHARES`` of 90% of its ``wall_s``. results.jsonl and summary.json (the worker's own
+    `summarize`) rewritten, env.json's ``ddtree_budgets`` set. Returns the rows."""
     run_dir = Path(run_dir)
     env = json.loads((run_dir / "env.json").read_text(encoding="utf-8"))
     B, mode = int(env["settings"]["block_size"]), env["settings"]["mode"]
@@ -243,12 +250,16 @@ def add_online_ddtree(run_dir: Union[str, Path], budgets: Sequence[int] = (4, 8,
     for row in rows:
         rng = _rng("online-ddtree", run_dir.name, row["id"], seed)
         tokens = sum(row["acceptance_lengths"])
+        row["cycles_s"] = round(0.9 * row["wall_s"], 6)
+        row["stage_s"] = {k: share * row["cycles_s"] for k, share in LINEAR_SHARES.items()}
         row["ddtree"] = {}
         for n in budgets:
             dl = segment(tokens, row["tau"] * (1.0 + 0.25 * np.log2(n / 2.0)), B, rng)
+            cycles = round(len(dl) * (cycle_s + node_s * n), 6)
             row["ddtree"][str(n)] = {"acceptance_lengths": dl, "tau": sum(dl) / len(dl),
                                      "output_ids": list(row["output_ids"]),
-                                     "wall_s": round(len(dl) * (cycle_s + node_s * n) + 0.001 * tokens, 6),
+                                     "wall_s": round(cycles + 0.001 * tokens, 6), "cycles_s": cycles,
+                                     "stage_s": {k: share * cycles for k, share in TREE_SHARES.items()},
                                      "lossless": True}
     with open(run_dir / "results.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
@@ -257,3 +268,46 @@ def add_online_ddtree(run_dir: Union[str, Path], budgets: Sequence[int] = (4, 8,
 
     (run_dir / "summary.json").write_text(json.dumps(summarize(rows, B, mode), indent=2), encoding="utf-8")
     return rows
+
+
+def shipped(home: Path) -> str:
+    """The worker code shipped into workdir ``home`` of the built-in `local` host (its code folder)."""
+    import sys
+
+    from orchestrator.config.inventory import builtin_local
+    from orchestrator.eval.ship import ship
+    from orchestrator.transport.local import LocalRunner
+
+    return ship(LocalRunner(builtin_local()), sys.executable, str(home))
+
+
+def local_run(home: Path, runs: Path, rid: str, status: str = "done", **kw) -> Path:
+    """A fake run of the `local` host (workdir ``home``: $DFLASH_OPS_HOME) whose shard names the
+    folders eval would use there."""
+    import sys
+
+    folder = make_run(runs, rid, host="local", status=status, prompts=3, **kw)
+    record = json.loads((folder / "run.json").read_text())
+    record["shards"][0].update(run_dir=f"{home}/runs/{rid}", code_dir=shipped(home), python=sys.executable)
+    (folder / "run.json").write_text(json.dumps(record))
+    return folder
+
+
+def hung_job(run_dir: Path, done: int = 1, prompts: int = 3) -> int:
+    """A job the run control (remote/host/launch.py) starts in ``run_dir`` that reports ``done`` of
+    ``prompts`` prompts and then hangs: alive, its follower's heartbeats coming, no progress.
+    Returns its pid (its process group)."""
+    import os
+    import subprocess
+    import sys
+
+    events = [{"event": "start", "prompts": prompts, "done": 0, "mode": "offline"},
+              *({"event": "prompt", "id": f"p{i}", "index": i, "done": i + 1, "prompts": prompts, "cycles": 4,
+                 "tau": 2.0} for i in range(done))]
+    body = f"import time\nfor e in {[json.dumps(e) for e in events]!r}: print(e, flush=True)\ntime.sleep(600)\n"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "remote.host.launch", "start", str(run_dir), "--", sys.executable,
+                           "-c", body], capture_output=True, text=True, timeout=60, cwd=repo,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["pid"]

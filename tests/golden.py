@@ -86,10 +86,21 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
     return float(chi2.sf(stat, len(cells) - 1))
 
 
+def sampled_outputs(decode, n: int) -> dict:
+    """How often each output (token ids) ``decode()`` gives over ``n`` runs from seed 0."""
+    counts: dict = {}
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = tuple(decode())
+        counts[out] = counts.get(out, 0) + 1
+    return counts
+
+
 @torch.no_grad()
-def four_token_pair(folder: Path):
-    """A target over a 4-token vocabulary, a random DFlash drafter for it (block 4) saved in ``folder``,
-    a prompt, and the target's exact law of its first three sampled tokens (by enumeration):
+def four_token_pair(folder: Path, kind: str = "qwen3"):
+    """A target over a 4-token vocabulary (``kind``: a pure-attention ``qwen3`` or a hybrid
+    ``qwen3_5``), a random DFlash drafter for it (block 4) saved in ``folder``, a prompt, and the
+    target's exact law of its first three sampled tokens (by enumeration):
     ``(target, drafter, prompt [1, P], {tokens: probability})``."""
     import itertools
     import math
@@ -98,7 +109,7 @@ def four_token_pair(folder: Path):
     from remote.drafters.checkpoint import load_drafter
     from remote.drafters.tiny import tiny_target
 
-    target = freeze(tiny_target("qwen3", vocab_size=4, init_std=0.3, seed=2))
+    target = freeze(tiny_target(kind, vocab_size=4, init_std=0.3, seed=2))
     zlab_drafter(folder, target, block_size=4, layer_ids=(0, 1, 2))
     drafter, _ = load_drafter(folder)
     prompt = torch.tensor([[1, 2, 0, 3, 1]])

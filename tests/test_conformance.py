@@ -27,7 +27,7 @@ from references import (RollbackTarget, speculators_drafter, speculators_logits,
                               zlab_generate, zlab_logits)
 from golden import (KNOBS, SLIDE, SPECULATORS_VARIANTS, TOL, YARN, ZLAB_VARIANTS, chi_square_p, four_token_pair,
                     ours_logits_per_anchor,
-                    prompts, reference_from)
+                    prompts, reference_from, sampled_outputs)
 
 # every test but test_anchor_mask_equals_speculators_mask_mod builds tiny targets and drafters
 pytestmark = pytest.mark.models
@@ -335,12 +335,7 @@ def test_speculative_sampling_is_distributed_as_the_target(tmp_path, monkeypatch
     target, ours, prompt, exact = four_token_pair(tmp_path)
 
     def draw(n):
-        counts: dict = {}
-        torch.manual_seed(0)
-        for _ in range(n):
-            out = tuple(speculative_generate(target, ours, prompt, 3, None, Sampling(1.0)).output_ids)
-            counts[out] = counts.get(out, 0) + 1
-        return counts
+        return sampled_outputs(lambda: speculative_generate(target, ours, prompt, 3, None, Sampling(1.0)).output_ids, n)
 
     assert chi_square_p(draw(1000), exact, 1000) > 1e-3
     monkeypatch.setattr(online, "rejection_sample", lambda drafts, *a, **k: (drafts.shape[1], 0))

@@ -1,24 +1,32 @@
 """What a DDTree budget costs (issue 42): per budget of an online run, summary.json's τ, tokens/s and
-speedup over plain decoding in the same run; the report's table and plot naming the fastest budget
-(and, on a CPU, that its timings say little of a GPU); compare pairing DDTree τ and speedup prompt
-by prompt; a watch's trajectory showing DDTree-N τ with its CI and speedup per checkpoint."""
+speedup over plain decoding in the same run, and the time per cycle split by stage as DDTree's
+ddtree_generate splits it (a real worker run records it, the run-file reader checks it); the
+report's tables and plots naming the fastest budget (and, on a CPU, that its timings say little of
+a GPU); compare pairing DDTree τ and speedup prompt by prompt; a watch's trajectory showing DDTree-N
+τ with its CI and speedup per checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from fakeruns import add_online_ddtree, make_run, read_rows
+from fakeruns import TREE_SHARES, add_online_ddtree, make_run, read_rows
 from orchestrator.cli import app
 from orchestrator.reports.plots import plot_ddtree_costs
 from orchestrator.reports.report import write_report
 from orchestrator.reports.stats import paired_bootstrap
-from remote.contract.metrics import fastest_budget, summarize
+from remote.contract.metrics import LINEAR_STAGES, TREE_STAGES, fastest_budget, summarize
+from remote.contract.runfiles import RunFileError, check_row, check_summary
 from reportchecks import check_self_contained_html
 
+REPO = Path(__file__).resolve().parents[1]
 A, B = "20261202-2041-v5-step10k-ct129", "20261203-1100-v5-step20k-ct129"
 CPU = {"device": "cpu", "gpu": None}
 
@@ -64,6 +72,73 @@ def test_summary_costs_per_budget_from_the_rows():
     assert set(so["ddtree"]["4"]) == {"tau_macro", "tau_pooled", "prompts"} and fastest_budget(so["ddtree"]) is None
 
 
+@pytest.mark.worker
+def test_a_real_online_run_times_every_cycle_by_stage(embedded_pair, tmp_path):
+    """The worker's online run on the hybrid demo pair: each row's linear decoding and DDTree budget
+    record their cycles' time (``cycles_s``, under ``wall_s``) split by stage (draft, verify,
+    commit; a tree also tree_build and tree_compile), every stage timed, summing to within 3% of
+    the cycles' time; summary.json has the time per cycle and per stage; the run-file reader
+    accepts both."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"],
+                           "--drafter", embedded_pair["drafter"], "--prompts", "1", "--mode", "online",
+                           "--ddtree", "4", "--max-new-tokens", "32", "--device", "cpu", "--out", str(out)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = read_rows(out)
+    summary = json.loads((out / "summary.json").read_text())
+    check_row(row, 16)
+    check_summary(summary)
+    for decoding, stages in ((row, LINEAR_STAGES), (row["ddtree"]["4"], TREE_STAGES)):
+        split, cycles = decoding["stage_s"], decoding["cycles_s"]
+        assert tuple(split) == stages and all(v > 0 for v in split.values()), split
+        assert 0 < cycles < decoding["wall_s"]
+        assert sum(split.values()) == pytest.approx(cycles, rel=0.03), (split, cycles)
+    for costs, decoding in ((summary["online"], row), (summary["ddtree"]["4"], row["ddtree"]["4"])):
+        n = len(decoding["acceptance_lengths"])
+        assert costs["s_per_cycle"] == pytest.approx(decoding["cycles_s"] / n)
+        assert costs["stage_s_per_cycle"] == pytest.approx({k: v / n for k, v in decoding["stage_s"].items()})
+
+
+def test_the_time_per_cycle_by_stage_in_summary_json_and_the_reader():
+    """summary.json's time per cycle pools the rows (Σ seconds / Σ cycles), the whole cycle and each
+    stage, for the linear decoding and every DDTree budget; rows without a split give none; the
+    reader refuses a negative time and a stage of no name it knows, naming the field."""
+    rows = [{"id": "a", "acceptance_lengths": [2, 2], "output_ids": [1] * 5, "wall_s": 1.0, "target_wall_s": 2.0,
+             "cycles_s": 0.8, "stage_s": {"draft": 0.2, "verify": 0.5, "commit": 0.1},
+             "ddtree": {"4": {"acceptance_lengths": [3, 1], "output_ids": [1] * 5, "wall_s": 0.5, "cycles_s": 0.4,
+                              "stage_s": {"draft": 0.1, "tree_build": 0.05, "tree_compile": 0.05, "verify": 0.15,
+                                          "commit": 0.05}}}},
+            {"id": "b", "acceptance_lengths": [1, 3, 2], "output_ids": [2] * 4, "wall_s": 1.0, "target_wall_s": 3.0,
+             "cycles_s": 0.7, "stage_s": {"draft": 0.3, "verify": 0.3, "commit": 0.1},
+             "ddtree": {"4": {"acceptance_lengths": [4], "output_ids": [2] * 4, "wall_s": 0.6, "cycles_s": 0.5,
+                              "stage_s": {"draft": 0.1, "tree_build": 0.1, "tree_compile": 0.0, "verify": 0.2,
+                                          "commit": 0.1}}}}]
+    s = summarize(rows, 16, "online")
+    on, d4 = s["online"], s["ddtree"]["4"]
+    assert on["s_per_cycle"] == pytest.approx(1.5 / 5)
+    assert on["stage_s_per_cycle"] == pytest.approx({"draft": 0.5 / 5, "verify": 0.8 / 5, "commit": 0.2 / 5})
+    assert d4["s_per_cycle"] == pytest.approx(0.9 / 3)
+    assert d4["stage_s_per_cycle"] == pytest.approx({"draft": 0.2 / 3, "tree_build": 0.15 / 3, "tree_compile": 0.05 / 3,
+                                                     "verify": 0.35 / 3, "commit": 0.15 / 3})
+    check_summary(s)
+    for r in rows:
+        check_row(r, 16)
+    del rows[1]["ddtree"]["4"]["stage_s"]
+    assert "stage_s_per_cycle" not in summarize(rows, 16, "online")["ddtree"]["4"]
+
+    rows[0]["ddtree"]["4"]["stage_s"]["verify"] = -0.1
+    with pytest.raises(RunFileError, match=r"^ddtree\.4\.stage_s\.verify: -0\.1 is not a finite number ≥ 0$"):
+        check_row(rows[0], 16)
+    rows[0]["ddtree"]["4"]["stage_s"]["verify"] = 0.1
+    rows[0]["stage_s"] = {"prefill": 0.1}
+    with pytest.raises(RunFileError, match=r"^stage_s: key \"prefill\" is not a cycle stage \(draft, tree_build, "):
+        check_row(rows[0], 16)
+    with pytest.raises(RunFileError, match=r"^online\.s_per_cycle: "):
+        check_summary({**s, "online": {**on, "s_per_cycle": "fast"}})
+
+
 def fastest_from_rows(rows):
     """The budget with the most output tokens per second, straight from the rows."""
     rate = {}
@@ -90,11 +165,25 @@ def test_report_names_the_fastest_budget_and_says_cpu_timings_are_not_a_gpus(tmp
     svg = (d / "plots" / "ddtree-costs.svg").read_text()
     assert f"fastest: N = {best}" in svg and "DDTree speedup" in svg
 
+    head = "| decoding | ms / cycle | draft ms | tree build ms | tree compile ms | verify ms | commit ms |"
+    assert "### DDTree: time per cycle by stage" in md and head in md, md
+    linear = 1e3 * sum(r["cycles_s"] for r in rows) / sum(len(r["acceptance_lengths"]) for r in rows)
+    assert re.search(rf"^\| DFlash \(no tree\) \| {linear:.2f} \| {0.3 * linear:.2f} \| — \| — \| {0.6 * linear:.2f} \| "
+                     rf"{0.1 * linear:.2f} \|$", md, re.M), md
+    cycle = 1e3 * sum(r["ddtree"][best]["cycles_s"] for r in rows) / sum(len(r["ddtree"][best]["acceptance_lengths"])
+                                                                          for r in rows)
+    cells = " \\| ".join(f"{share * cycle:.2f}" for share in TREE_SHARES.values())
+    assert re.search(rf"^\| DDTree-{best} \| {cycle:.2f} \| {cells} \|$", md, re.M), md
+    assert "DDTree: time per cycle by stage vs budget" in alts
+    stages_svg = (d / "plots" / "ddtree-stages.svg").read_text()
+    assert all(name in stages_svg for name in ("tree build", "tree compile", "verify", "DFlash (no tree) cycle"))
+
     gpu = online_run(tmp_path, B, "step20k")                       # fakeruns' default: cuda:0
     assert "not indicative of a GPU" not in write_report(gpu)[0].read_text()
     offline = make_run(tmp_path, "20261204-1000-v5-step30k-ct129", "v5", "step30k", prompts=6)
     text = write_report(offline)[0].read_text()
     assert "Fastest DDTree budget" not in text and "| DDTree budget N | prompts | tau_macro | tau_pooled |\n" in text
+    assert "time per cycle by stage" not in text
 
 
 def test_the_costs_plot_escapes_its_label():

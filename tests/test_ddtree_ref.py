@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from golden import chi_square_p, four_token_pair, prompts, reference_from
+from golden import chi_square_p, four_token_pair, prompts, reference_from, sampled_outputs
 from models import freeze, trained_drafter, walk_target
 from references import DDTREE, ddtree_drafter, ddtree_generate
 from remote.contract.settings import DDTREE as DDTREE_RULES, EvalSettings, SettingsError
@@ -120,12 +120,7 @@ def test_sampled_tree_decoding_is_distributed_as_the_target(tmp_path, monkeypatc
     target, ours, prompt, exact = four_token_pair(tmp_path)
 
     def draw(n):
-        counts: dict = {}
-        torch.manual_seed(0)
-        for _ in range(n):
-            out = tuple(tree_generate(target, ours, prompt, 3, 4, None, Sampling(1.0)).output_ids)
-            counts[out] = counts.get(out, 0) + 1
-        return counts
+        return sampled_outputs(lambda: tree_generate(target, ours, prompt, 3, 4, None, Sampling(1.0)).output_ids, n)
 
     assert chi_square_p(draw(600), exact, 600) > 1e-3
     monkeypatch.setattr(tree_module, "sample", lambda probs: probs.argmax(-1))

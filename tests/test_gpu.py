@@ -77,6 +77,37 @@ def test_online_fp32_on_cuda_is_exact(embedded_pair, tmp_path):
 
 
 @pytest.mark.worker
+def test_online_ddtree_on_cuda_equals_greedy(embedded_pair, tmp_path):
+    """Online DDTree at T = 0 on CUDA, on the hybrid demo target (the tree's 4D mask through sdpa, the
+    Gated DeltaNet tree recurrence through the kernels transformers bound: fla where installed): in
+    float32 every budget's output is the target's greedy output token for token; in bfloat16 it is,
+    or leaves it only at a near-tie (the worker exits 4 otherwise), as the linear decoding's rule;
+    every cycle's stages are timed."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"],
+                               "--drafter", embedded_pair["drafter"], "--prompts", "3", "--out", str(out),
+                               "--device", "cuda", "--dtype", dtype, "--mode", "online", "--ddtree", "4,16",
+                               "--max-new-tokens", "96"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+        summary = json.loads((out / "summary.json").read_text())
+        kernels = json.loads((out / "env.json").read_text())["kernel_path"]
+        for b in ("4", "16"):
+            dd = summary["ddtree"][b]
+            near = [r["ddtree"][b]["divergence"] for r in rows if r["ddtree"][b].get("divergence")]
+            print(f"{dtype} DDTree-{b} on CUDA ({kernels}): τ {dd['tau_pooled']:.3f}, "
+                  f"{len(rows) - len(near)} of {len(rows)} prompts exact, near-ties: {near}")
+            assert dd["tau_pooled"] > 1.0 and dd["stage_s_per_cycle"]["verify"] > 0
+            if dtype == "float32":
+                assert dd["lossless"] is True, near
+            else:
+                assert all(d["near_tie"] for d in near), near
+
+
+@pytest.mark.worker
 def test_fla_vs_torch_fallback_feature_drift_is_reported(embedded_pair, tmp_path):
     pytest.importorskip("fla")
     import torch

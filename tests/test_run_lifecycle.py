@@ -1,7 +1,8 @@
 """Cancel, resume and fetch of real runs on the built-in `local` host (embedded demo pair):
 cancel stops only what still runs (a finished run stays done, and is fetched), a cancel during
 `eval --resume`'s pre-flight wins over the resume, and result files that do not come back leave
-the shard unfetched with one clear line."""
+the shard unfetched with one clear line; a resume refuses a changed target unless `--force`, which
+is recorded."""
 from __future__ import annotations
 
 import json
@@ -116,3 +117,46 @@ def test_result_files_that_do_not_come_back_leave_the_shard_unfetched(local_home
     proc = cli(home, runs, "attach", rid)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert run_json(runs, rid)["status"] == "done" and (runs / rid / "summary.json").exists()
+
+
+def test_a_resume_refuses_a_changed_target_and_force_resumes_recording_it(local_home, tmp_path):
+    home = local_home
+    """A run whose worker died after its first prompt, its target's config.json then changed:
+    `eval --resume` refuses naming it (the identity the worker recorded in env.json against the
+    one pre-flight finds now); `--force` resumes, and run.json, env.json and the report say so."""
+    import signal
+
+    runs = tmp_path / "runs"
+    rid = detached(home, runs, 4)
+    host_run = home / "runs" / rid
+    wait_for(lambda: '"event": "prompt"' in _text(host_run / "events.jsonl"), what="the first prompt")
+    os.killpg(int((host_run / "pid").read_text().split()[0]), signal.SIGKILL)
+    wait_for(lambda: (host_run / "exit_code").exists(), what="the worker's end")
+    env = json.loads((host_run / "out" / "env.json").read_text())
+    assert len(env["target"]["identity"]["config_sha256"]) == 64 and env["target"]["identity"]["weights"]
+    config = home / "embedded" / "target" / "config.json"
+    text = config.read_text()
+    try:
+        config.write_text(text.replace("{", '{"dflash_ops_test": 1, ', 1))
+        proc = cli(home, runs, "eval", "--resume", rid)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in out, out
+        assert f"the target in {config.parent} on local changed since its" in out and "config.json: sha256" in out, out
+        assert f"dflash-ops eval --resume {rid} --force" in out
+        proc = cli(home, runs, "eval", "--resume", rid, "--force")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "--force: resumed although the target of local changed" in out, out
+    finally:
+        config.write_text(text)
+    forced = run_json(runs, rid)["forced"]
+    assert [f["what"] for f in forced] == ["target"] and run_json(runs, rid)["status"] == "done"
+    assert json.loads((runs / rid / "env.json").read_text())["forced"] == forced
+    assert "resumed with --force" in (runs / rid / "report.md").read_text()
+    assert len((runs / rid / "results.jsonl").read_text().splitlines()) == 4
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""

@@ -101,3 +101,35 @@ def test_two_gpu_split_decodes_as_one_device(target_dir):
     assert features_device(split, LAYERS) == torch.device("cuda:1")
     one_gpu = decoded(whole, drafter.to("cuda:0"), prompt)
     assert decoded(split, drafter.to("cuda:1"), prompt) == one_gpu
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_device_map_split_tree_decodes_as_one_device(kind, tmp_path):
+    """Online DDTree on a target split with a device_map (CPU + disk: accelerate hooks on every
+    module, the deeper layers' weights streamed in per forward) equals the one-device run token for
+    token and cycle for cycle; on the hybrid target the Gated DeltaNet tree rule runs inside each
+    mixer's hook (its weights loaded as for the mixer's own forward), the offloaded mixers' included,
+    and each hook wraps the mixer's own forward again afterwards."""
+    from golden import prompts
+    from models import trained_drafter, walk_target
+    from remote.decode.tree import tree_generate
+    from remote.target.tree_state import linear_attention_modules
+
+    whole, drafter = walk_target(kind), trained_drafter(kind)
+    whole.save_pretrained(tmp_path / "target")
+    n = len(decoder_layers(whole))
+    split = load_target(tmp_path / "target", "cpu", device_map=split_map(n, "cpu", "disk"),
+                        offload_folder=str(tmp_path / "off"))
+    mixers = [m for _, m in linear_attention_modules(split)]
+    assert all(hasattr(m, "_hf_hook") for m in mixers) and (kind == "qwen3") == (not mixers)
+    assert any(p.device.type == "meta" for m in mixers for p in m.parameters()) or not mixers
+    hooked = [vars(m)["_old_forward"] for m in mixers]
+    lengths = []
+    for prompt in prompts(whole, 2):
+        for budget in (4, 16):
+            want = tree_generate(whole, drafter, prompt, 32, budget)
+            got = tree_generate(split, drafter, prompt, 32, budget)
+            assert (got.output_ids, got.acceptance_lengths) == (want.output_ids, want.acceptance_lengths), budget
+            lengths += want.acceptance_lengths
+    assert max(lengths) >= 4, lengths                                       # real trees, deep accepts
+    assert [vars(m)["_old_forward"] for m in mixers] == hooked              # each hook wraps its own forward again

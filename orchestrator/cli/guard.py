@@ -1,16 +1,17 @@
 """The one error guard: every command runs inside it. An expected failure (any
 orchestrator.errors.DflashOpsError) becomes one red line on stderr and its ``exit_code``;
-Ctrl-C becomes exit 130; anything else is a bug and keeps its traceback. A DflashOpsWarning
-becomes one yellow line."""
+Ctrl-C becomes exit 130; a write this machine's full or read-only disk refused, one line (exit 1);
+anything else is a bug and keeps its traceback. A DflashOpsWarning becomes one yellow line."""
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import contextmanager
 
 import typer
 from typer.core import TyperGroup
 
-from ..errors import DflashOpsError, DflashOpsWarning
+from ..errors import DflashOpsError, DflashOpsWarning, OperationFailed, disk_error
 from .console import error_line, warning_line
 
 INTERRUPTED = 130
@@ -41,6 +42,13 @@ def _errors():
     except KeyboardInterrupt:
         error_line("interrupted")
         raise typer.Exit(INTERRUPTED) from None
+    except OSError as e:
+        if not disk_error(e):
+            raise
+        where = f" to {os.path.dirname(e.filename)}" if e.filename else ""
+        error_line(f"cannot write{where} on this machine: {e.strerror}; free space (or give --runs-dir a writable "
+                   f"folder) and run the command again")
+        raise typer.Exit(OperationFailed.exit_code) from None
 
 
 class GuardedGroup(TyperGroup):

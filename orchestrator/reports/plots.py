@@ -99,6 +99,25 @@ def plot_ddtree_costs(label: str, m: dict) -> Optional[bytes]:
     return chart.svg()
 
 
+def plot_ddtree_stages(label: str, m: dict) -> Optional[bytes]:
+    """One online run's time per cycle against the DDTree budget: the whole cycle and each stage
+    (ddtree_generate's split), the linear DFlash decoding's cycle as a line."""
+    from remote.contract.metrics import TREE_STAGES
+
+    dd = {b: v for b, v in (m.get("ddtree") or {}).items() if v.get("stage_s_per_cycle")}
+    if not dd:
+        return None
+    bs = sorted(dd, key=int)
+    chart = Chart(f"{label}: DDTree time per cycle by stage", "DDTree node budget N", "ms per cycle", xlog2=True)
+    chart.line([int(b) for b in bs], [1e3 * dd[b]["s_per_cycle"] for b in bs], "cycle", "C7")
+    for i, stage in enumerate(TREE_STAGES):
+        chart.line([int(b) for b in bs], [1e3 * dd[b]["stage_s_per_cycle"].get(stage, float("nan")) for b in bs],
+                   stage.replace("_", " "), f"C{i}")
+    if (m.get("online") or {}).get("s_per_cycle") is not None:
+        chart.hline(1e3 * m["online"]["s_per_cycle"], "C7", "DFlash (no tree) cycle", dash="5 3")
+    return chart.svg()
+
+
 def plot_reliability(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
     """A confidence head's reliability (pooled over drafted positions): observed acceptance per bin of
     predicted survival, against the diagonal a calibrated head follows."""

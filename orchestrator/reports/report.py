@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from remote.contract.metrics import fastest_budget
+from remote.contract.metrics import TREE_STAGES, fastest_budget
 from remote.contract.settings import SEMANTICS_TEXT
 from remote.contract.states import State
 
@@ -134,6 +134,31 @@ def ddtree_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
     return head + ["tokens/s", "speedup over plain decoding", "lossless"], rows
 
 
+STAGE_NOTE = ("Stages as DDTree's ddtree_generate times them: draft (the drafter's forward and its logits), "
+              "tree build (top-k and the best-first tree), tree compile (the verify's inputs, positions and "
+              "ancestor mask), verify (the target's forward over the tree), commit (the walk down the tree, the "
+              "caches, the drafter's next context); every cycle counted, the first too (ddtree_generate counts "
+              "the first cycle's draft as the drafter's prefill). On CUDA each stage ends with a synchronize.")
+
+
+def ddtree_stage_table(m: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    """Online, each budget's time per cycle split as ddtree_generate splits it (milliseconds: the
+    cycle, then each stage), beside the linear DFlash decoding's (draft, verify, commit); None when
+    no budget timed its stages."""
+    dd = {b: v for b, v in (m.get("ddtree") or {}).items() if v.get("stage_s_per_cycle")}
+    if not dd:
+        return None
+    head = ["decoding", "ms / cycle", *[f"{k.replace('_', ' ')} ms" for k in TREE_STAGES]]
+
+    def row(name: str, c: dict) -> list[str]:
+        stages = c.get("stage_s_per_cycle") or {}
+        return [name, fnum(1e3 * c["s_per_cycle"] if c.get("s_per_cycle") is not None else None, 2),
+                *[fnum(1e3 * stages[k], 2) if k in stages else "—" for k in TREE_STAGES]]
+    on = m.get("online") or {}
+    rows = [row("DFlash (no tree)", on)] if on.get("stage_s_per_cycle") else []
+    return head, rows + [row(f"DDTree-{b}", v) for b, v in sorted(dd.items(), key=lambda kv: int(kv[0]))]
+
+
 def ddtree_cost_notes(run: EvalRun, m: dict) -> list[str]:
     """The budget to serve (the fastest) and, on a CPU, that its timings say little of a GPU's."""
     best = fastest_budget(m.get("ddtree") or {})
@@ -242,12 +267,15 @@ def run_warnings(run: EvalRun) -> list[str]:
                  + (f" of {run.prompts_planned}" if run.prompts_planned else ""))
     if run.inferred:
         w.append("run.json is missing: drafter, target and suite were inferred from env.json")
+    for f in run.env.get("forced") or []:
+        w.append(f"resumed with --force ({f.get('at', '?')}) although the {f.get('what', '?')} of {f.get('shard', '?')} "
+                 f"had changed since its finished prompts ({f.get('change', '?')}): its rows are not one measurement")
     return w
 
 
 def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
-    from .plots import (plot_categories, plot_ddtree, plot_ddtree_costs, plot_histogram, plot_per_position,
-                        plot_reliability)
+    from .plots import (plot_categories, plot_ddtree, plot_ddtree_costs, plot_ddtree_stages, plot_histogram,
+                        plot_per_position, plot_reliability)
 
     m, label = run.metrics, run.label
     return [("per-position", "Per-position acceptance", plot_per_position([(label, m)])),
@@ -255,6 +283,7 @@ def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
             ("categories", "τ per prompt category", plot_categories([(label, m)])),
             ("ddtree", "DDTree τ vs budget", plot_ddtree([(label, m)])),
             ("ddtree-costs", "DDTree: τ and speed vs budget", plot_ddtree_costs(label, m)),
+            ("ddtree-stages", "DDTree: time per cycle by stage vs budget", plot_ddtree_stages(label, m)),
             ("reliability", "Confidence head: reliability", plot_reliability([(label, m)]))]
 
 
@@ -306,6 +335,10 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
         doc.table(*dd, heading="DDTree", level=3)
         for note in ddtree_cost_notes(run, m):
             doc.para(note, cls="note")
+        stages = ddtree_stage_table(m)
+        if stages:
+            doc.table(*stages, heading="DDTree: time per cycle by stage", level=3)
+            doc.para(STAGE_NOTE, cls="note")
     for heading, head, rows in confidence_tables(m):
         doc.table(head, rows, heading=heading, level=3)
     for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",
@@ -326,8 +359,8 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
 def report_is_stale(run_dir) -> bool:
     d = Path(run_dir)
     html_p, md_p = d / REPORT_HTML, d / REPORT_MD
-    if not (html_p.exists() and md_p.exists()):
-        return True
+    if not (html_p.exists() and md_p.exists()) or not (html_p.stat().st_size and md_p.stat().st_size):
+        return True         # missing, or left empty by an earlier write that failed
     t = min(html_p.stat().st_mtime, md_p.stat().st_mtime)
     return any((d / f).exists() and (d / f).stat().st_mtime > t
                for f in ("results.jsonl", "summary.json", "env.json", "run.json"))

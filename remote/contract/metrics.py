@@ -10,6 +10,15 @@ falls in no histogram bin and is counted by :func:`out_of_range`.
 """
 from __future__ import annotations
 
+# the stages of an online cycle, named and bounded as ddtree_generate's and dflash_generate's
+# stage_times: draft (the drafter's forward and its drafts), verify (the target's forward), commit
+# (the target's choices, the accepted tokens, the caches); a tree cycle also builds the tree from
+# the draft's top-k (tree_build) and the verify's inputs and mask (tree_compile). The references
+# leave the first cycle's draft out of their stage times (they count it as the drafter's prefill);
+# here every cycle counts, so the stages sum to the cycles' time (remote/decode/online.py StageClock).
+LINEAR_STAGES = ("draft", "verify", "commit")
+TREE_STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+
 
 def row_stats(acceptance_lengths: list[int]) -> dict:
     cycles, tokens = len(acceptance_lengths), sum(acceptance_lengths)
@@ -112,6 +121,7 @@ def online_summary(rows: list[dict]) -> dict:
     if target_wall:
         online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
                       speedup=target_wall / wall if wall else None)
+    online.update(cycle_costs(rows))
     if any("lossless" in r for r in rows):   # a row that does not record it is not lossless;
         checked = [r.get("lossless") for r in rows if "lossless" not in r or r["lossless"] is not None]
         online["lossless"] = all(c is True for c in checked) if checked else None   # None: sampled
@@ -169,13 +179,29 @@ def engine_summary(rows: list[dict]) -> dict | None:
     return out
 
 
+def cycle_costs(decodings: list[dict]) -> dict:
+    """The time per cycle of online decodings that timed their stages (a row, or a row's
+    ``ddtree[N]``: ``acceptance_lengths``, ``cycles_s``, ``stage_s``): ``s_per_cycle`` = Σ
+    ``cycles_s`` / Σ cycles and ``stage_s_per_cycle`` = each stage's Σ / Σ cycles; ``{}`` when one
+    of them did not time its stages or no cycle ran."""
+    if not decodings or any(d.get("cycles_s") is None or d.get("stage_s") is None for d in decodings):
+        return {}
+    cycles = sum(len(d.get("acceptance_lengths") or []) for d in decodings)
+    if not cycles:
+        return {}
+    stages = [k for k in TREE_STAGES if any(k in d["stage_s"] for d in decodings)]
+    return {"s_per_cycle": sum(d["cycles_s"] for d in decodings) / cycles,
+            "stage_s_per_cycle": {k: sum(d["stage_s"].get(k, 0.0) for d in decodings) / cycles for k in stages}}
+
+
 def ddtree_costs(rows: list[dict], budget: str) -> dict:
     """What DDTree budget ``budget`` costs in an online run (``{}`` offline, where a row's budget has
     no ``wall_s``), over the rows that decoded it: its output tokens per second of tree decoding
     (``wall_s``), plain decoding's over the same rows (:func:`online_summary`'s tokens per
-    ``target_wall_s``), ``speedup`` = the first / the second, and ``lossless`` as
-    :func:`online_summary` has it. A multi-turn row keeps only its last turn's tree output: its
-    earlier turns count the row's own outputs (the same tokens when greedy and lossless)."""
+    ``target_wall_s``), ``speedup`` = the first / the second, ``lossless`` as
+    :func:`online_summary` has it, and the time per cycle by stage (:func:`cycle_costs`). A
+    multi-turn row keeps only its last turn's tree output: its earlier turns count the row's own
+    outputs (the same tokens when greedy and lossless)."""
     trees = [(r, r["ddtree"][budget]) for r in rows if budget in (r.get("ddtree") or {})]
     if not trees or any(t.get("wall_s") is None for _, t in trees):
         return {}
@@ -187,6 +213,7 @@ def ddtree_costs(rows: list[dict], budget: str) -> dict:
            "target_tokens_per_s": plain.get("target_tokens_per_s")}
     out["speedup"] = (out["tokens_per_s"] / out["target_tokens_per_s"]
                       if out["tokens_per_s"] is not None and out["target_tokens_per_s"] else None)
+    out.update(cycle_costs([t for _, t in trees]))
     if any("lossless" in t for _, t in trees):
         checked = [t.get("lossless") for _, t in trees if "lossless" not in t or t["lossless"] is not None]
         out["lossless"] = all(c is True for c in checked) if checked else None

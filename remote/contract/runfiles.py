@@ -16,6 +16,7 @@ import math
 import re
 from typing import Callable
 
+from .metrics import TREE_STAGES
 from .settings import MAX_BUDGET
 
 MAX_DEPTH = 64      # objects and lists inside each other: a run's files use fewer than 10
@@ -217,6 +218,10 @@ def _budgets(value: Spec) -> MapOf:
     return MapOf(value, _budget, f"a DDTree node budget (1..{MAX_BUDGET})")
 
 
+# an online decoding's time per cycle stage (results rows: Σ seconds; summary.json: seconds per cycle)
+STAGE_SECONDS = MapOf(SECONDS, lambda k: k in TREE_STAGES, f"a cycle stage ({', '.join(TREE_STAGES)})")
+
+
 def _lengths(longest: int) -> ListOf:
     return ListOf(Int(1, longest, f"an acceptance length (1..{longest})"))
 
@@ -261,7 +266,8 @@ def row_spec(longest: int) -> Obj:
             "prompt_ids": Opt(TOKENS), "output_ids": Opt(TOKENS), "acceptance_lengths": Opt(lengths),
             "cycles": Opt(COUNT), "tokens": Opt(COUNT), "tau": RATE,
             "ddtree": Opt(_budgets(Obj({"acceptance_lengths": Opt(lengths), "tau": RATE, "output_ids": Opt(TOKENS),
-                                        "wall_s": Opt(SECONDS), "lossless": Opt(Bool()), "divergence": DIVERGENCE}))),
+                                        "wall_s": Opt(SECONDS), "cycles_s": Opt(SECONDS), "stage_s": Opt(STAGE_SECONDS),
+                                        "lossless": Opt(Bool()), "divergence": DIVERGENCE}))),
             "all_anchors": Opt(Obj({"correct": Opt(ListOf(COUNT)), "count": Opt(ListOf(COUNT))})),
             "expected": Opt(Obj({"alpha_sum": ListOf(Num()), "count": ListOf(COUNT), "tau_sum": Num(0),
                                  "anchors": COUNT, "expected_tau": RATE},
@@ -269,7 +275,7 @@ def row_spec(longest: int) -> Obj:
             "turns": Opt(ListOf(Obj({"prompt_ids": Opt(TOKENS), "output_ids": Opt(TOKENS),
                                      "acceptance_lengths": Opt(lengths)}))),
             "wall_s": Opt(SECONDS), "target_wall_s": Opt(SECONDS), "lossless": Opt(Bool()),
-            "divergence": DIVERGENCE,
+            "cycles_s": Opt(SECONDS), "stage_s": Opt(STAGE_SECONDS), "divergence": DIVERGENCE,
             "confidences": Opt(ListOf(ListOf(Num(0, 1)))),
             "engine": Opt(ENGINE_ROW),
         }, required=("id",), rule=_confidences_fit)
@@ -287,6 +293,7 @@ CONFIDENCE = Obj({
                          required=("points",)),
 }, required=("calibration", "tau", "verify_budget"))
 
+PER_CYCLE = {"s_per_cycle": Opt(SECONDS), "stage_s_per_cycle": Opt(STAGE_SECONDS)}
 SUMMARY = Obj({
     "mode": Opt(Str()), "block_size": Unchecked(),        # bounded where the reader takes the run's block size
     **{k: Opt(COUNT) for k in ("prompts", "responses", "cycles", "tokens")},
@@ -295,11 +302,11 @@ SUMMARY = Obj({
     **{k: Opt(ListOf(Num())) for k in ("per_position_acceptance", "all_anchors_accuracy", "all_anchors_cumulative")},
     "ddtree": Opt(_budgets(Obj({"tau_macro": RATE, "tau_pooled": RATE, "prompts": Opt(COUNT), "wall_s": Opt(SECONDS),
                                 "tokens_per_s": RATE, "target_tokens_per_s": RATE, "speedup": RATE,
-                                "lossless": Opt(Bool())}))),
+                                "lossless": Opt(Bool()), **PER_CYCLE}))),
     "expected": Opt(Obj({"label": Opt(Str()), "alpha": Opt(ListOf(RATE)), "tau": RATE, "anchors": Opt(COUNT)})),
     "online": Opt(Obj({"wall_s": Opt(SECONDS), "target_wall_s": Opt(SECONDS), "tokens_per_s": RATE,
                        "target_tokens_per_s": RATE, "speedup": RATE, "lossless": Opt(Bool()),
-                       "near_tie_divergences": Opt(COUNT)})),
+                       "near_tie_divergences": Opt(COUNT), **PER_CYCLE})),
     "engine": Opt(Obj({"kind": Opt(Str()), "prompts": Opt(COUNT), "tau_macro": RATE, "tau_pooled": RATE,
                        "speedup": RATE, "causes": Opt(MapOf(COUNT))})),
     "confidence": Opt(CONFIDENCE),
@@ -320,7 +327,9 @@ ENV = Obj({
     "versions": Opt(ANY_OBJECT),
     "drafter": Opt(Obj({"path": Opt(Str()), "format": Opt(Str()), "config": Opt(ANY_OBJECT),
                         "variant": Opt(ANY_OBJECT)})),
-    "target": Opt(Obj({"path": Opt(Str()), "model_type": Opt(Str())})),
+    "target": Opt(Obj({"path": Opt(Str()), "model_type": Opt(Str()),
+                       "identity": Opt(Obj({"config_sha256": Opt(Str()), "weights": Opt(MapOf(COUNT))}))})),
+    "forced": Opt(ListOf(MapOf(Str()))),    # what `eval --resume --force` resumed despite
     "suite": Opt(Obj({"name": Opt(Str()), "sha256": Opt(Str()), "prompts": Opt(COUNT), "ids": Opt(ListOf(Str()))})),
     "settings": Opt(SETTINGS), "seed": Opt(Int()), "command": Opt(ListOf(Str())),
     "engine": Opt(_ENGINE_ENV), "shards": Opt(ListOf(Obj({"engine": Opt(_ENGINE_ENV)}))),

@@ -131,11 +131,11 @@ class DraftTable:
         drafts = proposal.tokens.tolist()
         if proposal.confidence is not None:
             self.confidence.update(zip(anchors, proposal.confidence.tolist()))
-        if self.sampling is not None:
+        if self.sampling is not None or self.topk:
             logits = d.logits(hidden, self.head).float()
         self.tokens.update(zip(anchors, drafts))
         if self.topk:
-            self.top.update(zip(anchors, block_children(d, hidden, self.head, anchor_tokens, self.topk)))
+            self.top.update(zip(anchors, block_children(d, hidden, logits, anchor_tokens, self.topk)))
         if self.sampling is not None:
             for j, a in enumerate(anchors):
                 self.alpha[a] = self._alpha(a, hidden[j:j + 1], logits[j:j + 1])

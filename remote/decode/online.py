@@ -2,7 +2,8 @@
 the plain decoding baseline it must reproduce.
 
 Batch size 1, ``torch.inference_mode``; device and dtype are the target's. Both functions time
-themselves (prefill included) with ``time.perf_counter`` after a CUDA synchronize.
+themselves (prefill included) with ``time.perf_counter`` after a CUDA synchronize; speculative
+decoding also times its cycles stage by stage (:class:`StageClock`).
 
 The cycle is z-lab's ``dflash_generate`` (``dflash/model.py``), step for step: ``start`` is the
 position of the last committed token, which the target has not processed yet; at the top of every
@@ -47,10 +48,11 @@ here keeps the target's tokens (the cycles are the same).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from remote.contract.metrics import LINEAR_STAGES
 from remote.contract.settings import FULL_BLOCK_RULES
 from remote.drafters.dflash import block_input_ids
 from remote.drafters.sampling import GREEDY, Sampling, rejection_sample, sample
@@ -113,6 +115,33 @@ class SpecResult:
     wall_s: float
     target_forwards: int           # prefill + verifies + hybrid rollback re-forwards
     confidences: list[list[float]] | None = None   # per cycle, each draft's predicted acceptance (DSpark)
+    cycles_s: float = 0.0          # the cycles' time (wall_s less the prefill)
+    stage_s: dict[str, float] = field(default_factory=dict)    # the cycles' time per stage (LINEAR_STAGES), summed
+
+
+class StageClock:
+    """The time of a decoding's cycles per stage (``remote.contract.metrics.LINEAR_STAGES``,
+    ``TREE_STAGES``): ``lap(stage)`` charges the time since the clock started or the previous lap
+    to ``stage``. On CUDA a lap synchronizes the device first, so each stage's kernels are charged
+    to it (the kernels run asynchronously); elsewhere it only reads the clock."""
+
+    def __init__(self, device: torch.device, stages: tuple[str, ...]):
+        self.device = device if device.type == "cuda" else None
+        self.seconds = dict.fromkeys(stages, 0.0)
+        self.started = self.mark = self.now()
+
+    def now(self) -> float:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        t = self.now()
+        self.seconds[stage] += t - self.mark
+        self.mark = t
+
+    def elapsed(self) -> float:
+        return self.now() - self.started
 
 
 # ----------------------------------------------------------------------------- decoding
@@ -221,6 +250,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         start = prompt_ids.shape[1]
         stopped = output_ids[-1] in stop and not specforge
         going = (lambda: start < max_length) if specforge else (lambda: start + 1 < max_length)
+        clock = StageClock(device, LINEAR_STAGES)
 
         while going() and not stopped:
             # draft: the block anchored at `start`, cut to the tokens this cycle verifies (z-lab)
@@ -233,12 +263,16 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             drafts = proposal.tokens.to(token.device)                      # [1, verify_size - 1]
             if proposal.confidence is not None:
                 confidences.append(proposal.confidence[0].tolist())
+            clock.lap("draft")
 
             # verify: the token at `start` and the drafts, positions start..start+verify_size-1
             mark = checkpoint(cache) if hybrid else None
             verify_ids = torch.cat([token[:, None], drafts], 1)
             logits = forward(target, verify_ids, cache).logits
             target_forwards += 1
+            clock.lap("verify")
+
+            # commit: the target's choices, the accepted drafts and the bonus token
             if sampling.greedy or specforge:
                 # SpecForge at T > 0: the target's samples at every position, in one draw
                 posterior = logits[0].argmax(-1) if sampling.greedy else sample(sampling.probs(logits[0]))
@@ -246,8 +280,6 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                 bonus = int(posterior[accepted])
             else:
                 accepted, bonus = rejection_sample(drafts, sampling.probs(logits), *proposal.on(logits.device))
-
-            # commit the accepted drafts and the bonus token
             new_tokens, stopped = committed(drafts[0, :accepted].tolist(), bonus, specforge, max_length - start - 1,
                                             stop, output_ids[0])
             produced = len(new_tokens)
@@ -258,20 +290,21 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             new_context = features(store, layer_ids)[:, :produced]
             start += produced
             token = verify_ids.new_tensor([new_tokens[-1]])
-            if not going() or stopped:
-                break                                                    # nothing runs after this cycle
 
             # cache: keep exactly positions < start (verify_ids[:, :produced] of this verify)
-            if hybrid and produced < verify_size:
-                rewind(cache, mark, verify_size)                         # back to the cycle's start ...
-                forward(target, verify_ids[:, :produced], cache, logits_to_keep=1)
-                target_forwards += 1                                     # ... and re-forward the kept tokens
-            else:
-                crop_attention(cache, verify_size - produced)
+            if going() and not stopped:                                  # nothing runs after the last cycle
+                if hybrid and produced < verify_size:
+                    rewind(cache, mark, verify_size)                     # back to the cycle's start ...
+                    forward(target, verify_ids[:, :produced], cache, logits_to_keep=1)
+                    target_forwards += 1                                 # ... and re-forward the kept tokens
+                else:
+                    crop_attention(cache, verify_size - produced)
+            clock.lap("commit")
 
-        _sync(device)
+        cycles_s = clock.elapsed()
         wall_s = time.perf_counter() - t0
     if specforge:   # the whole runs were counted; the output is cut as spec_generate cuts it
         output_ids = full_block_output(output_ids, max_new_tokens, stop)
     return SpecResult(output_ids=output_ids, acceptance_lengths=acceptance_lengths, wall_s=wall_s,
-                      target_forwards=target_forwards, confidences=confidences or None)
+                      target_forwards=target_forwards, confidences=confidences or None, cycles_s=cycles_s,
+                      stage_s=clock.seconds)

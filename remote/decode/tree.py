@@ -38,6 +38,11 @@ reference orders them.
    the captured features of the same nodes (causal: a node's features depend only on its
    ancestors).
 
+Each cycle's time is split as ``ddtree_generate`` splits it (:data:`remote.contract.metrics.TREE_STAGES`):
+``draft`` (the drafter's forward and its logits), ``tree_build`` (top-k and the best-first tree),
+``tree_compile`` (the verify's ids, positions, mask and Gated DeltaNet levels), ``verify`` (the
+target's forward), ``commit`` (the walk, the cache, the drafter's next context).
+
 The cycle rules are :func:`remote.decode.online.speculative_generate`'s: under z-lab's the tree is
 at most ``min(verify_block, max_length - start) - 1`` deep (the block is cut as z-lab cuts its
 last one) and a cycle commits ``min(accepted + 1, max_length - start - 1)`` tokens, fewer at a
@@ -59,10 +64,11 @@ from typing import Callable
 
 import torch
 
+from remote.contract.metrics import TREE_STAGES
 from remote.contract.settings import FULL_BLOCK_RULES
 from remote.drafters.config import DFLASH, DFLASH2
 from remote.drafters.dflash import block_input_ids
-from remote.decode.online import committed, full_block_output
+from remote.decode.online import StageClock, committed, full_block_output
 from remote.drafters.sampling import GREEDY, Sampling, sample
 from remote.target.cache import forward, has_linear_layers, keep_attention, keep_attention_path, new_cache
 from remote.target.model import capture, features
@@ -159,9 +165,11 @@ def selector_children(selector, unary, candidates, projected, anchor_token: int)
     return children
 
 
-def block_children(drafter, hidden: torch.Tensor, head, anchor_tokens: torch.Tensor, topk: int) -> list[Callable]:
-    """Each block's children from its draft slots' ``hidden [n, drafts, H]`` (``anchor_tokens [n]``)."""
-    logits = drafter.logits(hidden, head).float()
+def block_children(drafter, hidden: torch.Tensor, logits: torch.Tensor, anchor_tokens: torch.Tensor,
+                   topk: int) -> list[Callable]:
+    """Each block's children from its draft slots' ``hidden [n, drafts, H]`` and their
+    ``drafter.logits`` (``anchor_tokens [n]``)."""
+    logits = logits.float()
     if drafter.config.architecture == DFLASH2:
         sel = drafter.candidate_selector
         unary, cand = sel.candidates(logits)
@@ -214,6 +222,8 @@ class TreeResult:
     acceptance_lengths: list[int]  # tokens committed per cycle, bonus included
     wall_s: float
     tree_nodes: list[int]          # nodes verified per cycle, the root included
+    cycles_s: float = 0.0          # the cycles' time (wall_s less the prefill)
+    stage_s: dict[str, float] = field(default_factory=dict)    # the cycles' time per stage (TREE_STAGES), summed
 
 
 @torch.inference_mode()
@@ -251,30 +261,40 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
         start = prompt_ids.shape[1]
         stopped = output_ids[-1] in stop and not full
         going = (lambda: start < max_length) if full else (lambda: start + 1 < max_length)
+        clock = StageClock(device, TREE_STAGES)
 
         while going() and not stopped:
-            # draft the block anchored at `start` and grow the tree from its draft slots
+            # draft the block anchored at `start`
             depth_max = cfg.verify_block - 1 if full else min(cfg.verify_block, max_length - start) - 1
             block = block_input_ids(token, slot0 + depth_max, mask_id)[None]
             hidden, ctx_kv = drafter.draft(drafter.embed(block, embed_weight).to(dtype), start,
                                            new_context.to(dtype), ctx_kv)
-            children = block_children(drafter, drafter.draft_slots(hidden), head, token, budget)[0]
-            tree = build_tree(children, depth_max, budget)
-            tree.tokens[0] = int(token)
+            slots = drafter.draft_slots(hidden)
+            draft_logits = drafter.logits(slots, head)
+            clock.lap("draft")
 
-            # verify every node in one forward: positions start + depth, ancestors only (attention: the
-            # mask; Gated DeltaNet: each node's conv window and state from its own path)
+            # grow the tree from the draft slots
+            tree = build_tree(block_children(drafter, slots, draft_logits, token, budget)[0], depth_max, budget)
+            tree.tokens[0] = int(token)
+            clock.lap("tree_build")
+
+            # the verify's inputs: every node at position start + depth, seeing its ancestors only
+            # (attention: the mask; Gated DeltaNet: each node's conv window and state from its own path)
             ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
             positions = torch.tensor([tree.depths], dtype=torch.long, device=device) + start
+            mask = tree_mask(tree, start, mask_dtype, device)
             linear = TreeLinearAttention(target, tree.parents) if hybrid else nullcontext()
+            clock.lap("tree_compile")
+
+            # verify every node in one forward
             with linear:
-                logits = forward(target, ids, cache, position_ids=positions,
-                                 attention_mask=tree_mask(tree, start, mask_dtype, device)).logits[0]
+                logits = forward(target, ids, cache, position_ids=positions, attention_mask=mask).logits[0]
+            tree_nodes.append(len(tree))
+            clock.lap("verify")
+
+            # commit: walk the target's choices down the tree; the path and the bonus token
             choices = (logits.argmax(-1) if sampling.greedy else sample(sampling.probs(logits))).tolist()
             path, bonus = tree.descend(choices.__getitem__)
-            tree_nodes.append(len(tree))
-
-            # commit the path and the bonus token
             new_tokens, stopped = committed([tree.tokens[i] for i in path[1:]], bonus, full, max_length - start - 1,
                                             stop, output_ids[0])
             produced = len(new_tokens)
@@ -289,11 +309,11 @@ def tree_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int
                 keep_attention(cache, start, kept)
             start += produced
             token = ids.new_tensor([new_tokens[-1]])
+            clock.lap("commit")
 
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        cycles_s = clock.elapsed()
         wall_s = time.perf_counter() - t0
     if full:        # the whole runs were counted; the output is cut as ddtree_generate cuts it
         output_ids = full_block_output(output_ids, max_new_tokens, stop)
     return TreeResult(output_ids=output_ids, acceptance_lengths=acceptance_lengths, wall_s=wall_s,
-                      tree_nodes=tree_nodes)
+                      tree_nodes=tree_nodes, cycles_s=cycles_s, stage_s=clock.seconds)

@@ -30,12 +30,18 @@ replays the path's steps from the cache's state (the same step function, in path
 token counter moves by the path's length. No per-node state is kept past its level, so memory is
 one level of states per layer at a time.
 
+On a target split with a device_map (``--target-devices``: accelerate hooks on the modules), the
+rule replaces the forward the mixer's hook wraps, not the hook: the hook still moves the inputs to
+the layer's device and loads offloaded weights, and the conv weight the rule reads directly is
+loaded for it as transformers' own forward has it loaded.
+
 Only layers whose forward is Qwen3.5's (``Qwen3_5GatedDeltaNet`` and its MoE twin, the same code)
 have this rule; :func:`tree_rule_problem` names any other linear-attention layer.
 """
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +91,25 @@ def _kernels(mixer):
     return module.causal_conv1d_update, module.torch_recurrent_gated_delta_rule
 
 
+def _forward_slot(mixer) -> str:
+    """The attribute the tree rule's forward replaces: the module's ``forward``, or, under an
+    accelerate hook (a target split with a device_map), the ``_old_forward`` the hook wraps, so
+    the hook still moves the inputs and loads offloaded weights around the tree rule."""
+    return "_old_forward" if hasattr(mixer, "_hf_hook") and hasattr(mixer, "_old_forward") else "forward"
+
+
+@contextmanager
+def _resident(module):
+    """``module``'s own weights in memory for the block, as its forward would have them (an
+    accelerate hook that offloads them loads them here; otherwise nothing is done)."""
+    if getattr(module, "_hf_hook", None) is None:
+        yield
+        return
+    from accelerate.utils import align_module_device
+    with align_module_device(module):
+        yield
+
+
 @dataclass
 class _Steps:
     """One layer's per-node record of a verify: conv inputs ``pre [n, C]`` and the delta-rule step
@@ -131,16 +156,17 @@ class TreeLinearAttention:
 
     def __enter__(self):
         for index, mixer in linear_attention_modules(self.target):
-            self._installed.append((mixer, mixer.__dict__.get("forward")))
-            mixer.forward = self._forward_for(mixer, index)
+            slot = _forward_slot(mixer)
+            self._installed.append((mixer, slot, mixer.__dict__.get(slot)))
+            setattr(mixer, slot, self._forward_for(mixer, index))
         return self
 
     def __exit__(self, *exc):
-        for mixer, own in reversed(self._installed):
+        for mixer, slot, own in reversed(self._installed):
             if own is None:
-                del mixer.forward
+                delattr(mixer, slot)
             else:
-                mixer.forward = own
+                setattr(mixer, slot, own)
         self._installed.clear()
         return False
 
@@ -164,8 +190,9 @@ class TreeLinearAttention:
             kernel = past.shape[-1]
             inputs = torch.cat([past, pre.T.to(past.dtype)], -1)             # [C, K + n]
             windows = inputs[:, self.windows(kernel).to(inputs.device)].permute(1, 0, 2).contiguous()  # [n, C, K]
-            mixed = conv_step(pre[:, :, None], windows, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
-                              activation=mixer.activation)[:, :, 0]          # [n, C]
+            with _resident(mixer.conv1d):
+                mixed = conv_step(pre[:, :, None], windows, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias,
+                                  activation=mixer.activation)[:, :, 0]      # [n, C]
             q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
             q = q.reshape(n, 1, -1, mixer.head_k_dim)
             k = k.reshape(n, 1, -1, mixer.head_k_dim)
