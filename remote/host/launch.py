@@ -257,11 +257,13 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
     last_beat = time.monotonic()           # never the wall clock: a host's may be stepped back (NTP, by hand)
     pos, pending, dropping, dropped = offset, b"", 0, 0     # pending: the unterminated line so far
     told = None                            # what the scheduler said last (a Slurm task)
+    scheduled, asked = slurm.job_of(run_dir) is not None, float("-inf")
     while True:
         if time.monotonic() - last_beat > heartbeat:
             print(json.dumps({KEY: HEARTBEAT}), flush=True)
             last_beat = time.monotonic()
-        st = state(run_dir)
+        if not scheduled or time.monotonic() - asked >= slurm.POLL:   # Slurm's controller is shared: not 5 times a second
+            st, asked = state(run_dir), time.monotonic()
         if "slurm" in st:
             now = {"state": st["state"], "slurm_state": st["slurm"]["state"], "why": st.get("why"),
                    "node": st["slurm"].get("node") or None, "job": st["job"]}

@@ -29,6 +29,7 @@ JOB_FILE = "slurm.json"              # in a task's run folder: {"job": ARRAY JOB
 PLACEMENT = "placement.json"         # written by the task on its node when it starts
 SCRIPT = "job.sh"                    # in the run's folder: the batch script (fixed text, arguments as argv)
 SECRETS = ".secrets.json"            # the worker's secret environment (0600), read by each attempt of a task
+POLL = 2.0                           # s between two questions to Slurm while a task is followed
 ABSENT_GRACE = 120.0                 # s: a task Slurm no longer knows is judged lost only after its files are this quiet
 COMPLETING_WAIT = 60.0               # s a task may stay COMPLETING after its exit code before that code is its end
 SIGNAL_AHEAD = 60                    # s before its time limit Slurm sends the task SIGUSR1 (--signal): the worker stops
