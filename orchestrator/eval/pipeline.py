@@ -155,7 +155,7 @@ def check_host_ready(host: Host, runner, req: EvalRequest, gpu_here: bool = True
     when wanted; ``gpu_here=False``: the GPUs are elsewhere, a Slurm cluster's compute nodes)."""
     from .hostcheck import probe
 
-    wants_gpu = not wants_cpu(req, host) and gpu_here
+    wants_gpu = not wants_cpu(req, host)
     report = probe(host, runner, cuda=wants_gpu)
     if not report.reachable:
         raise EvalError(f"host {host.name} is not reachable: {'; '.join(report.errors)}")
@@ -168,7 +168,7 @@ def check_host_ready(host: Host, runner, req: EvalRequest, gpu_here: bool = True
         raise EvalError(f"host {host.name}: only {free / 2**30:.1f} GiB free in {host.workdir} "
                         f"(need {req.min_free_gb:g} GiB for the worker and its results); `dflash-ops clean --host "
                         f"{host.name}` shows what can go (older workers, fetched runs, copies the trainer deleted)")
-    if wants_gpu and not (report.cuda or "").startswith("yes"):
+    if wants_gpu and gpu_here and not (report.cuda or "").startswith("yes"):
         raise EvalError(f"host {host.name}: no CUDA GPU visible to torch (pass --device cpu to run on CPU, "
                         f"or set `gpus: 0` for it in the inventory)")
     return report
@@ -552,7 +552,7 @@ def _start(record: RunRecord, inventory: Inventory, resume: bool,
     if not resume:
         record.place(placements(req, [inventory.get(h) for h in req.hosts], preps))
         todo = record.shards
-    jobs, placed, launched = {}, [], []
+    jobs, placed, launched, started = {}, [], [], []
     code_before = {s.index: s.code_dir for s in todo}
     try:
         for s in todo:
@@ -590,7 +590,8 @@ def _start(record: RunRecord, inventory: Inventory, resume: bool,
                           secrets={AUTH_ENV: auth} if auth else None,
                           env=worker_env(s, todo, preps[s.host].cpu, scheduled=host.is_slurm), fresh=not resume)
                 launched.append(job)
-            submit_arrays(record, [s for s in todo if any(job is jobs[s.index] for job in launched)], preps, inventory)
+                started.append(s)
+            submit_arrays(record, started, preps, inventory)
             record.started(shards=[s.index for s in todo])
     except BaseException as e:
         freed = _abandon(placed, launched)
