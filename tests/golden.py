@@ -86,6 +86,26 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
     return float(chi2.sf(stat, len(cells) - 1))
 
 
+def tree_equals_greedy_and_offline(target, drafter, prompts, stops, max_new_tokens: int, budgets) -> dict[int, int]:
+    """Under z-lab's rules, for each prompt (with its stop) and budget: online tree decoding's output
+    is the target's greedy output and its acceptance lengths are the offline DDTree-N walk's, cycle
+    for cycle (asserted). Returns the cycles each budget took over all prompts."""
+    from remote.decode.offline import evaluate_offline
+    from remote.decode.online import target_decode
+    from remote.decode.tree import tree_generate
+
+    cycles = {b: 0 for b in budgets}
+    for prompt, stop in zip(prompts, stops):
+        greedy = target_decode(target, prompt, max_new_tokens, stop).output_ids
+        offline = evaluate_offline(drafter, target, prompt[0].tolist(), greedy, budgets=budgets)
+        for b in budgets:
+            online = tree_generate(target, drafter, prompt, max_new_tokens, b, stop)
+            assert online.output_ids == greedy, b
+            assert online.acceptance_lengths == offline["ddtree"][str(b)]["acceptance_lengths"], b
+            cycles[b] += len(online.acceptance_lengths)
+    return cycles
+
+
 def sampled_outputs(decode, n: int) -> dict:
     """How often each output (token ids) ``decode()`` gives over ``n`` runs from seed 0."""
     counts: dict = {}

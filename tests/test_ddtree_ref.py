@@ -15,7 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from golden import chi_square_p, four_token_pair, prompts, reference_from, sampled_outputs
+from golden import (chi_square_p, four_token_pair, prompts, reference_from, sampled_outputs,
+                    tree_equals_greedy_and_offline)
 from models import freeze, trained_drafter, walk_target
 from references import DDTREE, ddtree_drafter, ddtree_generate
 from remote.contract.settings import DDTREE as DDTREE_RULES, EvalSettings, SettingsError
@@ -88,13 +89,7 @@ def test_online_ddtree_equals_offline_under_zlab_rules(pair):
     """Under z-lab's rules (cut last blocks, a stop ends its cycle): online tree decoding equals the
     offline DDTree-N walk cycle for cycle, and its output is the target's greedy output."""
     target, ours, _, ps, stops = pair
-    for prompt, stop in zip(ps, stops):
-        greedy = target_decode(target, prompt, N, stop).output_ids
-        offline = evaluate_offline(ours, target, prompt[0].tolist(), greedy, budgets=BUDGETS)
-        for b in BUDGETS:
-            online = tree_generate(target, ours, prompt, N, b, stop)
-            assert online.output_ids == greedy, b
-            assert online.acceptance_lengths == offline["ddtree"][str(b)]["acceptance_lengths"], b
+    tree_equals_greedy_and_offline(target, ours, ps, stops, N, BUDGETS)
 
 
 def test_sampled_tree_decoding_equals_ddtree_generate_seed_for_seed(pair):

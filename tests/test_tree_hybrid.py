@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from golden import chi_square_p, four_token_pair, prompts, sampled_outputs
+from golden import chi_square_p, four_token_pair, prompts, sampled_outputs, tree_equals_greedy_and_offline
 from models import freeze, trained_drafter, walk_target
 from remote.contract.settings import DDTREE as DDTREE_RULES
 from remote.decode.offline import SpecForgeRules, evaluate_offline
@@ -137,15 +137,7 @@ def test_tree_decoding_is_lossless_and_equals_offline_ddtree(pair):
     for token and the acceptance lengths are the offline DDTree-N walk's, cycle for cycle; the trees
     are real (partial, deep and branch accepts: a bigger budget takes fewer cycles)."""
     target, drafter, ps, stops = pair
-    cycles = {}
-    for prompt, stop in zip(ps, stops):
-        greedy = target_decode(target, prompt, N, stop).output_ids
-        offline = evaluate_offline(drafter, target, prompt[0].tolist(), greedy, budgets=BUDGETS)
-        for b in BUDGETS:
-            online = tree_generate(target, drafter, prompt, N, b, stop)
-            assert online.output_ids == greedy, b
-            assert online.acceptance_lengths == offline["ddtree"][str(b)]["acceptance_lengths"], b
-            cycles[b] = cycles.get(b, 0) + len(online.acceptance_lengths)
+    cycles = tree_equals_greedy_and_offline(target, drafter, ps, stops, N, BUDGETS)
     assert cycles[1] > cycles[4] > cycles[16], cycles              # a bigger tree takes fewer cycles
 
 

@@ -35,8 +35,15 @@ class ExampleHost(InventoryError):
 ENGINE_FIELDS = ("kind", "python", "url", "args")
 
 
+class _Spec:
+    """A mapping of an inventory entry held as a dataclass; ``to_dict``: the fields it sets."""
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
+
+
 @dataclass(frozen=True)
-class EngineSpec:
+class EngineSpec(_Spec):
     """A host's serving engine (``engine:`` in the inventory): ``kind`` vllm or sglang, and either
     ``python`` (the engine's own environment there: `eval --engine` starts its servers) or ``url``
     (a server already running, as the host sees it); ``args``: more arguments for servers we start."""
@@ -54,8 +61,6 @@ class EngineSpec:
     def describe(self) -> str:
         return f"{self.kind} " + (self.python if self.python else f"at {self.url}")
 
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
 
 
 SLURM_FIELDS = ("login", "partition", "account", "qos", "time", "gres", "constraint", "sbatch_args", "setup",
@@ -68,7 +73,7 @@ _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 
 
 @dataclass(frozen=True)
-class SlurmSpec:
+class SlurmSpec(_Spec):
     """A Slurm cluster's job settings (``kind: slurm`` in the inventory): ``login`` is the inventory
     host (an SSH host, or ``local``) where ``sbatch``, ``squeue``, ``scontrol`` and ``scancel`` run;
     the rest become sbatch options of every job (``gres``: ``gpu`` or ``gpu:TYPE``, the count is a
@@ -94,8 +99,6 @@ class SlurmSpec:
             opts.append(f"--gres={self.gres}:{gpus_per_task}")
         return opts + list(self.sbatch_args)
 
-    def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v not in (None, ())}
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Host:
 
     def to_dict(self) -> dict:
         """The inventory's view of the host (what `hosts --json` prints)."""
-        return {f.name: (list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, (EngineSpec, SlurmSpec))
+        return {f.name: (list(v) if isinstance(v, tuple) else v.to_dict() if isinstance(v, _Spec)
                          else v)
                 for f in fields(self) if f.repr for v in [getattr(self, f.name)]}
 
