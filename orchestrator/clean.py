@@ -22,7 +22,6 @@ under the workdir or the checkpoints root, a link as a link, checking again that
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import posixpath
@@ -34,11 +33,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from remote.contract.locks import held
 from remote.contract.states import State
 
 from .config.catalog import Catalog, same_checkpoint, split_label
 from .config.inventory import Host, Inventory, InventoryError
 from .errors import DflashOpsError
+from .eval.jobs import CODE_DIR
 from .runs.folders import RunList, RunError, load_runs
 from .runs.record import LOCK_FILE, RESUME_LOCK, RunRecord
 from .transport import TransportError, runner_for
@@ -47,7 +48,6 @@ HERE = "here"
 GRACE = 3600.0          # s: a code folder shipped or used, a claimed run folder, more recently is kept
 CLAIM_FILES = {LOCK_FILE, RESUME_LOCK}
 FINISHED_POINTS = {"done", "gave_up", "gone", "superseded"}     # a watch point whose checkpoint it needs no more
-_DIGEST = re.compile(r"[0-9a-f]{16}")
 _RUN_ID = re.compile(r"\d{8}-\d{6}-")       # runs/record.py's run_id: a claimed folder's name
 
 
@@ -220,18 +220,7 @@ def plan_here(survey: Survey, now: float | None = None) -> Place:
 
 
 def _locked(folder: Path, names: set[str]) -> bool:
-    for name in names:
-        try:
-            fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-    return False
+    return any(held(folder / name, follow=False) for name in names)
 
 
 def _ago(seconds: float) -> str:
@@ -333,7 +322,7 @@ def _plan_workdir(survey: Survey, place: Place, runner, host: Host) -> None:
     recent = 0
     for entry in sorted(found["code"], key=lambda e: e["name"]):
         name = entry["name"]
-        if not _DIGEST.fullmatch(name) or name == survey.current or name in kept_code:
+        if not CODE_DIR.fullmatch(name) or name == survey.current or name in kept_code:
             continue
         if now - entry["mtime"] < GRACE:
             recent += 1

@@ -27,7 +27,7 @@ FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log"
 RESULTS = ("results.jsonl", "summary.json", "env.json")     # what a worker that ended `done` leaves
 LOGS = ("worker.log", *ENGINE_LOGS.values())                 # fetched up to LOG_CAP: their last part
 LOG_CAP = 8 << 20
-_CODE_DIR = re.compile(r"[0-9a-f]{16}")
+CODE_DIR = re.compile(r"[0-9a-f]{16}")       # a shipped worker folder's name under <workdir>/code (ship.py)
 
 
 class FetchFailed(TransportError):
@@ -54,7 +54,7 @@ def check_shard(record_id: str, shard, host, code: bool = True) -> None:
     run_dir = f"{workdir}/runs/{record_id}" + (f"/shard-{shard.index}" if shard.count > 1 else "")
     code_parent, _, digest = shard.code_dir.rpartition("/")
     problems = [f"code_dir {shard.code_dir!r} is not a worker folder under {workdir}/code"
-                if code and (not workdir or code_parent != f"{workdir}/code" or not _CODE_DIR.fullmatch(digest))
+                if code and (not workdir or code_parent != f"{workdir}/code" or not CODE_DIR.fullmatch(digest))
                 else "",
                 f"run_dir {shard.run_dir!r} is not {run_dir}" if not workdir or shard.run_dir != run_dir else ""]
     problems = [p for p in problems if p]

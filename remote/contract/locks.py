@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 
 
-def held(path: Path) -> bool:
-    """Is ``path`` ``flock``-ed by some process now? False when there is no such file."""
+def held(path: Path, follow: bool = True) -> bool:
+    """Is ``path`` ``flock``-ed by some process now? False when there is no such file (``follow=False``:
+    or a link in its place)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | (0 if follow else os.O_NOFOLLOW))
     except OSError:
         return False
     try:
