@@ -76,7 +76,11 @@ def submit(run_root: Path, tasks: list[int], count: int, options: list[str], pyt
     for option in options:
         if not option.startswith("--") or "\n" in option:
             raise SystemExit(f"not an sbatch option: {option!r}")
-    run_root.mkdir(parents=True, exist_ok=True)
+    folders = {k: run_root / f"shard-{k}" if count > 1 else run_root for k in tasks}
+    for folder in folders.values():         # an earlier job's, cleared before this one can start and write its own
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("exit_code", PLACEMENT):
+            (folder / name).unlink(missing_ok=True)
     script = run_root / SCRIPT
     write_atomic(script, JOB_SCRIPT)
     os.chmod(script, 0o755)
@@ -91,11 +95,7 @@ def submit(run_root: Path, tasks: list[int], count: int, options: list[str], pyt
     if not job.isdigit():
         raise SystemExit(f"sbatch printed no job id ({proc.stdout.strip()[:200]!r})")
     now = time.time()
-    for k in tasks:
-        folder = run_root / f"shard-{k}" if count > 1 else run_root
-        folder.mkdir(parents=True, exist_ok=True)
-        for name in ("exit_code", PLACEMENT):
-            (folder / name).unlink(missing_ok=True)
+    for k, folder in folders.items():
         write_atomic(folder / JOB_FILE, json.dumps({"job": job, "task": k, "submitted": now}))
     return {"job": job, "tasks": tasks}
 
