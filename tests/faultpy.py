@@ -11,6 +11,10 @@ sender too), or
 ``serve`` session) just before it renames the staging folder to NAME. At the pause the process writes ``D/paused`` ("WHAT PID") and waits for
 ``D/release`` (60 s at most), then goes on.
 
+``{"dir": D, "throttle": {"at": "send", "file": NAME, "seconds": S}}`` makes the sender of NAME wait
+S seconds before each 256 KiB: a slow link that never goes silent (no stall rule fires), for a
+test that must act while the transfer is moving.
+
 ``{"impostor": {"file": NAME, "with": PATH}}`` makes the sender of NAME send PATH instead (same size
 and mtime, other bytes, a trailer that matches them): what a host answering the data path in the
 training host's place would do.
@@ -45,6 +49,14 @@ def plant(spec: dict, args: list) -> None:
     imp = spec.get("impostor")
     if imp and not forced and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == imp["file"]:
         args[first + 1] = imp["with"]
+    slow = spec.get("throttle") or {}
+    if slow.get("at") == "send" and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == slow["file"]:
+        real_send = os.sendfile
+
+        def throttled(out_fd, in_fd, offset, count):
+            time.sleep(slow["seconds"])
+            return real_send(out_fd, in_fd, offset, min(count, STEP))
+        os.sendfile = throttled
     p = spec.get("pause") or {}
     if p.get("at") == "send" and tool_args[:1] == ["send"] and os.path.basename(tool_args[1]) == p["file"]:
         real, sent, done = os.sendfile, [int(tool_args[4])], []

@@ -64,6 +64,14 @@ class LabHost:
     def known_hosts_name(self) -> str:
         return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
 
+    @property
+    def login_home(self) -> str:
+        """The home its sshd logs the lab's user into (the password database's, as sshd reads it),
+        whatever ``HOME`` this process has."""
+        import pwd
+
+        return pwd.getpwnam(self.user).pw_dir
+
     def sshd_pid(self) -> int | None:
         try:
             return int(self.pidfile.read_text().split()[0])

@@ -293,7 +293,7 @@ def test_a_relative_checkpoints_root_is_taken_from_the_login_home_once(env, tmp_
     """`checkpoints: ckpts` (as `hosts check` reads it: from the login home) was joined twice
     (`ckpts/ckpts/RUN`) by the listing."""
     src = env.ckpt(10, {"model.safetensors": 1, "config.json": b"{}\n"})
-    rel = os.path.relpath(env.src_run.parent, os.path.expanduser("~"))   # the lab's login home is this user's
+    rel = os.path.relpath(env.src_run.parent, env.lab.train.login_home)
     inv = load_inventory(env.lab.write_inventory(tmp_path / "relative.yaml", train={"checkpoints": rel}))
     assert not os.path.isabs(inv.get("train").checkpoints)
     sync_checkpoint(inv, env.catalog, "10", run=env.run, **FAST)

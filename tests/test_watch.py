@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from browser import assert_images_decode, chromium
-from waiting import wait_for
+from waiting import finished, patience, wait_for
 
 from orchestrator.sync.complete import Verdict
 from orchestrator.watch import RunLock, WatchState, select
@@ -190,22 +190,23 @@ def same_files(a: Path, b: Path) -> None:
 
 @pytest.mark.worker
 @pytest.mark.timeout(900)
+@pytest.mark.timing
 def test_watch_follows_training_each_checkpoint_once_never_half_written(lab, tmp_path):
     run = Run(lab, tmp_path)
     watch = run.watch("--interval", "1")
     trainer = None
     try:
-        wait_for(lambda: run.state(), 60, "the watch state", watch)
+        wait_for(lambda: run.state(), patience(10), "the watch state", watch)
         # the first checkpoint is written slowly (config first, then the weights piece by piece)
         trainer = run.train("100,200,300", "--slow", "100", "--gap", "2", "--pause", "0.5", "--metric", "100")
         wait_for(lambda: [p for p in run.state().get("points", {}).values() if p["status"] == "done"] and
                  len(run.state()["points"]) == 3 and
                  all(p["status"] == "done" for p in run.state()["points"].values()), 800, "3 evaluated points", watch)
-        wait_for(lambda: len(_rows(run)) == 3, 60, "3 points in the trajectory", watch)
-        assert trainer.wait(60) == 0
+        wait_for(lambda: len(_rows(run)) == 3, patience(10), "3 points in the trajectory", watch)
+        assert trainer.wait(patience(10)) == 0
     finally:
         watch.send_signal(signal.SIGINT)
-        out = watch.communicate(timeout=60)[0]
+        out = finished(watch, patience(10)).stdout
         if trainer and trainer.poll() is None:
             trainer.kill()
     assert watch.returncode == 130, out

@@ -10,6 +10,18 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+# How much longer than on a quiet 2-core machine a step may take here: the suite's durations on a
+# quiet machine (`.ci/run` prints the slowest 30) against the same suite with both cores loaded by
+# another process, or beside another suite, were up to ~3x (e.g. the watch test: 60 s quiet, 137 s
+# beside another suite); a bound is this many times the quiet time, plus a minute for a process start.
+LOAD = 5.0
+
+
+def patience(quiet_s: float) -> float:
+    """A bound for a step that takes ``quiet_s`` seconds on a quiet 2-core machine: waiting returns
+    as soon as what it waits for happens, so a generous bound costs nothing when the step is healthy."""
+    return LOAD * quiet_s + 60
+
 
 def wait_for(predicate, timeout: float = 240, what: str = "condition", proc: subprocess.Popen | None = None,
              interval: float = 0.05):
@@ -30,13 +42,15 @@ def wait_for(predicate, timeout: float = 240, what: str = "condition", proc: sub
 
 
 def finished(proc: subprocess.Popen, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``proc`` waited for, as ``subprocess.run(..., capture_output=True)`` would return it."""
+    """``proc`` waited for, as ``subprocess.run(..., capture_output=True)`` would return it; past
+    ``timeout`` it is killed and the AssertionError shows the end of what it printed."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.communicate()
-        raise
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(map(str, proc.args))[:300]} did not end in {timeout:g}s; it printed: "
+                             f"{(out or '')[-3000:]}{(err or '')[-2000:]}") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
