@@ -1,24 +1,32 @@
 """`dflash-ops clean`: what the hosts' workdirs, the eval hosts' checkpoint copies and this machine's
-runs folder hold that no run needs any more, and its removal.
+runs folder hold that dflash-ops made and no run needs any more, and its removal.
 
 Reclaimable, each with the reason it is shown with:
 
-* on a host, a worker code folder (``<workdir>/code/<digest>``, its pre-flight cache inside) that is
-  not the worker this dflash-ops ships, that no run folder kept on the host was started from (its
-  ``cmd.json``), that no live run here names, and that was not shipped or used in the last hour;
+* on a host, a worker code folder (``<workdir>/code/<digest>``, its pre-flight cache inside) that a
+  ship installed (marked complete), that is not the worker this dflash-ops ships, that no run folder
+  kept on the host was started from (its ``cmd.json``), that no live run here and no live lease there
+  names, and that was not shipped or used in the last hour;
 * on a host, the run folder (``<workdir>/runs/<id>``) of a run that is ``done`` here with every
   shard of that host fetched (its files here read back whole): a failed or cancelled run keeps its
   folder (``eval --resume`` continues from it), and a folder no run here knows is another runs
   folder's;
 * on an eval host (not also a training host), a checkpoint copy (``<checkpoints>/<run>/<ckpt>``)
-  that the training host no longer has, that no catalog drafter (``path``, ``default``), no
-  unfinished point of a `watch` and no live run names, and that no running job there loads;
+  that a sync made there (its record names that very folder and its manifest: one copied in by
+  hand is never a candidate), that the training host no longer has by positive evidence (it
+  answered, and the run's folder there holds checkpoints: a missing, empty or unreadable one proves
+  nothing), and that nothing uses, links resolved on the host: no catalog drafter (``path``,
+  ``default``), no unfinished point of a `watch`, no live run here, no live lease of a run started
+  from any machine (remote/host/clean.py: from before its pre-flight until its jobs there end, a
+  queued Slurm task included), no running job there, no sync of it;
 * here, a run folder claimed by an eval that was stopped in its pre-flight (nothing in it but its
   locks, unlocked, claimed over an hour ago).
 
 A job running on a host keeps its run folder and its code folder whatever this machine knows. The
-host side (remote/host/clean.py) scans without following links and removes only what it is given,
-under the workdir or the checkpoints root, a link as a link, checking again that no job runs there.
+host side scans without following links and removes only what it is given, one item at a time as
+this machine sends them (an interrupt here stops the removal after the item at hand), each under
+the lease lock eval takes to write a lease and, for a copy, the sync's checkpoint lock, checking
+again at that moment that nothing uses it.
 """
 from __future__ import annotations
 
@@ -30,7 +38,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from remote.contract.locks import held
@@ -39,7 +46,8 @@ from remote.contract.states import State
 from .config.catalog import Catalog, same_checkpoint, split_label
 from .config.inventory import Host, Inventory, InventoryError
 from .errors import DflashOpsError
-from .eval.jobs import CODE_DIR
+from .eval.jobs import CODE_DIR, LOGS, log_removed, partial_log
+from .eval.lease import host_tool
 from .runs.folders import RunList, RunError, load_runs
 from .runs.record import LOCK_FILE, RESUME_LOCK, RunRecord
 from .transport import TransportError, runner_for
@@ -62,6 +70,8 @@ class Item:
     op: str = ""
     root: str = ""
     rel: str = ""
+    check: dict = field(default_factory=dict, repr=False)    # a copy's: what the host checks again (judge item)
+    run: object = field(default=None, repr=False)            # a run folder's: the run here (its fetched logs)
 
     @property
     def shown(self) -> str:
@@ -79,7 +89,7 @@ class Place:
     host: Host | None = None        # its paths expanded there
     runner: object = None
     named: bool = False             # asked for by --host: a skip is a failure
-    running_drafters: set = field(default_factory=set)   # the drafter folders of the jobs running there
+    deleted: "Deleted | None" = None     # what a removal interrupted had done
 
     @property
     def size(self) -> int:
@@ -102,10 +112,8 @@ class Deleted:
     freed: int = 0
     removed: int = 0
     failed: list[str] = field(default_factory=list)
-
-
-def host_tool() -> str:
-    return resources.files("remote.host").joinpath("clean.py").read_text()
+    left: list[str] = field(default_factory=list)       # not tried: the removal was interrupted before them
+    at_hand: str | None = None      # being removed when the removal was interrupted: maybe gone, maybe not
 
 
 def _norm(path: str | None) -> str | None:
@@ -134,15 +142,18 @@ class Survey:
     def live_shards(self, host: str):
         return [s for r in self.records.values() if live(r.record) for s in r.record.shards if s.host == host]
 
-    def live_run_loads(self, host: str, path: str, run: str, checkpoint: str) -> bool:
-        """Does a live run here load checkpoint folder ``path`` (``checkpoint`` of training run ``run``) on ``host``?"""
+    def live_run_paths(self, host: Host) -> list[tuple[str, str]]:
+        """(drafter folder on ``host``, who) of the live runs here that have a shard there."""
+        out = []
         for r in self.records.values():
             req = r.record.request
-            if live(r.record) and host in r.record.hosts and (
-                    any(s.host == host and _norm(s.drafter_path) == path for s in r.record.shards)
-                    or (req.drafter_run == run and req.checkpoint == checkpoint)):
-                return True
-        return False
+            if not live(r.record) or host.name not in r.record.hosts:
+                continue
+            paths = {s.drafter_path for s in r.record.shards if s.host == host.name and s.drafter_path}
+            if req.drafter_run and req.checkpoint and host.checkpoints:
+                paths.add(f"{host.checkpoints.rstrip('/')}/{req.drafter_run}/{req.checkpoint}")
+            out += [(p, f"run {r.id} here ({r.record.status})") for p in sorted(paths)]
+        return out
 
     def reclaimable_run(self, rid: str, host: str, workdir: str) -> str | None:
         """Why run ``rid``'s folder on ``host`` may go (done, fetched, its files here whole), else None."""
@@ -159,7 +170,17 @@ class Survey:
             whole = run.summary is not None and run.results
         except RunError:
             return None
-        return "the run is done; its files are fetched here" if whole else None
+        if not whole:
+            return None
+        partial = [where for s in shards for log in self.logs(run, s) if (where := partial_log(log))]
+        return "the run is done; its files are fetched here" + (
+            f" (its log{'s' if len(partial) > 1 else ''} only in part: the whole "
+            f"{'ones exist' if len(partial) > 1 else 'one exists'} only there, {', '.join(partial)})" if partial else "")
+
+    @staticmethod
+    def logs(run, shard) -> list[Path]:
+        """The logs of ``shard`` of ``run`` fetched here."""
+        return [shard.local_dir(run.path) / name for name in LOGS]
 
     def watched(self, run: str) -> tuple[set[str], str | None]:
         """The checkpoints a `watch` of training run ``run`` has not finished with, or why it cannot tell."""
@@ -299,7 +320,7 @@ def _plan_workdir(survey: Survey, place: Place, runner, host: Host) -> None:
         if why:
             link = "; a link in place of the folder: removed as a link" if entry["kind"] == "link" else ""
             place.items.append(Item("run folder", f"{workdir}/runs/{rid}", entry["size"], f"{why}{link}",
-                                    "run", workdir, f"runs/{rid}"))
+                                    "run", workdir, f"runs/{rid}", run=survey.records[rid]))
             continue
         for j in entry["jobs"]:
             kept_code.add(j["code"])
@@ -319,10 +340,17 @@ def _plan_workdir(survey: Survey, place: Place, runner, host: Host) -> None:
     for s in survey.live_shards(host.name):
         if s.code_dir and posixpath.dirname(_norm(s.code_dir)) == f"{workdir}/code":
             kept_code.add(posixpath.basename(_norm(s.code_dir)))
+    leased = {le["code"]: le for le in found.get("leases") or [] if le.get("code")}
+    if any(le.get("paths") is None for le in found.get("leases") or []):
+        leased = {e["name"]: {"run": "?", "why": "an unreadable lease"} for e in found["code"]}
     recent = 0
     for entry in sorted(found["code"], key=lambda e: e["name"]):
         name = entry["name"]
-        if not CODE_DIR.fullmatch(name) or name == survey.current or name in kept_code:
+        if not CODE_DIR.fullmatch(name) or name == survey.current or name in kept_code or not entry.get("shipped"):
+            continue
+        if name in leased:
+            place.notes.append(f"kept worker code {workdir}/code/{name}: run {leased[name]['run']} uses it "
+                               f"({leased[name]['why']})")
             continue
         if now - entry["mtime"] < GRACE:
             recent += 1
@@ -340,8 +368,6 @@ def _plan_workdir(survey: Survey, place: Place, runner, host: Host) -> None:
         (recent, "older worker code folder(s) shipped or used in the last hour")) if n]
     if kept:
         place.notes.append("kept: " + "; ".join(kept))
-    place.running_drafters = {_norm(j["drafter"]) for e in found["runs"] for j in e["jobs"]
-                              if j["running"] and j["drafter"]}
 
 
 def _plan_copies(survey: Survey, place: Place, runner, host: Host) -> None:
@@ -358,61 +384,110 @@ def _plan_copies(survey: Survey, place: Place, runner, host: Host) -> None:
     runs = list(survey.catalog.runs.values())
     there = host_checkpoints(runner, host, runs, lambda r: dest_rundir(host, r))
     default_base, default_ckpt = split_label(survey.catalog.default) if survey.catalog.default else (None, None)
+    keep = [(runner.absolute(d.path), f"catalog drafter {d.label}") for d in survey.catalog.drafters.values()
+            if d.path] + survey.live_run_paths(host)
+    candidates = []
     for r in runs:
-        src_info = listing.get(r.name) or {}
-        if not src_info.get("exists", True):
-            place.notes.append(f"copies of run {r.name} not judged: {src_info.get('dir')} does not exist on {src.name}")
-            continue
-        have = {c["name"] for c in src_info.get("checkpoints", [])}
-        watched, watch_problem = survey.watched(r.name)
         rundir = dest_rundir(host, r).rstrip("/")
-        for c in sorted(there.get(r.name, {}).get("checkpoints", []), key=lambda c: (c["step"] or -1, c["name"])):
-            name, path = c["name"], f"{rundir}/{c['name']}"
-            if name in have:
+        copies = there.get(r.name, {}).get("checkpoints", [])
+        unknown = _no_evidence(listing.get(r.name) or {}, src.name)
+        if unknown:
+            if copies:
+                place.notes.append(f"copies of run {r.name} not judged (kept): {unknown}")
+            continue
+        have = {c["name"] for c in listing[r.name]["checkpoints"]}
+        watched, watch_problem = survey.watched(r.name)
+        run_keep = [(f"{rundir}/{n}", f"watch {r.name}") for n in sorted(watched)]
+        if watch_problem:
+            run_keep.append((rundir, f"maybe watch {r.name} ({watch_problem})"))
+        if default_ckpt and survey.catalog.drafters.get(default_base) and \
+                survey.catalog.drafters[default_base].run == r.name:
+            run_keep += [(f"{rundir}/{c['name']}", f"the catalog's default ({survey.catalog.default})")
+                         for c in copies if same_checkpoint(default_ckpt, c["name"], r.step_of(c["name"]))]
+        hand = []
+        for c in sorted(copies, key=lambda c: (c["step"] or -1, c["name"])):
+            if c["name"] in have:
                 continue
-            users = [f"catalog drafter {d.label}" for d in survey.catalog.drafters.values()
-                     if d.path and _within(_norm(runner.absolute(d.path)), path)]
-            if default_ckpt and survey.catalog.drafters.get(default_base) and \
-                    survey.catalog.drafters[default_base].run == r.name and \
-                    same_checkpoint(default_ckpt, name, r.step_of(name)):
-                users.append(f"the catalog's default ({survey.catalog.default})")
-            if name in watched:
-                users.append(f"watch {r.name}")
-            elif watch_problem:
-                users.append(f"maybe watch {r.name} ({watch_problem})")
-            if survey.live_run_loads(host.name, path, r.name, name):
-                users.append("a live run here")
-            if any(_within(d, path) for d in place.running_drafters):
-                users.append("a job running on the host")
-            if users:
-                place.notes.append(f"kept {path} (not on {src.name} any more): {', '.join(users)} uses it")
+            if not c.get("synced"):
+                hand.append(c["name"])
                 continue
-            place.items.append(Item("checkpoint copy", path, c["size"],
-                                    f"{src.name} no longer has {r.name}/{name}; no catalog drafter or watch uses it",
-                                    "ckpt", host.checkpoints.rstrip("/"), f"{r.name}/{name}"))
+            path = f"{rundir}/{c['name']}"
+            candidates.append((r, c, path, {"ino": c.get("ino"), "lock": c.get("lock"), "keep": keep + run_keep}))
+        if hand:
+            place.notes.append(f"kept {len(hand)} folder(s) of {rundir} that {src.name} does not have and no sync "
+                               f"made here (placed by hand, or copied): {', '.join(hand)}")
+    if not candidates:
+        return
+    root = host.checkpoints.rstrip("/")
+    judged = _scan(runner, host, "judge", (host.workdir or "").rstrip("/"), root,
+                   json.dumps([{**check, "rel": posixpath.relpath(path, root)} for _, _, path, check in candidates]))
+    for (r, c, path, check), verdict in zip(candidates, judged):
+        if verdict["users"]:
+            place.notes.append(f"kept {path} (not on {src.name} any more): used by {'; '.join(verdict['users'])}")
+            continue
+        if not verdict["same"]:
+            place.notes.append(f"kept {path}: it changed while it was judged")
+            continue
+        place.items.append(Item("checkpoint copy", path, c["size"],
+                                f"a sync made it; {src.name} no longer has {r.name}/{c['name']}; nothing uses it",
+                                "ckpt", root, posixpath.relpath(path, root), check=check))
 
 
-def _within(a: str | None, b: str) -> bool:
-    """Is one of the folders ``a`` and ``b`` the other or inside it?"""
-    return bool(a) and (a == b or a.startswith(b + "/") or b.startswith(a + "/"))
+def _no_evidence(src_info: dict, src: str) -> str | None:
+    """Why the training host's listing of a run proves nothing about which checkpoints it dropped
+    (None when it does: the run's folder is there, readable, and holds checkpoints)."""
+    where = f"{src_info.get('dir')} on {src}"
+    if not src_info:
+        return f"{src} did not list it"
+    if not src_info.get("exists", True):
+        return f"{where} does not exist"
+    if src_info.get("unreadable"):
+        return f"{where} cannot be read ({src_info['unreadable']})"
+    if not any(c.get("files") for c in src_info.get("checkpoints") or []):
+        return f"{where} holds no checkpoint (an unmounted volume, a restarted run?)"
+    return None
 
 
 def delete_host(place: Place) -> Deleted:
-    out = Deleted(place.name)
+    """Send the host's items one at a time, each removed (or refused, saying why) before the next
+    goes. An interrupt stops sending (the host ends with its input, after the item at hand) and is
+    raised again with :attr:`Place.deleted` saying what was removed, what not, and what was at hand."""
+    out = place.deleted = Deleted(place.name)
     host = place.host
-    items = [[i.op, i.root, i.rel] for i in place.items]
     try:
-        results = _scan(place.runner, host, "delete", (host.workdir or "").rstrip("/"), json.dumps(items),
-                        timeout=3600)
+        handle = place.runner.open_exec([host.python, "-c", host_tool(), "delete", (host.workdir or "").rstrip("/")])
     except DflashOpsError as e:
         out.failed.append(str(e))
         return out
-    for item, res in zip(place.items, results):
-        if res.get("ok"):
-            out.removed += 1
-            out.freed += item.size
-        else:
-            out.failed.append(f"{item.path}: {res.get('why')}")
+    done = 0
+    try:
+        for item in place.items:
+            handle.stdin.write((json.dumps([item.op, item.root, item.rel, item.check]) + "\n").encode())
+            handle.stdin.flush()
+            out.at_hand = item.path
+            line = handle.stdout.readline()
+            out.at_hand = None
+            done += 1
+            if not line:
+                err = handle.stderr.read().decode(errors="replace").strip().splitlines()
+                out.failed.append(f"{item.path}: the removal on {place.name} ended early"
+                                  + (f": {err[-1]}" if err else ""))
+                break
+            res = json.loads(line)
+            if res.get("ok"):
+                out.removed += 1
+                out.freed += item.size
+                if item.op == "run" and item.run is not None:
+                    for shard in item.run.record.shards:
+                        for log in Survey.logs(item.run, shard):
+                            log_removed(log, time.strftime("%Y-%m-%d %H:%M"))
+            else:
+                out.failed.append(f"{item.path}: {res.get('why')}")
+        handle.stdin.close()
+        handle.wait(60)
+    finally:
+        out.left = [i.path for i in place.items[done:] if i.path != out.at_hand]
+        handle.close()
     return out
 
 
@@ -428,7 +503,10 @@ def plan(inventory: Inventory, catalog: Catalog, runs_root: Path, hosts: list[Ho
 
 
 def delete(place: Place) -> Deleted:
-    return delete_here(place) if place.name == HERE else delete_host(place)
+    if place.name == HERE:
+        place.deleted = delete_here(place)
+        return place.deleted
+    return delete_host(place)
 
 
 def close(places: list[Place]) -> None:

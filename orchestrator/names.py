@@ -124,8 +124,16 @@ class Resolver:
         return host
 
     def role_host(self, role: str, name: str | None = None) -> Host:
-        """``name`` (checked for ``role``), else the one host with ``role``."""
-        return self.host(name, role) if name else self.inventory.pick(role)
+        """``name`` (checked for ``role``), else the one host with ``role``; a training host is never
+        the built-in ``local`` unless named (or written into the inventory with role train)."""
+        if name:
+            return self.host(name, role)
+        host = self.inventory.pick(role)
+        if role == "train" and host.is_local and host.defined_in is None:
+            raise InputError(f"no training host in the inventory ({self.inventory_file}): add a host with "
+                             f"`roles: [train]` and its `checkpoints:` folder, or name one with --from HOST "
+                             f"(--from local: this machine's {host.checkpoints})")
+        return host
 
     # --- the catalog ----------------------------------------------------------------------------
 
@@ -143,6 +151,8 @@ class Resolver:
         """``sync-ckpt``'s argument: ``CKPT`` or ``LABEL:CKPT`` -> (training run or None, CKPT)."""
         label, _, ckpt = spec.rpartition(":")
         if not label:
+            if not run and not self.catalog.runs:
+                raise self.catalog.no_runs()
             return (self.training_run(run) if run else None), spec
         r = self.training_run(label)
         if run and self.training_run(run).name != r.name:

@@ -4,7 +4,8 @@ DFlash drafter trained for it with the reference training step. CPU, under two m
 ``qwen3`` recipe builds the same with a pure-attention Qwen3 target and head_dim 32.
 
 ``python -m remote.embedded --out DIR [--recipe qwen3]`` builds into DIR (or finds it there) and prints
-``{"target": DIR/target, "drafter": DIR/drafter}``. A build stamp records the recipe; a changed
+``{"target": DIR/target, "drafter": DIR/drafter}``; with ``--check`` it builds nothing and prints ``{}``
+when the pair is not built. A build stamp records the recipe; a changed
 recipe rebuilds, an interrupted build never leaves a half-written pair behind (staging + rename).
 """
 from __future__ import annotations
@@ -150,22 +151,24 @@ def paths(out: Path) -> dict:
     return {"target": str(out / "target"), "drafter": str(out / "drafter")}
 
 
-def ensure(out: Path, recipe: dict = RECIPE) -> dict:
+def built(out: Path, recipe: dict = RECIPE) -> dict | None:
+    """The pair in ``out`` when it is built with ``recipe`` (:func:`paths`), else None."""
     stamp = out / "stamp.json"
-    if stamp.exists():
-        try:
-            if json.loads(stamp.read_text()).get("recipe") == recipe:
-                return paths(out)
-        except json.JSONDecodeError:
-            pass
+    try:
+        return paths(out) if json.loads(stamp.read_text()).get("recipe") == recipe else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def ensure(out: Path, recipe: dict = RECIPE) -> dict:
+    if built(out, recipe):
+        return paths(out)
     log(f"building the embedded {recipe.get('kind', 'demo')} target and drafter in {out} (first use, about a minute)")
     out.parent.mkdir(parents=True, exist_ok=True)
     import fcntl
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)       # two concurrent first uses build once
-        if stamp.exists() and json.loads(stamp.read_text()).get("recipe") == recipe:
-            return paths(out)
-        return build(out, recipe)
+        return built(out, recipe) or build(out, recipe)
 
 
 def main(argv=None) -> int:
@@ -174,7 +177,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for the pair (e.g. <workdir>/embedded)")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="demo",
                    help="demo: the hybrid Qwen3.5-style target (default); qwen3: pure attention, head_dim 32")
+    p.add_argument("--check", action="store_true",
+                   help="build nothing: print the pair if it is built, else {} (torch is not imported)")
     args = p.parse_args(argv)
+    if args.check:
+        print(json.dumps(built(Path(args.out).expanduser(), RECIPES[args.recipe]) or {}), flush=True)
+        return 0
     from remote.target.model import guard_cpu_kernels
     guard_cpu_kernels("cpu")
     with contextlib.redirect_stdout(sys.stderr):     # what a library prints never mixes with the answer

@@ -4,9 +4,11 @@ Prints the detected format, the variant (DFlash / DFlash2) and the rules it was 
 (mask rule per layer, RoPE, vocabulary, block layout, knobs), the normalised config, the formats
 ``python -m remote.export`` can write it in (or why not) and, with a target, the compatibility
 verdict.
-Exit status: 0 ok, 1 checkpoint or compatibility problem, 2 usage. Reads only configs and tensor
-headers (for safetensors), so it is cheap enough to run as a pre-flight check before GPU time. What a
-library prints goes to stderr: stdout holds the report only.
+Exit status: 0 ok, 1 checkpoint or compatibility problem, 2 usage. Reads the configs, the tensor
+headers and, once they pass, every weight once to name those holding NaN or an infinity (a
+memory-mapped pass over the bits: :func:`remote.drafters.checkpoint.nonfinite_tensors`), cheap
+enough to run as a pre-flight check before GPU time. What a library prints goes to stderr: stdout
+holds the report only.
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from remote.drafters.checkpoint import (CheckpointError, check_tensors, completeness_problems, number_problem,
-                                       open_checkpoint, read_json, read_tensors, refuse_special_files)
+from remote.drafters.checkpoint import (CheckpointError, check_tensors, completeness_problems, nonfinite_problem,
+                                       number_problem, open_checkpoint, read_json, read_tensors, refuse_special_files)
 from remote.drafters.compat import TargetInfo, compatibility_problems, read_target_config
 from remote.drafters.export import export_refusals
 from remote.target.model import remote_code_problem
@@ -72,9 +74,12 @@ def inspect(drafter: str, target: str | None = None, block_size: int | None = No
             report["problems"] += compatibility_problems(ckpt, tinfo, fc_shape, block_size)
         report["exports"] = export_refusals(ckpt, num_target_layers=tinfo.num_hidden_layers if tinfo else None)
         if not report["problems"]:  # tensor check after the more specific compatibility messages
-            _, ignored = check_tensors(ckpt, shapes)
+            kept, ignored = check_tensors(ckpt, shapes)
             if ignored:
                 report["config"]["notes"].append(f"ignored tensors: {ignored}")
+            nonfinite = nonfinite_problem(ckpt, kept)
+            if nonfinite:
+                report["problems"].append(nonfinite)
     except CheckpointError as e:
         report["problems"].append(str(e))
     report["ok"] = not report["problems"]

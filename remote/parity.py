@@ -19,7 +19,8 @@ import json
 import sys
 from pathlib import Path
 
-from remote.drafters.config import DFLASH, DOMINO, DSPARK, FAMILIES, ZLAB
+from remote.contract.formats import FAMILIES
+from remote.drafters.config import DFLASH, DOMINO, DSPARK, ZLAB
 
 
 def _turns(row: dict) -> list[tuple[list[int], list[int]]]:

@@ -15,7 +15,9 @@ the interpreter, its import path and the versions of the libraries that decode:
 
 - the checks (the inspect report): the drafter and target folders' content, what pre-flight reads of
   each file (:func:`file_entry`), wherever they are: the same checkpoint copied elsewhere, or
-  touched, is not checked again (its report names the paths of this pre-flight);
+  touched, is not checked again (its report names the paths of this pre-flight), but for a
+  drafter's weights file over 64 MiB, whose every weight the checks read (known by the file's
+  identity, not hashed);
 - the self-test: the target folder's content and the device;
 - the prompts' token counts: the target folder's content and the suite.
 
@@ -36,6 +38,9 @@ import struct
 import sys
 from pathlib import Path
 
+from remote.contract import families
+from remote.contract.engines import KINDS
+from remote.contract.settings import EvalSettings
 from remote.drafters.checkpoint import CheckpointError, refuse_special_files
 from remote.inspect import inspect
 from remote.target.memory import (MAX_HEADER, WeightsError, add_plan_arguments, context_tokens, count_tokens,
@@ -93,7 +98,7 @@ def runtime_problems(target: str, device: str = "cpu") -> list[str]:
     return []
 
 
-def folder_entries(path: str) -> list[list] | None:
+def folder_entries(path: str, weights_read: bool = False) -> list[list] | None:
     """``[relative path, its file_entry]`` of every file under the folder ``path``; None when
     ``path`` is not a folder."""
     root = Path(path).expanduser()
@@ -102,24 +107,26 @@ def folder_entries(path: str) -> list[list] | None:
     out = []
     for folder, dirs, names in os.walk(root):
         dirs.sort()
-        out += [[Path(folder, n).relative_to(root).as_posix(), file_entry(Path(folder, n))] for n in sorted(names)]
+        out += [[Path(folder, n).relative_to(root).as_posix(), file_entry(Path(folder, n), weights_read)]
+                for n in sorted(names)]
     return out
 
 
-def file_entry(path: Path) -> list | None:
+def file_entry(path: Path, weights_read: bool = False) -> list | None:
     """``[size, mtime_ns, content]`` of a regular file, where ``content`` stands for what pre-flight
     reads of it: the sha256 of all of it up to :data:`HASHED_WHOLE` bytes (configs, tokenizer,
-    manifest) or of a safetensors file's header (no more of the weights is read); a larger file of
-    another kind (a pickle, loaded whole) is not hashed but known by its device, inode, mtime and
-    ctime, which any rewrite changes. None for what is not a regular file (never opened) or cannot be
-    read. A copy that keeps the modification time (``cp -p``, rsync, the lab's copies) has the same
-    entry, but for such a large file."""
+    manifest) or of a safetensors file's header (a target's: no more of its weights is read); a
+    larger file of another kind (a pickle, loaded whole), or a drafter's larger safetensors file
+    (``weights_read``: the checks read every weight for NaN), is not hashed but known by its device,
+    inode, mtime and ctime, which any rewrite changes. None for what is not a regular file (never
+    opened) or cannot be read. A copy that keeps the modification time (``cp -p``, rsync, the lab's
+    copies) has the same entry, but for such a large file."""
     digest = hashlib.sha256()
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
             return None
-        if st.st_size > HASHED_WHOLE and path.suffix != ".safetensors":
+        if st.st_size > HASHED_WHOLE and (path.suffix != ".safetensors" or weights_read):
             return [st.st_size, st.st_mtime_ns, f"stat {st.st_dev} {st.st_ino} {st.st_mtime_ns} {st.st_ctime_ns}"]
         with open(path, "rb") as fh:
             if st.st_size <= HASHED_WHOLE:
@@ -148,7 +155,7 @@ def pass_keys(args: argparse.Namespace, device: str, versions: dict[str, str | N
     libraries' versions (read from the installed distributions when None)."""
     if args.verify_hashes or args.suite in HF_SUITES:
         return None
-    drafter, target = folder_entries(args.drafter), folder_entries(args.target)
+    drafter, target = folder_entries(args.drafter, weights_read=True), folder_entries(args.target)
     if drafter is None or target is None:
         return None
     if versions is None:
@@ -226,6 +233,7 @@ def main(argv=None) -> int:
     p.add_argument("drafter")
     p.add_argument("--verify-hashes", action="store_true")
     p.add_argument("--cache", type=Path, help="folder that keeps each pass for the next pre-flight of the same inputs")
+    p.add_argument("--engine-kind", choices=KINDS, help="with --engine: the host's serving engine")
     add_plan_arguments(p)
     args = parse_plan_arguments(p, argv)
     answer = sys.stdout
@@ -250,6 +258,11 @@ def preflight(args: argparse.Namespace) -> tuple[dict, int]:
     checked = (placed(kept["checks"], args.drafter, args.target) if kept["checks"]
                else inspect(args.drafter, args.target, verify_hashes=args.verify_hashes))
     report = {**checked, "problems": list(checked["problems"])}
+    if report["ok"]:        # what the worker would refuse of these settings for this drafter's family
+        variant = report["config"]["variant"]
+        report["problems"] += families.problems(EvalSettings.from_args(args), variant["family"],
+                                                variant["sequential"], args.engine_kind)
+        report["ok"] = not report["problems"]
     self_test = counts = plan_ = None
     if report["ok"]:
         self_test = kept["self-test"] if kept["self-test"] is not None else runtime_problems(args.target, device)

@@ -70,12 +70,13 @@ import time
 MANIFEST = ".dflash-manifest.json"
 VERIFIED = ".dflash-verified"
 OWNER = ".dflash-owner"
+SYNCED = ".dflash-synced.json"  # written at FINALIZE: {"ino": the copy's folder inode, "digest": its copy_digest}
 RESERVED = ".dflash-"  # every bookkeeping name of the sync starts so
 LONG_PART = RESERVED + "part-"  # the .part of a file whose NAME.part would exceed NAME_MAX
 NAME_MAX = 255
 # the sync's own names at the top of a checkpoint folder: never sent (the manifest lists them as excluded)
 OWN = {MANIFEST: "the sync's manifest (sha256 of each file)", VERIFIED: "the sync's verification records",
-       OWNER: "the sync's lock token"}
+       OWNER: "the sync's lock token", SYNCED: "the sync's record of the copy it made"}
 CHUNK = 1 << 20
 NO_HASH = "-" * 64
 TRAILER, TRAILER_CHANGED = b"DFLT", b"DFLC"  # after a file's bytes: its sha256, or "it changed meanwhile"
@@ -178,9 +179,9 @@ def _matches(entry: dict, st, keys=("size", "mtime_ns", "ino", "ctime_ns")) -> b
 
 
 def _own(name: str) -> bool:
-    """One of the sync's own names at the top of a checkpoint folder (the manifest's temporary
-    file included: :func:`_write_at`)."""
-    return name in OWN or name.startswith(MANIFEST + ".tmp")
+    """One of the sync's own names at the top of a checkpoint folder (their temporary files
+    included: :func:`_write_at`)."""
+    return name in OWN or any(name.startswith(n + ".tmp") for n in (MANIFEST, SYNCED))
 
 
 def sha256_file(path: str, limit: int | None = None, h=None):
@@ -506,6 +507,10 @@ def listing(args: list) -> dict:
         except FileNotFoundError:
             runs[name] = {"dir": rdir, "exists": False, "checkpoints": [], "staging": []}
             continue
+        except OSError as e:
+            runs[name] = {"dir": rdir, "exists": True, "unreadable": e.strerror or str(e), "checkpoints": [],
+                          "staging": []}
+            continue
         staging = []
         for n in names:
             full = os.path.join(rdir, n)
@@ -515,21 +520,41 @@ def listing(args: list) -> dict:
             if n.startswith(".") or not os.path.isdir(full):
                 continue
             m = rx.match(n)
-            files = Walk(full).files
+            try:
+                files = Walk(full).files
+                fst, lst = os.stat(full), os.lstat(full)
+            except OSError as e:
+                runs[name] = {"dir": rdir, "exists": True, "unreadable": f"{n}: {e.strerror or e}",
+                              "checkpoints": [], "staging": []}
+                break
             complete = os.path.exists(os.path.join(full, MANIFEST))
             items.append({
                 "name": n, "step": int(m.group(1)) if m else None,
                 "size": sum(st.st_size for _, st in files), "files": len(files),
-                "mtime": max([st.st_mtime for _, st in files] or [os.stat(full).st_mtime]),
-                "ctime": max([st.st_ctime for _, st in files] or [os.stat(full).st_ctime]),  # this host's clock
+                "mtime": max([st.st_mtime for _, st in files] or [fst.st_mtime]),
+                "ctime": max([st.st_ctime for _, st in files] or [fst.st_ctime]),  # this host's clock
                 "complete": complete,
                 "paths": [rel for rel, _ in files if "/" not in rel],   # the completeness rule's: top level, all
                 "ident": ident([(rel, st.st_size, st.st_mtime_ns) for rel, st in files]),
                 "manifest_ident": ident([(e.get("path"), e.get("size"), e.get("mtime_ns"))
                                          for e in _load_cache(full).values()]) if complete else None,
+                "ino": lst.st_ino, "synced": complete and synced_here(full, lst),
+                "lock": os.path.basename(paths(rdir, n)["lock"]),
             })
-        runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
+        else:
+            runs[name] = {"dir": rdir, "exists": True, "checkpoints": items, "staging": staging}
     return {"runs": runs, "now": time.time()}
+
+
+def synced_here(folder: str, lst) -> bool:
+    """Did a sync make this folder here: its :data:`SYNCED` record names this very folder (its
+    inode: a copy made by hand gets another) and the digest of the manifest it holds? A link is
+    never a sync's copy."""
+    if not stat.S_ISDIR(lst.st_mode):
+        return False
+    rec = _read_json_at(None, os.path.join(folder, SYNCED))
+    return isinstance(rec, dict) and rec.get("ino") == lst.st_ino and \
+        rec.get("digest") == copy_digest(list(_load_cache(folder).values()))
 
 
 def pattern_regex(pattern: str):
@@ -1645,6 +1670,7 @@ def finalize(p: dict, manifest_data: dict, token: str, abandoned=lambda: False) 
             _sweep(sfd, {e["path"] for e in files})
             _write_at(sfd, MANIFEST, json.dumps({"files": files, **({"excluded": excluded} if excluded else {})},
                                                 indent=1, sort_keys=True).encode())
+            _write_at(sfd, SYNCED, json.dumps({"ino": os.fstat(sfd).st_ino, "digest": copy_digest(files)}).encode())
             for _, _, _, dfd in os.fwalk(".", dir_fd=sfd):
                 os.fsync(dfd)
         finally:

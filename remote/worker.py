@@ -19,7 +19,8 @@ a transformers the host must not decode with, SGLang down, the engine missing, r
 settings or dying), 2 bad usage (missing folders, ...), 3 an
 unexpected error during the run (finished prompts kept), 4 invalid results: a greedy online output
 differs from the target's own greedy output other than at a near-tie (the row is kept with its
-``divergence``, the run stops there and ``summary.json`` says ``invalid`` and carries no τ).
+``divergence``, the run stops there and ``summary.json`` says ``invalid`` and carries no τ), or the
+drafter's outputs on a prompt are NaN or infinite (the run stops at that prompt, no row for it).
 """
 from __future__ import annotations
 
@@ -288,6 +289,7 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
     import torch
 
     from remote.drafters.checkpoint import load_drafter
+    from remote.drafters.dflash import NonFiniteOutput
     from remote.target.memory import check as memory_check, identity as target_identity
     from remote.suites.prompts import reference_turns
     from remote.target.model import features_device, gdn_kernel_path, load_target
@@ -371,23 +373,29 @@ def run_rows(ctx, out, suite, rows_to_do, finished, done_ids, results_path, clie
             if row.id in done_ids:
                 continue
             t0 = time.perf_counter()
-            result = evaluate_row(ctx, decoding, row, target, drafter, tokenizer, client, stops, reference_turns,
-                                  phase)
+            try:
+                result = evaluate_row(ctx, decoding, row, target, drafter, tokenizer, client, stops, reference_turns,
+                                      phase)
+            except NonFiniteOutput as e:        # the prompt stops; the rows before it are kept and reported
+                invalid = nonfinite_reason(row.id, e)
+                break
             results.write(json.dumps(result) + "\n")
             results.flush()
             os.fsync(results.fileno())
             rows.append(result)
             cycles = sum(len(r["acceptance_lengths"]) for r in rows)
             tau_running = sum(sum(r["acceptance_lengths"]) for r in rows) / cycles if cycles else None
-            extra = {"expected_tau": result["expected"]["expected_tau"]} if "expected" in result else {}
+            extra = {"expected_tau": result["expected"]["expected_tau"], "anchors": result["expected"]["anchors"]} \
+                if "expected" in result else {}
             if "engine" in result:
                 extra["engine_tau"] = result["engine"]["tau"]
             emit(events.PROMPT, id=row.id, index=index, done=len(rows), prompts=len(rows_to_do), cycles=result["cycles"],
                  tau=result["tau"], tau_running=tau_running, **extra)
             shown = result["tau"] if "expected" not in result else result["expected"]["expected_tau"]
             engine = result.get("engine")
-            log(f"{row.id}: {result['cycles']} cycles, {'expected ' if 'expected_tau' in extra else ''}tau "
-                f"{'n/a' if shown is None else f'{shown:.2f}'}"
+            log(f"{row.id}: " + (f"{extra['anchors']} anchors, expected tau " if "expected_tau" in extra
+                                 else f"{result['cycles']} cycles, tau ")
+                + f"{'n/a' if shown is None else f'{shown:.2f}'}"
                 + (f"; engine tau {engine['tau']:.2f}" if engine and engine["tau"] is not None else "")
                 + (f" ({', '.join(engine['causes'])})" if engine and engine["causes"] else "")
                 + f" ({time.perf_counter() - t0:.1f}s)")
@@ -424,6 +432,14 @@ def invalid_reason(row: dict) -> dict | None:
                        f"run is a result (rows kept in results.jsonl; summary.json is marked invalid)"}
 
 
+def nonfinite_reason(prompt: str, error) -> dict:
+    """``summary.json``'s ``invalid`` when the drafter's outputs on ``prompt`` were NaN or infinite
+    (a :class:`~remote.drafters.dflash.NonFiniteOutput`): no τ of such a drafter is a result."""
+    return {"prompt": prompt, "head": error.head,
+            "message": f"{error} on prompt {prompt}: no τ of this run is a result (the prompts before it kept in "
+                       f"results.jsonl; summary.json is marked invalid)"}
+
+
 def invalidated(summary: dict, invalid: dict) -> dict:
     """The summary of an invalid run: every τ and rate removed, the reason and the rows' count kept."""
     keep = ("mode", "block_size", "prompts", "responses")
@@ -444,20 +460,14 @@ class Decoding:
 
     @classmethod
     def of(cls, settings: EvalSettings, ckpt) -> "Decoding":
-        from remote.contract.settings import SPECFORGE, ZLAB_RULES
-        from remote.drafters.config import DFLASH
+        from remote.contract import families
 
         cfg = ckpt.config
-        semantics = settings.semantics or (SPECFORGE if cfg.family != DFLASH or ckpt.format == SPECFORGE
-                                           else ZLAB_RULES)
-        budgets, note = settings.budgets(), ""
-        if cfg.family != DFLASH and cfg.sequential and budgets:
-            if settings.ddtree is not None:
-                raise WorkerError(f"--ddtree on a {cfg.family} drafter: its drafts depend on the token drafted "
-                                  f"before, so a tree's children would have to be drafted from their own parents, "
-                                  f"which this worker does not do; leave out --ddtree", exits.USAGE)
-            budgets, note = [], f"no DDTree: a {cfg.family} drafter's drafts depend on the token drafted before"
-        return cls(semantics, budgets, note)
+        refused = families.problems(settings, cfg.family, cfg.sequential)
+        if refused:
+            raise WorkerError(refused[0], exits.USAGE)
+        return cls(settings.semantics or families.default_semantics(cfg.family),
+                   *families.budgets(settings, cfg.family, cfg.sequential))
 
 
 def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, client, stops, reference_turns,
@@ -498,7 +508,8 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
             divergence = diverged(spec.output_ids)
             turn_stats.append({"acceptance_lengths": spec.acceptance_lengths, "wall_s": spec.wall_s,
                                "cycles_s": spec.cycles_s, "stage_s": spec.stage_s,
-                               "target_wall_s": base.wall_s, "divergence": divergence,
+                               "target_wall_s": base.wall_s, "target_tokens": len(base.output_ids),
+                               "divergence": divergence,
                                "lossless": divergence is None if sampling.greedy else None,
                                "confidences": spec.confidences, "ddtree": trees})
             return spec.output_ids
@@ -526,7 +537,9 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
               "acceptance_lengths": acceptance, **row_stats(acceptance)}
     if len(turns) > 1:
         result["turns"] = [{"prompt_ids": list(t.prompt_ids), "output_ids": list(t.output_ids),
-                            "acceptance_lengths": s["acceptance_lengths"]} for t, s in zip(turns, turn_stats)]
+                            "acceptance_lengths": s["acceptance_lengths"],
+                            **({"target_tokens": s["target_tokens"]} if "target_tokens" in s else {})}
+                           for t, s in zip(turns, turn_stats)]
     if any(s.get("confidences") for s in turn_stats):     # a confidence head: per cycle, per draft
         result["confidences"] = [c for s in turn_stats for c in s.get("confidences") or []]
     if decoding.budgets:
@@ -551,6 +564,7 @@ def evaluate_row(ctx, decoding: Decoding, row, target, drafter, tokenizer, clien
         result["wall_s"] = sum(s["wall_s"] for s in turn_stats)
         result.update(summed_stages(turn_stats))
         result["target_wall_s"] = sum(s["target_wall_s"] for s in turn_stats)
+        result["target_tokens"] = sum(s["target_tokens"] for s in turn_stats)
         result["lossless"] = all(s["lossless"] for s in turn_stats) if sampling.greedy else None
         result.update(divergence_row(turn_stats))
         if phase is not None and not (result.get("divergence") and not result["divergence"]["near_tie"]):
@@ -609,6 +623,7 @@ def serve_engine(ctx, phase, row, turns, turn_stats, target, drafter, tokenizer,
 def merge_expected(parts: list[dict]) -> dict:
     """The expected-acceptance sums of several turns as one row's."""
     merged = {"alpha_sum": [sum(v) for v in zip(*(p["alpha_sum"] for p in parts))],
+              "reach_sum": [sum(v) for v in zip(*(p["reach_sum"] for p in parts))],
               "count": [sum(v) for v in zip(*(p["count"] for p in parts))],
               "tau_sum": sum(p["tau_sum"] for p in parts), "anchors": sum(p["anchors"] for p in parts)}
     merged["expected_tau"] = merged["tau_sum"] / merged["anchors"] if merged["anchors"] else None

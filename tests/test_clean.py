@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import yaml
 
 from clirun import REPO, lab_cli
 from fakeruns import make_run
+from waiting import finished, wait_for
 
 OLD = 3 * 3600        # s: older than clean's grace for code folders and claimed run folders
 
@@ -68,12 +72,15 @@ def record(runs: Path, rid: str, host: str, workdir: Path, code: str, status: st
     return folder
 
 
-def fake_code(workdir: Path, digest: str, old: bool = True) -> str:
+def fake_code(workdir: Path, digest: str, old: bool = True, shipped: bool = True) -> str:
+    """An older worker's folder as a ship leaves it (marked complete), or one it did not install."""
     folder = workdir / "code" / digest
     (folder / "remote").mkdir(parents=True)
     (folder / "remote" / "worker.py").write_text("x = 1\n" * 1000)
     (folder / "preflight").mkdir()
     (folder / "preflight" / "pass.json").write_text("{}")
+    if shipped:
+        (folder / ".complete").touch()
     if old:
         age(folder)
     return str(folder)
@@ -170,13 +177,36 @@ def test_a_link_in_place_of_a_folder_is_removed_as_a_link_never_followed(tmp_pat
     (home / "code" / "0123456789abcdef").symlink_to(precious / "code", target_is_directory=True)
     age(home / "code" / "0123456789abcdef")
 
-    items = listed(cli(home, runs, "clean", "--json"))
-    assert set(items) == {str(linked_run), str(done), str(home / "code" / "0123456789abcdef")}, items
+    items = listed(cli(home, runs, "clean", "--json"))       # a link in place of a code folder: no ship made it
+    assert set(items) == {str(linked_run), str(done)}, items
     assert "a link in place of the folder: removed as a link" in items[str(linked_run)]["why"]
     proc = cli(home, runs, "clean", "--yes")
-    assert proc.returncode == 0 and "deleted 3 of 3" in proc.stdout, proc.stdout + proc.stderr
-    assert not os.path.lexists(linked_run) and not done.exists() and not os.path.lexists(home / "code" / "0123456789abcdef")
+    assert proc.returncode == 0 and "deleted 2 of 2" in proc.stdout, proc.stdout + proc.stderr
+    assert not os.path.lexists(linked_run) and not done.exists() and os.path.islink(home / "code" / "0123456789abcdef")
     assert sorted(p.read_text() for p in precious.glob("*/keep.txt")) == ["code", "inside", "run"]
+
+
+def test_a_run_whose_log_was_fetched_in_part_says_so_and_its_header_follows_the_removal(tmp_path):
+    """The host folder of a done run whose worker.log came home only in part is listed saying that
+    the whole log exists only there; once removed, the fetched log's first line says so."""
+    from orchestrator.eval.jobs import HostJob
+    from orchestrator.transport.local import LocalRunner
+
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    done = host_run(home, "20260101-000001-done-local", None)
+    (done / "worker.log").write_text("".join(f"line {i}\n" for i in range(2000)))
+    here = record(runs, done.name, "local", home, "")
+    HostJob(LocalRunner(), sys.executable, str(REPO), str(done)).fetch_log("worker.log", here / "worker.log", cap=1000)
+    items = listed(cli(home, runs, "clean", "--json"))
+    assert items[str(done)]["why"] == (f"the run is done; its files are fetched here (its log only in part: the "
+                                       f"whole one exists only there, local:{done}/worker.log)")
+    proc = cli(home, runs, "clean", "--yes")
+    assert proc.returncode == 0 and not done.exists(), proc.stdout + proc.stderr
+    first = (here / "worker.log").read_text().splitlines()[0]
+    assert re.fullmatch(rf"\[dflash-ops: the first .* of this log were not fetched; the whole log \(.*\) was "
+                        rf"local:{re.escape(str(done))}/worker.log, removed by `dflash-ops clean` on \d{{4}}-\d\d-\d\d "
+                        rf"\d\d:\d\d\]", first), first
+    assert (here / "worker.log").read_text().endswith("line 1999\n")
 
 
 def test_the_host_tool_refuses_a_link_on_the_way_and_a_folder_a_job_runs_in(tmp_path):
@@ -197,22 +227,22 @@ def test_the_host_tool_refuses_a_link_on_the_way_and_a_folder_a_job_runs_in(tmp_
     holder = os.open(busy / ".job.lock", os.O_RDWR | os.O_CREAT)
     fcntl.flock(holder, fcntl.LOCK_EX)
 
-    def tool(*args):
-        proc = subprocess.run([sys.executable, "-c", host_tool(), *args], capture_output=True, text=True, timeout=60)
+    def tool(*args, items=()):
+        proc = subprocess.run([sys.executable, "-c", host_tool(), *args], capture_output=True, text=True, timeout=60,
+                              input="".join(json.dumps(i) + "\n" for i in items))
         assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
+        return [json.loads(line) for line in proc.stdout.splitlines()] if items else json.loads(proc.stdout)
     try:
         scan = tool("scan", str(workdir))
         assert scan["runs"] == [] and "a link or not a folder: not followed" in scan["problems"][0]
-        [res] = tool("delete", str(workdir), json.dumps([["run", str(workdir), "runs/20260101-x"]]))
+        [res] = tool("delete", str(workdir), items=[["run", str(workdir), "runs/20260101-x"]])
         assert not res["ok"] and "a link or not a folder on the way" in res["why"]
         assert (elsewhere / "20260101-x" / "keep.txt").exists()
         w2 = str(tmp_path / "w2")
         assert tool("scan", w2)["runs"][0]["jobs"][0]["running"] is True
-        [res] = tool("delete", w2, json.dumps([["run", w2, "runs/busy"]]))
-        assert not res["ok"] and res["why"] == "a job runs in it now" and busy.exists()
-        [res] = tool("delete", w2, json.dumps([["run", w2, "runs/../runs/busy"]]))
-        assert not res["ok"] and "not a plain relative path" in res["why"]
+        first, second = tool("delete", w2, items=[["run", w2, "runs/busy"], ["run", w2, "runs/../runs/busy"]])
+        assert not first["ok"] and first["why"] == "a job runs in it now" and busy.exists()
+        assert not second["ok"] and "not a plain relative path" in second["why"]
     finally:
         os.close(holder)
 
@@ -240,23 +270,18 @@ def test_clean_at_its_prompt_deletes_only_on_yes(tmp_path):
 @pytest.fixture
 def lab_project(ssh_lab, tmp_path, monkeypatch):
     """The lab's hosts with folders of this test's own (workdirs, checkpoints roots, the `local`
-    host's workdir) and an unreachable third host; a catalog with training run v7 (on the training
-    host: step_200) and a drafter pinned to one of the eval host's copies; a watch of v7 busy with
-    step_300."""
+    host's workdir) and an unreachable third host; a catalog with training run v7 and a drafter
+    pinned to one of the eval host's copies; a watch of v7 busy with step_300. The copies are
+    made by :func:`synced`."""
     roots = {h: {"workdir": str(tmp_path / h / "workdir"), "checkpoints": str(tmp_path / h / "checkpoints")}
              for h in ("train", "eval")}
     monkeypatch.setenv("DFLASH_OPS_HOME", str(tmp_path / "local"))
-    src = tmp_path / "train" / "checkpoints" / "v7" / "step_200"
-    src.mkdir(parents=True)
-    (src / "model.safetensors").write_bytes(b"w" * 1000)
     copies = tmp_path / "eval" / "checkpoints" / "v7"
-    for name in ("step_100", "step_150", "step_175", "step_200", "step_300"):     # step_200 is still there
-        (copies / name).mkdir(parents=True)
-        (copies / name / "model.safetensors").write_bytes(b"w" * 4096)
     catalog = tmp_path / "drafters.yaml"
-    catalog.write_text(yaml.safe_dump({"runs": {"v7": {"dir": "v7"}},
+    catalog.write_text(yaml.safe_dump({"runs": {"v7": {"dir": "v7", "settle": 0}},
                                        "drafters": {"v7": {"run": "v7", "format": "zlab"},
-                                                    "pinned": {"path": str(copies / "step_150"), "format": "zlab"}}}))
+                                                    "pinned": {"path": str(copies / "step_150"), "format": "zlab"},
+                                                    "best": {"path": str(copies / "best"), "format": "zlab"}}}))
     watch = tmp_path / "runs" / "watch-v7"
     watch.mkdir(parents=True)
     (watch / "state.json").write_text(json.dumps({"run": "v7", "settings": {}, "points": {
@@ -265,21 +290,64 @@ def lab_project(ssh_lab, tmp_path, monkeypatch):
         "address": "127.0.0.1", "port": 9, "roles": ["eval"], "workdir": "/w", "identity": str(ssh_lab.client_key),
         "known_hosts": str(ssh_lab.known_hosts)}})
     return {"base": tmp_path, "catalog": catalog, "inventory": inventory, "lab": ssh_lab,
-            "workdir": tmp_path / "eval" / "workdir", "copies": copies}
+            "workdir": tmp_path / "eval" / "workdir", "copies": copies, "source": tmp_path / "train" / "checkpoints" / "v7"}
+
+
+def synced(project: dict, names: tuple[str, ...], keep: tuple[str, ...] = ("step_200",)) -> None:
+    """Checkpoints ``names`` of run v7 written on the training host and copied to the eval host by
+    the real sync; then the training host rotates away all but ``keep``."""
+    from orchestrator.config.catalog import load_catalog
+    from orchestrator.config.inventory import load_inventory
+    from orchestrator.sync import sync_checkpoint
+
+    inv, cat = load_inventory(project["inventory"]), load_catalog(project["catalog"])
+    for name in names:
+        (project["source"] / name).mkdir(parents=True)
+        (project["source"] / name / "model.safetensors").write_bytes(name.encode() * 1000)
+        (project["source"] / name / "config.json").write_text("{}")
+        sync_checkpoint(inv, cat, name, run="v7", dst_name="eval", progress=None)
+    for name in names:
+        if name not in keep:
+            shutil.rmtree(project["source"] / name)
+
+
+def paused_python(folder: Path, module: str) -> Path:
+    """A host `python` that, started with ``-m MODULE``, writes ``folder/paused`` and waits (120 s
+    at most) for ``folder/release`` first: a run held at that step."""
+    folder.mkdir(parents=True, exist_ok=True)
+    wrapper = folder / "python"
+    wrapper.write_text(f"""#!/bin/sh
+case " $* " in *" -m {module} "*)
+  touch {folder}/paused; i=0
+  while [ ! -e {folder}/release ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done;;
+esac
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def test_clean_on_the_ssh_lab_eval_host(lab_project, tmp_path):
+    """A copy is a candidate only when a sync made it there and nothing uses it, links resolved:
+    a folder placed by hand (or copied from a sync's copy) and a checkpoint a catalog drafter names
+    through a link are kept."""
     from orchestrator.config.inventory import load_inventory
     from orchestrator.transport import runner_for
 
     workdir, ckpts = lab_project["workdir"], lab_project["copies"]
     runs = tmp_path / "runs"
+    synced(lab_project, ("step_100", "step_120", "step_150", "step_175", "step_200", "step_300"))
+    (ckpts / "best").symlink_to(ckpts / "step_120", target_is_directory=True)   # catalog drafter `best`
+    (ckpts / "step_90").mkdir()                                   # a fine-tuned variant placed by hand
+    (ckpts / "step_90" / "model.safetensors").write_bytes(b"h" * 4096)
+    subprocess.run(["cp", "-a", str(ckpts / "step_100"), str(ckpts / "step_110")], check=True)   # a copy of a copy
     inventory = load_inventory(lab_project["inventory"])
     with runner_for(inventory.get("eval"), inventory) as runner:
         from orchestrator.eval.ship import ship
 
         code = ship(runner, sys.executable, str(workdir))
         old = fake_code(workdir, "0123456789abcdef")
+        unshipped = fake_code(workdir, "0123456789abcdee", shipped=False)     # no ship marked it complete
         done = host_run(workdir, "20260101-000001-v7-eval", old)
         record(runs, done.name, "eval", workdir, old)
         running = workdir / "runs" / "20260101-000002-v7-eval"
@@ -289,24 +357,132 @@ def test_clean_on_the_ssh_lab_eval_host(lab_project, tmp_path):
             report = json.loads(proc.stdout)
             items = listed(proc)
             assert set(items) == {str(done), old, str(ckpts / "step_100")}, items
-            assert items[str(ckpts / "step_100")]["why"] == ("train no longer has v7/step_100; no catalog drafter or "
-                                                             "watch uses it")
-            assert items[str(ckpts / "step_100")]["size"] >= 4096
+            assert items[str(ckpts / "step_100")]["why"] == ("a sync made it; train no longer has v7/step_100; "
+                                                             "nothing uses it")
+            assert items[str(ckpts / "step_100")]["size"] >= 8000
             assert "connection refused" in report["skipped"]["down"]         # not named: skipped, not a failure
             notes = "\n".join(report["notes"])
-            assert f"eval: kept {ckpts / 'step_150'} (not on train any more): catalog drafter pinned uses it" in notes
-            assert "step_300 (not on train any more): watch v7 uses it" in notes
-            assert "step_175 (not on train any more): a job running on the host uses it" in notes
+            assert f"eval: kept {ckpts / 'step_150'} (not on train any more): used by catalog drafter pinned" in notes
+            assert f"kept {ckpts / 'step_120'} (not on train any more): used by catalog drafter best" in notes
+            assert "step_300 (not on train any more): used by watch v7" in notes
+            assert "step_175 (not on train any more): used by a job running on the host (run 20260101-000002" in notes
+            assert (f"kept 3 folder(s) of {ckpts} that train does not have and no sync made here (placed by hand, "
+                    f"or copied): best, step_90, step_110") in notes, notes
             assert report["deleted"] == [{"place": "eval", "freed": sum(i["size"] for i in items.values()),
-                                          "removed": 3, "failed": []}]
+                                          "removed": 3, "failed": [], "left": [], "at_hand": None}]
             assert not any(Path(p).exists() for p in items)
-            assert sorted(p.name for p in ckpts.iterdir()) == ["step_150", "step_175", "step_200", "step_300"]
-            assert running.exists() and Path(code).exists() and (runs / done.name / "results.jsonl").exists()
+            assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".")) == ["best", "step_110", "step_120", "step_150", "step_175",
+                                                               "step_200", "step_300", "step_90"]
+            assert running.exists() and Path(code).exists() and Path(unshipped).exists()
+            assert (runs / done.name / "results.jsonl").exists()
             named = lab_cli(lab_project, "clean", "--host", "down", runs=runs)      # named: one line, and exit 1
             assert named.returncode == 1 and named.stderr.count("warning: down: skipped: host down (127.0.0.1:9): "
                                                                 "connection refused") == 1, named.stdout + named.stderr
         finally:
             stop(runner, sys.executable, code, str(running))
+
+
+@pytest.mark.parametrize("source", ["empty", "unreadable"])
+def test_copies_are_judged_only_on_the_training_hosts_positive_evidence(lab_project, tmp_path, source):
+    """A training host's run folder that is empty (an unmounted volume, a restart) or cannot be read
+    proves nothing about the checkpoints it dropped: every copy is kept, saying why."""
+    synced(lab_project, ("step_100", "step_200"), keep=())
+    src = lab_project["source"]
+    if source == "unreadable":
+        src.rmdir()
+        src.write_text("not a folder")
+    proc = lab_cli(lab_project, "clean", "--json", "--yes", "--host", "eval", runs=tmp_path / "runs")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0 and report["items"] == [], proc.stdout + proc.stderr
+    why = "holds no checkpoint (an unmounted volume, a restarted run?)" if source == "empty" else "cannot be read"
+    assert any(n.startswith(f"eval: copies of run v7 not judged (kept): {src} on train ") and why in n
+               for n in report["notes"]), report["notes"]
+    assert sorted(p.name for p in lab_project["copies"].iterdir() if not p.name.startswith(".")) == ["step_100", "step_200"]
+
+
+@pytest.mark.worker
+@pytest.mark.timing
+def test_an_eval_started_elsewhere_during_the_prompt_keeps_its_checkpoint(lab_project, tmp_path):
+    """An eval started from another machine's runs folder while `clean` waits at its prompt has
+    written its lease on the eval host before its pre-flight: answering y removes the other copy,
+    not the one the eval loads (clean reads the lease there under the lock the lease's writer
+    takes). The eval's failed start releases its lease; the copy goes at the next clean."""
+    synced(lab_project, ("step_100", "step_120", "step_200"))
+    ckpts = lab_project["copies"]
+    hold = paused_python(tmp_path / "hold", "remote.preflight")
+    elsewhere = lab_project["lab"].write_inventory(
+        tmp_path / "elsewhere.yaml", train={"checkpoints": str(lab_project["source"].parent)},
+        eval={"python": str(hold), "workdir": str(lab_project["workdir"]), "checkpoints": str(ckpts.parent),
+              "gpus": 0})
+    master, slave = os.openpty()
+    env = {**os.environ, "DFLASH_OPS_CATALOG": str(lab_project["catalog"]), "DFLASH_OPS_RUNS": str(tmp_path / "runs"),
+           "COLUMNS": "300"}
+    cleaner = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--inventory", str(lab_project["inventory"]),
+                                "clean", "--host", "eval"], cwd=REPO, env=env, stdin=slave, stdout=subprocess.PIPE,
+                               stderr=slave, text=True)     # its question goes to the terminal
+    os.close(slave)
+    evaluator = None
+    try:
+        prompt = b""
+        while b"delete these" not in prompt:       # the plan is made: both copies listed
+            assert cleaner.poll() is None, cleaner.stdout.read()
+            prompt += os.read(master, 1024)
+        evaluator = lab_cli(lab_project, "eval", "--host", "eval", "--drafter", "v7:step_100", "--target",
+                            str(tmp_path / "no-target"), "--prompts", "1", "--sglang", "off",
+                            inventory=elsewhere, runs=tmp_path / "other-runs", popen=True)
+        wait_for(lambda: (tmp_path / "hold" / "paused").exists(), 300, "the eval's pre-flight", evaluator)
+        os.write(master, b"y\n")
+        out = cleaner.communicate(timeout=120)[0]
+    finally:
+        os.close(master)
+        (tmp_path / "hold" / "release").touch()
+        if cleaner.poll() is None:
+            cleaner.kill()
+    assert cleaner.returncode == 1, out
+    assert "step_100" in out and "step_120" in out
+    assert re.search(r"✘ eval: not deleted: \S+/step_100: in use now: run \S+-v7-step100-eval \(from \S+:\S+"
+                     r"other-runs\S*\), in its pre-flight or being submitted", out), out
+    assert "deleted 1 of 2 item(s) on eval" in out, out
+    assert (ckpts / "step_100").exists() and not (ckpts / "step_120").exists()
+    failed = finished(evaluator, 600)
+    assert failed.returncode != 0 and "Traceback" not in failed.stdout, failed.stdout
+    assert list((lab_project["workdir"] / "leases").glob("*.json")) == []      # released: the start failed
+    again = lab_cli(lab_project, "clean", "--json", "--yes", "--host", "eval", runs=tmp_path / "runs")
+    assert set(listed(again)) == {str(ckpts / "step_100")}
+    assert not (ckpts / "step_100").exists()
+
+
+@pytest.mark.timing
+def test_ctrl_c_stops_the_removal_on_the_host_between_items(lab_project, tmp_path):
+    """The removal on a host goes item by item as this machine sends them: Ctrl-C ends the CLI
+    (130), the host finishes the item at hand and stops, and the output names what was removed
+    and what was not. The eval host's disk is slow here (a python that sleeps in rmdir)."""
+    slow = tmp_path / "slow" / "python"
+    slow.parent.mkdir()
+    slow.write_text(f"""#!/bin/sh
+exec {sys.executable} -c 'import os, sys, time
+real = os.rmdir
+os.rmdir = lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1]
+code, sys.argv = sys.argv[2], ["-c", *sys.argv[3:]]
+exec(compile(code, "<tool>", "exec"), {{"__name__": "__main__"}})' "$@"
+""")
+    slow.chmod(0o755)
+    inventory = lab_project["lab"].write_inventory(tmp_path / "slow.yaml", eval={
+        "python": str(slow), "workdir": str(lab_project["workdir"])})
+    folders = [fake_code(lab_project["workdir"], f"{i:016x}") for i in range(1, 7)]
+    proc = lab_cli(lab_project, "clean", "--yes", "--host", "eval", inventory=inventory, runs=tmp_path / "runs",
+                   popen=True)
+    wait_for(lambda: not Path(folders[0]).exists(), 120, "the first removal", proc)
+    proc.send_signal(signal.SIGINT)
+    out = finished(proc, 60).stdout
+    assert proc.returncode == 130, out
+    time.sleep(3)                                   # the host has stopped: nothing more goes
+    gone = [f for f in folders if not Path(f).exists()]
+    assert 1 <= len(gone) <= 3 and all(Path(f).exists() for f in folders[len(gone):]), (gone, out)
+    flat = " ".join(out.split())
+    assert f"deleted {len(gone) - ('was being removed' in flat)} of 6 item(s) on eval" in flat, out
+    assert "interrupted: not deleted on eval:" in flat and Path(folders[-1]).name in flat, out
+    assert "Traceback" not in out
 
 
 def test_a_fetch_brings_only_the_last_part_of_a_long_worker_log(lab_project, tmp_path):

@@ -101,6 +101,67 @@ def test_a_real_online_run_times_every_cycle_by_stage(embedded_pair, tmp_path):
         assert costs["stage_s_per_cycle"] == pytest.approx({k: v / n for k, v in decoding["stage_s"].items()})
 
 
+@pytest.mark.worker
+def test_a_sampled_online_runs_speedup_is_recomputed_from_its_rows(embedded_pair, tmp_path):
+    """At T > 0 plain decoding is its own sample and stops at its own length: a real online run on
+    the demo pair (a multi-turn prompt among them) records plain decoding's own output tokens per
+    row and per turn, and summary.json's plain tokens/s, speedup and DDTree-4 speedup are what its
+    rows give: each decoding's own tokens per second of its own time, the speedup their ratio."""
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": "mt", "category": "writing", "turns": ["Say hello.", "Now again."]},
+        {"id": "one", "category": "coding", "turns": ["Write some code."]},
+        {"id": "two", "category": "math", "turns": ["Solve this problem."]})))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "remote.worker", "--target", embedded_pair["target"],
+                           "--drafter", embedded_pair["drafter"], "--suite", str(suite), "--mode", "online",
+                           "--temperature", "1", "--ddtree", "4", "--max-new-tokens", "64", "--device", "cpu",
+                           "--out", str(out)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_rows(out)
+    summary = json.loads((out / "summary.json").read_text())
+    check_summary(summary)
+    for r in rows:
+        check_row(r, 8)
+        if r.get("turns"):
+            assert len(r["turns"]) == 2 and r["target_tokens"] == sum(t["target_tokens"] for t in r["turns"])
+    spec_tokens = [sum(len(t["output_ids"]) for t in (r.get("turns") or [r])) for r in rows]
+    assert [r["target_tokens"] for r in rows] != spec_tokens, "every sample as long as plain decoding's"
+    plain = sum(r["target_tokens"] for r in rows) / sum(r["target_wall_s"] for r in rows)
+    spec = sum(spec_tokens) / sum(r["wall_s"] for r in rows)
+    tree_tokens = [len(r["ddtree"]["4"]["output_ids"]) + sum(len(t["output_ids"]) for t in (r.get("turns") or [])[:-1])
+                   for r in rows]
+    tree = sum(tree_tokens) / sum(r["ddtree"]["4"]["wall_s"] for r in rows)
+    on, d4 = summary["online"], summary["ddtree"]["4"]
+    assert on["target_tokens"] == sum(r["target_tokens"] for r in rows)
+    assert on["target_tokens_per_s"] == pytest.approx(plain) and d4["target_tokens_per_s"] == pytest.approx(plain)
+    assert on["tokens_per_s"] == pytest.approx(spec) and on["speedup"] == pytest.approx(spec / plain)
+    assert d4["tokens_per_s"] == pytest.approx(tree) and d4["speedup"] == pytest.approx(tree / plain)
+
+
+def test_rows_without_plain_decodings_tokens_read_greedy_and_give_no_speedup_sampled(tmp_path):
+    """Rows written without ``target_tokens``: a greedy row's plain decoding made its own output (the
+    rate and speedup as its times give them), a sampled row's length is unknown: no plain tokens/s,
+    no speedup (in summary.json, for DDTree and in the report's per-prompt column), rather than a
+    number divided by the wrong count."""
+    rows = [{"id": "a", "acceptance_lengths": [2, 2], "output_ids": [1] * 4, "wall_s": 1.0, "target_wall_s": 2.0,
+             "lossless": True, "ddtree": {"4": {"acceptance_lengths": [4], "output_ids": [1] * 4, "wall_s": 0.5}}}]
+    greedy = summarize(rows, 16, "online")
+    assert greedy["online"]["target_tokens_per_s"] == pytest.approx(2.0) and greedy["online"]["speedup"] == pytest.approx(2.0)
+    assert greedy["ddtree"]["4"]["speedup"] == pytest.approx(4.0)
+    rows[0]["lossless"] = None
+    sampled = summarize(rows, 16, "online")
+    assert sampled["online"]["target_tokens_per_s"] is None and sampled["online"]["speedup"] is None
+    assert sampled["ddtree"]["4"]["target_tokens_per_s"] is None and sampled["ddtree"]["4"]["speedup"] is None
+    check_summary(sampled)
+    d = make_run(tmp_path, A, "v5", "step10k", mode="online", ddtree=False, prompts=2,
+                 row_overrides={pid: {"lossless": None} for pid in ("gsm8k-0", "gsm8k-1")})
+    md = write_report(d)[0].read_text()
+    assert "| speedup |" not in md and "plain decoding tokens/s" not in md, md
+
+
 def test_the_time_per_cycle_by_stage_in_summary_json_and_the_reader():
     """summary.json's time per cycle pools the rows (Σ seconds / Σ cycles), the whole cycle and each
     stage, for the linear decoding and every DDTree budget; rows without a split give none; the

@@ -72,12 +72,29 @@ def test_every_setting_is_a_flag_of_eval_watch_and_the_worker():
     (["--temperature", "-0.5"], "--temperature >= 0"),
     (["--top-p", "0"], "0 < --top-p <= 1"),
     (["--thinking", "maybe"], "--thinking must be one of off, on, default"),
+    (["--prompts", "-1"], "--prompts must be >= 1, or 0 for every prompt of the suite (got -1)"),
 ])
 def test_eval_refuses_bad_settings_before_touching_a_host(tmp_path, args, message):
     res = invoke("eval", "--host", "local", "--runs-dir", tmp_path / "runs", *args)
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split())
     assert not (tmp_path / "runs").exists()                # nothing was started
+
+
+def test_prompts_help_refusal_and_behaviour_say_the_same():
+    """`--prompts` left out is 2 prompts for eval (its help says so) and every prompt for the worker;
+    0 is every prompt of the suite for both (what the help and the refusal of -1 say)."""
+    import argparse
+
+    from remote.contract.settings import add_arguments
+
+    text = " ".join(invoke("eval", "--help", env={"COLUMNS": "200"}).output.split())
+    assert "-n N The first N prompts of the suite (0 = all). [default: 2]" in text, text
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for argv in (["--prompts", "0"], []):
+        assert EvalSettings.from_args(parser.parse_args(argv)).prompts is None
+    assert EvalSettings(prompts=0) == EvalSettings() and EvalSettings(prompts=0).to_argv() == []
 
 
 # --------------------------------------------------------------------------- pairing keys
@@ -245,21 +262,23 @@ def test_offline_runs_at_t1_report_and_compare_the_expected_tau(tmp_path):
                      row_overrides={"p-0": {"expected": expected(taus[0], 10)},
                                     "p-1": {"expected": expected(taus[1], 10)}})
         s = _rewrite_summary(d, 16)
-    assert s["expected"]["tau"] == pytest.approx(62 / 20)
+    assert s["expected"]["tau_pooled"] == pytest.approx(62 / 20) and s["expected"]["tau_macro"] == pytest.approx(3.1)
+    assert s["expected"]["per_position_acceptance"] is None          # rows written without reach_sum
     res = invoke("show", A, "--runs-dir", runs, "--json")
     shown = json.loads(res.stdout[res.stdout.index("{"):])
     md = Path(shown["report"]["md"]).read_text()
     vals = md_table_values(md)
-    assert vals["expected τ (offline, T > 0: an estimate)"] == "2.5000" and vals["tau_macro"] == "—"
+    assert vals["expected tau_macro (offline, T > 0: an estimate)"] == "2.5000" and "tau_macro" not in vals
     assert vals["decoding"].startswith("sampled: T=1, top_p=1, top_k=0, seed=0")
-    assert "Expected acceptance per draft (offline, T > 0: an estimate)" in md and "| 2 | 0.2500 |" in md
+    assert "Expected per-position acceptance (offline, T > 0: an estimate; expected tau_pooled = 1 + Σ)" in md
+    assert "| 2 | — | 0.2500 |" in md
     code, r = compare_json(runs, A, B, "--no-published")
     assert code == 0 and r["measure"] == "expected" and r["paired_prompts"] == 2
     c = r["comparisons"][0]
     assert c["macro"]["diff"] == pytest.approx((3.6 + 2.6) / 2 - (3.0 + 2.0) / 2) and c["wins"] == 2
     res = invoke("compare", A, B, "--runs-dir", runs, "--resamples", "200", "--no-published")
     text = " ".join(res.output.split())
-    assert "expected τ (offline T > 0: an estimate)" in text and "Δ expected τ_macro" in text
+    assert "expected tau_macro (offline, T > 0: an estimate)" in text and "Δ expected τ_macro" in text
 
 
 def test_a_settings_value_with_a_problem_is_never_made():

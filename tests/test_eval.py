@@ -190,6 +190,136 @@ def test_local_host_runs_the_embedded_default(embedded_pair, tmp_path):
     assert "SpecForge's teacher-forced accuracy (dflash)" in par.stdout and len(report["gaps"]) == 1
 
 
+def on_a_terminal(argv: list[str], env: dict, cwd: Path, timeout: float = 600) -> tuple[int, str]:
+    """``argv`` with a pseudo-terminal for stdin, stdout and stderr: (exit code, all it wrote)."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, cwd=cwd, env=env)
+    os.close(follower)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([leader], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:         # the terminal's other side closed: the command ended
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            elif proc.poll() is not None:
+                break
+    finally:
+        os.close(leader)
+    return proc.wait(timeout=max(1.0, deadline - time.monotonic())), b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.worker
+def test_the_embedded_pair_is_said_to_be_built_only_when_it_is(tmp_path):
+    """First use on `local`, output redirected: a plain line when the build starts and one when it is
+    done (no spinner shows them). A later eval, on a terminal, finds the pair built: its pre-flight
+    spinner never says it is building."""
+    import re
+
+    home = tmp_path / "home"
+    env = {**os.environ, "DFLASH_OPS_HOME": str(home), "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "160"}
+    env.pop("DFLASH_OPS_INVENTORY", None)
+    argv = [sys.executable, "-m", "orchestrator.cli", "eval", "--host", "local", "--prompts", "1", "--max-new-tokens",
+            "8", "--ddtree", ""]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    said = [ln for ln in proc.stderr.splitlines() if "embedded demo pair" in ln]
+    assert len(said) == 2 and said[0] == (f"local: building the embedded demo pair in {home / 'embedded'} (first use "
+                                          f"on this host: about a minute on CPU)"), proc.stderr
+    assert re.fullmatch(r"local: built the embedded demo pair in \d+s", said[1]), said
+    code, shown = on_a_terminal(argv, {**env, "TERM": "xterm"}, tmp_path)
+    assert code == 0, shown
+    assert "local: pre-flight: shipping the worker, checking drafter and target ..." in shown, shown
+    assert "building" not in shown and "first use" not in shown, shown
+
+
+def svg_line_values(svg: str) -> list[float]:
+    """The y values of a plot's one line, read back through its axis's "0" and "1" tick labels
+    (orchestrator/reports/svg.py writes a label 4 px below its tick)."""
+    import re
+
+    (points,) = re.findall(r'<polyline points="([^"]+)"', svg)
+    zero = float(re.search(r'y="([0-9.]+)" text-anchor="end">0</text>', svg).group(1))
+    one = float(re.search(r'y="([0-9.]+)" text-anchor="end">1</text>', svg).group(1))
+    return [(zero - 4 - float(p.split(",")[1])) / (zero - one) for p in points.split()]
+
+
+@pytest.mark.worker
+def test_offline_at_t_above_0_shows_the_expected_acceptance_everywhere(local_home, tmp_path):
+    """`eval --host local --temperature 0.7` (offline): no walk, so every number shown is the
+    expected acceptance, labelled, by one definition recomputed here from the rows: per anchor
+    r_k = Π_{j≤k} α_j, expected acceptance @k = Σ r_k / anchors, tau_pooled = 1 + Σ of those = Σ
+    E[τ] / anchors, tau_macro = the mean of the prompts' expected τ (the verdict's). The console,
+    the progress line, report.md and its per-position plot, `runs`, `show` and `compare` show
+    them, and none shows a cycle count, a zero acceptance or no τ."""
+    env = {**os.environ, "DFLASH_OPS_HOME": str(local_home), "DFLASH_OPS_RUNS": str(tmp_path / "runs"),
+           "COLUMNS": "200"}
+    env.pop("DFLASH_OPS_INVENTORY", None)
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+        return proc.stdout
+
+    evals = [cli("eval", "--host", "local", "--prompts", "2", "--temperature", "0.7", "--max-new-tokens", "64")
+             for _ in range(2)]
+    first, second = sorted((tmp_path / "runs").iterdir())
+    rows = results(first)
+    e = json.loads((first / "summary.json").read_text())["expected"]
+    anchors = sum(r["expected"]["anchors"] for r in rows)
+    reach = [sum(r["expected"]["reach_sum"][k] for r in rows) / anchors for k in range(7)]
+    for r in rows:                                                  # reach_sum: Σ over anchors of Π α
+        assert all(0 <= x <= c for x, c in zip(r["expected"]["reach_sum"], r["expected"]["count"]))
+        assert sum(r["expected"]["reach_sum"]) + r["expected"]["anchors"] == pytest.approx(r["expected"]["tau_sum"])
+    assert e["per_position_acceptance"] == pytest.approx(reach) and 0 < reach[-1] < reach[0] < 1
+    assert e["tau_pooled"] == pytest.approx(1 + sum(reach))
+    assert e["tau_pooled"] == pytest.approx(sum(r["expected"]["tau_sum"] for r in rows) / anchors)
+    assert e["tau_macro"] == pytest.approx(sum(r["expected"]["expected_tau"] for r in rows) / 2)
+    assert (e["anchors"], e["prompts"]) == (anchors, 2)
+
+    out = " ".join(evals[0].split())
+    assert f"embedded: expected τ {e['tau_macro']:.2f} [" in out
+    assert f"expected tau_macro (offline, T > 0: an estimate) │ {e['tau_macro']:.3f}" in out
+    assert f"expected tau_pooled (offline, T > 0: an estimate) │ {e['tau_pooled']:.3f}" in out
+    assert f"anchors │ {anchors}" in out
+    assert f"expected acceptance @1..4 │ {' '.join(f'{a:.2f}' for a in reach[:4])}" in out
+    assert f"2/2 expected τ macro {e['tau_macro']:.2f}" in out                   # the progress line
+    last = rows[-1]
+    assert f"{last['id']}: {last['expected']['anchors']} anchors, expected τ {last['expected']['expected_tau']:.2f}" in out
+    for wrong in ("cycles", "blocks", "0.00 0.00", "tau_pooled │ -"):
+        assert wrong not in out, out
+
+    md = (first / "report.md").read_text()
+    assert f"| expected tau_macro (offline, T > 0: an estimate) | {e['tau_macro']:.4f} |" in md
+    assert f"| expected tau_pooled (offline, T > 0: an estimate) | {e['tau_pooled']:.4f} |" in md
+    for k, (r, a) in enumerate(zip(reach, e["alpha"]), 1):
+        assert f"| {k} | {r:.4f} | {a:.4f} |" in md, md
+    assert "| cycles |" not in md and "| tau_macro |" not in md and "Acceptance-length histogram" not in md
+    assert "![Per-position acceptance (expected; offline, T > 0: an estimate)](plots/per-position.svg)" in md
+    svg = (first / "plots" / "per-position.svg").read_text()
+    assert "embedded (expected, an estimate)" in svg
+    assert svg_line_values(svg) == pytest.approx(reach, abs=2e-3)
+
+    listed = " ".join(cli("runs").split())
+    assert f"│ {e['tau_macro']:.3f} expected │" in listed, listed
+    row = next(r for r in json.loads(cli("runs", "--json")) if r["id"] == first.name)
+    assert row["tau_macro"] is None and row["expected_tau_macro"] == pytest.approx(e["tau_macro"])
+    shown = " ".join(cli("show", first.name).split())
+    assert f"embedded: expected τ {e['tau_macro']:.2f} [" in shown
+    assert f"expected tau_pooled (offline, T > 0: an estimate) │ {e['tau_pooled']:.4f}" in shown
+    compared = " ".join(cli("compare", first.name, second.name, "--resamples", "200", "--no-published").split())
+    assert f"expected tau_macro (offline, T > 0: an estimate) │ {e['tau_macro']:.4f} │ {e['tau_macro']:.4f}" in compared
+    assert f"│ 1 │ {reach[0]:.4f} │ {reach[0]:.4f} │ +0.0000" in compared, compared
+
+
 def test_detach_json_then_attach(eval_lab, tmp_path):
     runs = tmp_path / "runs"
     proc = lab_cli(eval_lab, "eval", "--host", "eval", "--drafter", "demo", "--prompts", 1, "--max-new-tokens", 24,

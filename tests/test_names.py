@@ -209,6 +209,10 @@ def test_a_fresh_clone_lists_the_story_hosts_and_never_connects_to_an_example(tm
         assert error_line(*args) == (2, f"error: {host} {want}")
     res = run("hosts", "check", "ct200")
     assert res.exit_code == 1 and f"ct200: ct200 {want}" in " ".join(res.stdout.split())
+    res = run("hosts", "check")                 # not named: the examples are listed, not checked nor failed
+    assert res.exit_code == 0 and "│ local │ passed │" in res.stdout and "ct200" not in res.stdout, res.output
+    assert " ".join(res.stderr.split()) == ("warning: not checked: ct200, ct129, example hosts (`example: true` in "
+                                            "./inventory.yaml): set the address and delete that line to check them")
     from orchestrator.config.inventory import ExampleHost, load_inventory
     from orchestrator.transport import endpoint_for
     with pytest.raises(ExampleHost, match="ct200 is an example host"):   # the data path's endpoint too
@@ -217,6 +221,34 @@ def test_a_fresh_clone_lists_the_story_hosts_and_never_connects_to_an_example(tm
     text = (tmp_path / "inventory.yaml").read_text()
     (tmp_path / "inventory.yaml").write_text(text.replace("\n    example: true", "\n    example: false", 1))
     assert load_inventory().get("ct200").example is False and endpoint_for(load_inventory().get("ct200"))
+
+
+def test_with_no_training_host_sync_and_ckpts_say_so_and_what_to_add(project, monkeypatch):
+    """An inventory without a host of role train: sync-ckpt and ckpts do not take this machine's
+    built-in `local` for it unasked, they say in one line what to add (or name with --from)."""
+    monkeypatch.setenv("DFLASH_OPS_HOME", str(project / "home"))
+    (project / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {
+        "ct129": {"address": UNREACHABLE["ct129"], "roles": ["eval"], "checkpoints": "/ckpt", "gpus": 0}}}))
+    want = (f"error: no training host in the inventory (inventory: inventory.yaml (from the current directory)): add "
+            f"a host with `roles: [train]` and its `checkpoints:` folder, or name one with --from HOST (--from local: "
+            f"this machine's {project / 'home' / 'checkpoints'})")
+    for args in (["sync-ckpt", "step20k"], ["sync-ckpt", "v5:step20k"], ["ckpts"], ["ckpts", "v5"]):
+        assert error_line(*args) == (2, want), args
+
+
+def test_with_no_catalog_sync_and_ckpts_say_where_they_looked_and_that_init_writes_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for var in ("DFLASH_OPS_INVENTORY", "DFLASH_OPS_CATALOG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DFLASH_OPS_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "checkpoints").mkdir(parents=True)
+    from orchestrator.config.paths import CATALOG, locate
+
+    want = f"error: no training runs in the catalog; {locate(CATALOG)}"
+    assert "`dflash-ops init` writes one" in want
+    for args in (["sync-ckpt", "step20k"], ["ckpts"], ["sync-ckpt", "step20k", "--from", "local"],
+                 ["ckpts", "--from", "local"]):
+        assert error_line(*args) == (2, want), args
 
 
 IDS = [ZLAB, V5, V5_ONLINE, V5_OLD]

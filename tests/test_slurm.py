@@ -184,6 +184,15 @@ def worker_pids(folder: Path) -> list[int]:
     return out
 
 
+def leases(workdir: Path, run: Path) -> list[str]:
+    """Why each live lease of ``run`` in the cluster's workdir is live (remote/host/clean.py ``scan``)."""
+    from orchestrator.eval.lease import host_tool
+
+    scan = subprocess.run([sys.executable, "-c", host_tool(), "scan", str(workdir)], capture_output=True, text=True,
+                          timeout=60, check=True)
+    return [le["why"] for le in json.loads(scan.stdout)["leases"] if le["run"] == run.name]
+
+
 def task_dir(workdir: Path, run: Path, k: int | None = None) -> Path:
     return workdir / "runs" / run.name / (f"shard-{k}" if k is not None else "")
 
@@ -208,6 +217,7 @@ def test_queued_detached_attached_cancelled_outside_cancelled_and_resumed(cluste
     run = the_run(runs)
     proc = cli(lab, inventory, runs, "attach", run.name, popen=True)
     wait_for(lambda: shard_states(run) == ["queued"], what="the task queued", proc=proc)
+    assert leases(workdir, run) == ["running or queued"]      # `clean`, from any machine, keeps what it loads
     lab.set_partition("UP")
     folder = task_dir(workdir, run)
     wait_for(lambda: prompt_events(folder / "events.jsonl") >= 1, what="a finished prompt", proc=proc)
@@ -227,6 +237,7 @@ def test_queued_detached_attached_cancelled_outside_cancelled_and_resumed(cluste
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
     assert json.loads((run / "run.json").read_text())["status"] == "cancelled"
     assert "RUNNING" not in lab.run("squeue", "--noheader", f"--jobs={second}").stdout
+    assert leases(workdir, run) == []                         # released with the cancel
     resumed = cli(lab, inventory, runs, "eval", "--resume", run.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     got = rows(run)
@@ -309,11 +320,13 @@ def test_a_time_limit_is_named_and_resume_finishes(cluster, tmp_path):
 
 @pytest.mark.models
 @pytest.mark.worker
+@pytest.mark.timing
 def test_the_login_host_is_an_ssh_host(cluster, ssh_lab, tmp_path):
     """The login node is the lab's eval host (its own network namespace, reached over SSH, with
     the cluster's config in its sessions' environment): the same job array, placement recorded,
     and `hosts check` reports the cluster."""
     import sshlab
+    from waiting import finished, patience
 
     lab, workdir = cluster["lab"], cluster["workdir"]
     host = ssh_lab.eval
@@ -328,18 +341,19 @@ def test_the_login_host_is_an_ssh_host(cluster, ssh_lab, tmp_path):
         inventory = tmp_path / "inventory.yaml"
         inventory.write_text(yaml.safe_dump(data))
         env_free = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
-        check = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "hosts",
-                                "check", "cluster", "--json"], cwd=REPO, env=env_free, capture_output=True,
-                               text=True, timeout=300)
+        check = finished(subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory),
+                                           "hosts", "check", "cluster", "--json"], cwd=REPO, env=env_free,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), patience(20))
         assert check.returncode == 0, check.stdout + check.stderr
         (report,) = json.loads(check.stdout)
         assert report["ok"] and report["cuda"].startswith("slurm "), report
         assert any("gpu" in g and "2 GPU" in g for g in report["gpus"]), report
-        proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), *EVAL,
-                               "--host", "cluster", "--gpus", "2", "--prompts", "2", "--max-new-tokens", "16"],
-                              cwd=REPO, env={**env_free, "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "200"},
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        proc = finished(subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory),
+                                          *EVAL, "--host", "cluster", "--gpus", "2", "--prompts", "2",
+                                          "--max-new-tokens", "16"], cwd=REPO,
+                                         env={**env_free, "DFLASH_OPS_RUNS": str(tmp_path / "runs"), "COLUMNS": "200"},
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), patience(120))
+        assert proc.returncode == 0, proc.stdout
         placement = json.loads((the_run(tmp_path / "runs") / "env.json").read_text())["placement"]
         assert placement["backend"] == "slurm" and placement["slurm"]["array_task_ids"] == [0, 1]
         assert all(s["slurm"]["login"] == "eval" for s in placement["shards"])

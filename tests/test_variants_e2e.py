@@ -123,10 +123,10 @@ def test_sampled_offline_run_reports_the_expected_tau_and_does_not_pair_with_gre
     rows, summary, env = read(run_dir)
     assert env["host"] == "eval" and env["settings"]["ddtree_budgets"] == []    # no DDTree at T > 0 offline
     assert all(r["tau"] is None and r["expected"]["anchors"] > 0 for r in rows)
-    assert summary["expected"]["tau"] > 1.0 and "estimate" in summary["expected"]["label"]
-    assert "expected τ (offline T > 0: estimate)" in proc.stdout
+    assert summary["expected"]["tau_pooled"] > 1.0 and "estimate" in summary["expected"]["label"]
+    assert "expected tau_macro (offline, T > 0: an estimate)" in proc.stdout
     md = (run_dir / "report.md").read_text()
-    assert "| expected τ (offline, T > 0: an estimate) |" in md
+    assert "| expected tau_macro (offline, T > 0: an estimate) |" in md
     greedy = next(d for d in lab["runs"].iterdir() if d != run_dir and (d / "run.json").exists()
                   and json.loads((d / "env.json").read_text())["settings"]["mode"] == "offline")
     cmp = subprocess.run([sys.executable, "-m", "orchestrator.cli", "compare", greedy.name, run_dir.name,

@@ -241,7 +241,7 @@ def test_sampled_offline_run_reports_the_expected_acceptance(embedded_pair, tmp_
         assert 1.0 <= e["expected_tau"] <= 8 and all(0 <= a <= c for a, c in zip(e["alpha_sum"], e["count"]))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == summarize(results, 8, "offline")
-    assert summary["expected"]["label"].startswith("estimate") and 1.0 < summary["expected"]["tau"] <= 8
+    assert summary["expected"]["label"].startswith("estimate") and 1.0 < summary["expected"]["tau_pooled"] <= 8
     assert summary["tau_macro"] is None
 
 

@@ -80,8 +80,8 @@ def _as_json(clean, places, delete: bool) -> None:
     from ..errors import OperationFailed
 
     done = [asdict(clean.delete(p)) for p in places if p.items] if delete else None
-    console.print_json({"items": [{"where": p.name, **{k: v for k, v in asdict(i).items() if k in (
-                            "kind", "path", "size", "why")}} for p in places for i in p.items],
+    console.print_json({"items": [{"where": p.name, **{k: getattr(i, k) for k in ("kind", "path", "size", "why")}}
+                                  for p in places for i in p.items],
                         "skipped": {p.name: p.skipped for p in places if p.skipped},
                         "notes": [f"{p.name}: {n}" for p in places for n in p.notes],
                         "deleted": done})
@@ -96,15 +96,36 @@ def _confirm(question: str) -> bool:
 
 def _delete(clean, todo, out, human_bytes) -> int:
     problems = 0
-    for p in todo:
-        done = clean.delete(p)
-        for line in done.failed:
-            out.print(f"[red]✘ {safe(p.name)}: not deleted: {safe(line)}[/]", soft_wrap=True)
-        problems += len(done.failed)
-        where = "here" if p.name == clean.HERE else f"on {p.name}"
-        out.print(f"deleted {done.removed} of {len(p.items)} item(s) {where}"
-                  + (f", {human_bytes(done.freed)} freed" if p.name != clean.HERE else ""))
+    try:
+        for p in todo:
+            done = clean.delete(p)
+            problems += _deleted(clean, p, done, out, human_bytes)
+    except KeyboardInterrupt:
+        for p in todo:
+            done = p.deleted
+            if done is None:
+                out.print(f"interrupted: nothing deleted {_where(clean, p)} ({len(p.items)} item(s) kept)")
+                continue
+            _deleted(clean, p, done, out, human_bytes)
+            if done.at_hand:
+                out.print(f"interrupted while {safe(done.at_hand)} was being removed {_where(clean, p)}: the host "
+                          f"finishes that one (or refuses it) and stops there", soft_wrap=True)
+            if done.left:
+                out.print(f"interrupted: not deleted {_where(clean, p)}: {safe(', '.join(done.left))}", soft_wrap=True)
+        raise
     return problems
+
+
+def _where(clean, p) -> str:
+    return "here" if p.name == clean.HERE else f"on {p.name}"
+
+
+def _deleted(clean, p, done, out, human_bytes) -> int:
+    for line in done.failed:
+        out.print(f"[red]✘ {safe(p.name)}: not deleted: {safe(line)}[/]", soft_wrap=True)
+    out.print(f"deleted {done.removed} of {len(p.items)} item(s) {_where(clean, p)}"
+              + (f", {human_bytes(done.freed)} freed" if p.name != clean.HERE else ""))
+    return len(done.failed)
 
 
 def register(app: typer.Typer) -> None:

@@ -21,7 +21,7 @@ from .options import with_settings
 class _Progress:
     """One progress line per unfinished shard: its host, the phase it is in (pre-flight, waiting
     for the worker, loading target, drafting, finished), prompts done, and the τ the summary
-    leads with (τ macro: the mean of per-prompt τ; the expected τ at T > 0 offline)."""
+    leads with (τ macro: the mean of per-prompt τ; offline at T > 0 the expected τ macro, so named)."""
 
     def __init__(self, record, out):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -31,10 +31,11 @@ class _Progress:
         # the prompt just finished comes last, in what width is left: on a narrow terminal it is cut
         last = Column(max_width=max(10, out.width - 58), no_wrap=True, overflow="ellipsis")
         self.bars = Progress(TextColumn("[bold]{task.fields[host]}[/] {task.fields[phase]:<14}"), BarColumn(bar_width=12),
-                             MofNCompleteColumn(), TextColumn("τ macro {task.fields[tau]}"), TimeElapsedColumn(),
+                             MofNCompleteColumn(), TextColumn("{task.fields[measure]} {task.fields[tau]}"),
+                             TimeElapsedColumn(),
                              TextColumn("{task.fields[last]}", table_column=last), console=out, transient=False)
         self.tasks = {s.index: self.bars.add_task("", total=None, host=safe(s.label), phase="waiting", tau="-",
-                                                  last="") for s in record.shards if not s.fetched}
+                                                  measure="τ macro", last="") for s in record.shards if not s.fetched}
         self.taus: dict[int, list[float]] = {i: [] for i in self.tasks}
         self.done: dict[int, int] = {i: 0 for i in self.tasks}
         self.ended: set[int] = set()     # the worker wrote its summary (it is finishing or finished)
@@ -57,15 +58,18 @@ class _Progress:
             self.done[i] = int(ev.get("done", 0))
             self.bars.update(task, total=int(ev["prompts"]), completed=self.done[i], phase="drafting")
         elif kind == events.PROMPT:
-            tau = ev.get("tau") if ev.get("tau") is not None else ev.get("expected_tau")
+            expected = ev.get("tau") is None and "expected_tau" in ev      # offline at T > 0: an estimate
+            tau = ev.get("expected_tau") if expected else ev.get("tau")
             shown = "-" if tau is None else f"{float(tau):.2f}"
             done = int(ev["done"])
             if tau is not None:
                 self.taus[i].append(float(tau))
             self.done[i] = done
             macro = sum(self.taus[i]) / len(self.taus[i]) if self.taus[i] else None
+            last = (f"{ev['id']}: {ev.get('anchors', '?')} anchors, expected τ {shown}" if expected
+                    else f"{ev['id']}: {ev['cycles']} blocks, τ {shown}")
             self.bars.update(task, completed=done, tau="-" if macro is None else f"{macro:.2f}",
-                             last=safe(f"{ev['id']}: {ev['cycles']} blocks, τ {shown}"))
+                             measure="expected τ macro" if expected else "τ macro", last=safe(last))
         elif kind == events.END:
             self.ended.add(i)
             self.bars.update(task, phase="finished")
@@ -126,22 +130,25 @@ def _follow_and_finish(record, jobs, out, stall: dict | None = None) -> None:
             out.print(f"[bold red]worker {safe(host)} failed.[/] Last lines of its log:")
             out.print(safe(tail or "(no log)"))
         raise
+    from ..reports.report import expected_rows, report_verdict
+    from ..runs.folders import load_run
+
     fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))  # noqa: E731
-    rows = [[key, fmt(summary.get(key))] for key in ("tau_macro", "tau_macro_turns", "tau_pooled",
-                                                      "tau_sglang", "mode", "prompts", "cycles", "tokens")]
-    if summary.get("expected"):
-        rows.append(["expected τ (offline T > 0: estimate)", fmt(summary["expected"].get("tau"))])
+    expected = summary.get("expected")
+    if expected:        # offline at T > 0: no walk, the expected acceptance (an estimate)
+        rows = [[key, fmt(summary.get(key))] for key in ("mode", "prompts")]
+        rows += [[name, value] for name, value in expected_rows(expected, 3)]
+    else:
+        rows = [[key, fmt(summary.get(key))] for key in ("tau_macro", "tau_macro_turns", "tau_pooled",
+                                                          "tau_sglang", "mode", "prompts", "cycles", "tokens")]
     rows += [[f"DDTree-{b} τ (macro)", fmt(t.get("tau_macro"))] for b, t in (summary.get("ddtree") or {}).items()]
     online = summary.get("online")
     if online:
         rows += [["tokens/s", fmt(online.get("tokens_per_s"))], ["speedup vs target", fmt(online.get("speedup"))],
                  ["lossless", "n/a (sampled)" if online.get("lossless") is None else str(online["lossless"])]]
     acc = summary.get("per_position_acceptance") or []
-    if acc:
+    if acc and not expected:
         rows.append(["acceptance @1..4", " ".join(f"{a:.2f}" for a in acc[:4])])
-    from ..reports.report import report_verdict
-    from ..runs.folders import load_run
-
     out.print(f"[bold]{safe(report_verdict(load_run(record.folder)))}[/]")
     out.print(console.table(f"run {record.id}", ["metric", "value"], rows, right=("value",)))
     out.print(f"results: {safe(str(record.folder))}")
@@ -208,7 +215,7 @@ def eval_cmd(
     """Evaluate a drafter on eval host(s): pre-flight, ship the worker, run it detached, follow,
     fetch the results into runs/<run-id>/ and write the report."""
     from ..errors import InputError
-    from ..eval.pipeline import check_sglang_option, new_run, stall_limits, start
+    from ..eval.pipeline import Notice, check_sglang_option, new_run, stall_limits, start
     from ..eval.placement import parse_gpus
     from ..reports.tracking import check_trackers
 
@@ -243,10 +250,15 @@ def eval_cmd(
     status = err.status("pre-flight ...") if not as_json else None
     if status:
         status.start()
+
+    def on_phase(h: str, phase: str) -> None:
+        if status:
+            status.update(f"{safe(h)}: {safe(phase)} ...")
+        if isinstance(phase, Notice) and not err.is_terminal:     # no spinner shows it: a line of its own
+            err.print(safe(f"{h}: {phase}"), highlight=False, soft_wrap=True)
     try:
         forced = len(record.forced)
-        jobs = start(record, names.inventory, resume=bool(resume),
-                     on_phase=lambda h, phase: status.update(f"{h}: {phase} ...") if status else None, force=force)
+        jobs = start(record, names.inventory, resume=bool(resume), on_phase=on_phase, force=force)
     finally:
         if status:
             status.stop()

@@ -48,7 +48,8 @@ def hosts_check(
     as_json: bool = typer.Option(False, "--json", help="Print the reports as JSON."),
 ):
     """Connect to hosts in parallel and report python, torch/CUDA, GPUs, disk, SGLang and the serving
-    engine (its version, or what a running engine server serves)."""
+    engine (its version, or what a running engine server serves). Example hosts (`example: true`)
+    are checked only when named: left out, they are listed as not checked."""
     from dataclasses import asdict
 
 
@@ -56,7 +57,8 @@ def hosts_check(
 
     resolver = context_names(ctx)
     inv = resolver.inventory
-    selected = [resolver.host(n) for n in names] if names else list(inv)
+    selected = [resolver.host(n) for n in names] if names else [h for h in inv if not h.example]
+    examples = [] if names else [h for h in inv if h.example]
     reports = check_hosts(selected, timeout=timeout, inventory=inv)
     failed = [r.name for r in reports if not r.ok]
     if as_json:
@@ -78,6 +80,10 @@ def hosts_check(
                 out.print(f"[red]✘ {console.safe(r.name)}: {console.safe(e)}[/]")
             for w in r.warnings:
                 out.print(f"[yellow]! {console.safe(r.name)}: {console.safe(w)}[/]")
+    if examples:
+        console.warning_line(f"not checked: {', '.join(h.name for h in examples)}, example host"
+                             f"{'s' * (len(examples) > 1)} (`example: true` in {examples[0].defined_in}): set the "
+                             f"address and delete that line to check {'them' if len(examples) > 1 else 'it'}")
     if failed:
         raise HostCheckFailed(f"{len(failed)} of {len(reports)} host(s) failed: {', '.join(failed)}")
 

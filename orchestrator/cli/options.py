@@ -38,7 +38,6 @@ def with_settings(command):
     @functools.wraps(command)
     def run(*args, **kwargs):
         values = {f.name: kwargs.pop(PREFIX + f.name) for f in FIELDS}
-        values["prompts"] = values["prompts"] or None           # 0 = all
         ctx = kwargs["ctx"]
         typed_mode = getattr(ctx.get_parameter_source(PREFIX + "mode"), "name", None) == "COMMANDLINE"
         if values["engine"] and values["mode"] == "offline" and typed_mode:

@@ -22,7 +22,8 @@ def runs_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
-    """List runs: id, drafter:checkpoint, target, mode, suite, prompts, decoding settings, τ, host, date, status."""
+    """List runs: id, drafter:checkpoint, target, mode, suite, prompts, decoding settings, τ (offline
+    at T > 0: the expected τ, an estimate, so marked), host, date, status."""
     from ..runs.folders import readable, run_rows, select_runs
 
     names = context_names(ctx, runs_dir=runs_dir)
@@ -43,8 +44,10 @@ def runs_cmd(
         n = "-" if row["prompts"] is None else str(row["prompts"])
         if row["prompts_planned"] and row["prompts_planned"] != row["prompts"]:
             n += f"/{row['prompts_planned']}"
+        tau = f"{row['tau_macro']:.3f}" if row["tau_macro"] is not None else \
+            f"{row['expected_tau_macro']:.3f} expected" if row["expected_tau_macro"] is not None else "-"
         table_rows.append([safe(row["id"]), *(safe(str(row[k] or "-")) for k in ("label", "target", "mode", "suite")),
-                           n, safe(row["settings"]), "-" if row["tau_macro"] is None else f"{row['tau_macro']:.3f}",
+                           n, safe(row["settings"]), tau,
                            safe(str(row["host"] or "-")), safe(row["created_at"][:16].replace("T", " ")),
                            f"[{colors.get(row['status'], 'white')}]{safe(row['status'])}[/]"])
     console.out().print(console.table(f"runs ({d})", ["id", "drafter", "target", "mode", "suite", "prompts", "settings",
@@ -67,8 +70,7 @@ def show_cmd(
     runs_dir: Optional[str] = typer.Option(None, "--runs-dir", metavar="DIR", help=RUNS_DIR_HELP),
 ):
     """Print a run's verdict, its summary and the paths of its report (written if missing or stale)."""
-    from ..reports.render import fnum
-    from ..reports.report import current_report, ddtree_table, report_verdict, run_warnings, summary_rows
+    from ..reports.report import category_table, current_report, ddtree_table, report_verdict, run_warnings, summary_rows
     r = context_names(ctx, runs_dir=runs_dir).eval_run(run).check()    # a damaged folder: one line, nothing written
     md_path, html_path = current_report(r, rewrite)
     m = r.metrics
@@ -87,10 +89,9 @@ def show_cmd(
     dd = ddtree_table(m)
     if dd:
         out.print(console.table("DDTree", *dd, right=dd[0][1:]))
-    if m.get("categories"):
-        out.print(console.table("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"], [
-            [c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])] for c, v in m["categories"].items()],
-            right=("prompts", "tau_macro", "tau_pooled")))
+    categories = category_table(m)
+    if categories:
+        out.print(console.table(*categories, right=categories[1][1:]))
     if warnings:
         out.print(Panel("\n".join(f"• {safe(w)}" for w in warnings), title="warnings", border_style="yellow"))
     out.print(f"report: {safe(str(md_path))}\n        {safe(str(html_path))}")

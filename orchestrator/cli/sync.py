@@ -177,6 +177,8 @@ def ckpts_cmd(
 
     names = context_names(ctx, catalog=catalog)
     training_run = names.training_run(run) if run else None
+    if not names.catalog.runs:
+        raise names.catalog.no_runs()
     source = names.role_host("train", src)
     if dst:
         names.host(dst, "eval")

@@ -174,6 +174,11 @@ class Catalog:
             raise _unknown("training run", name, self.runs)
         return self.runs[name]
 
+    def no_runs(self) -> CatalogError:
+        """The one message for a catalog without training runs: which file it is, or where none was
+        found and that `dflash-ops init` writes one."""
+        return CatalogError(f"no training runs in the catalog; {self.found if self.found is not None else self.path}")
+
     def target(self, label: str) -> Target:
         if label not in self.targets:
             raise _unknown("target", label, self.targets)

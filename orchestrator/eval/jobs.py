@@ -27,6 +27,31 @@ FETCHED = ("out/results.jsonl", "out/summary.json", "out/env.json", "worker.log"
 RESULTS = ("results.jsonl", "summary.json", "env.json")     # what a worker that ended `done` leaves
 LOGS = ("worker.log", *ENGINE_LOGS.values())                 # fetched up to LOG_CAP: their last part
 LOG_CAP = 8 << 20
+PARTIAL_LOG = "[dflash-ops: the first "                     # the first line of a log fetched in part
+
+
+def partial_log(local: Path) -> str | None:
+    """Where the whole log is (``host:path``) when ``local`` holds only its last part, else None."""
+    try:
+        with open(local, "rb") as f:
+            first = f.readline(4096).decode(errors="replace")
+    except OSError:
+        return None
+    if not first.startswith(PARTIAL_LOG) or ") is " not in first:
+        return None
+    return first.rstrip("\n").rsplit(") is ", 1)[1].rstrip("]")
+
+
+def log_removed(local: Path, when: str) -> None:
+    """Say in the first line of a log fetched in part that its whole log on the host is gone."""
+    where = partial_log(local)
+    if where is None:
+        return
+    data = Path(local).read_bytes()
+    first, rest = data.split(b"\n", 1)
+    first = first.decode(errors="replace").replace(f") is {where}]", f") was {where}, removed by "
+                                                                     f"`dflash-ops clean` on {when}]")
+    Path(local).write_bytes(first.encode() + b"\n" + rest)
 CODE_DIR = re.compile(r"[0-9a-f]{16}")       # a shipped worker folder's name under <workdir>/code (ship.py)
 
 
@@ -203,7 +228,7 @@ class HostJob:
 
         tail = Path(local).read_bytes()
         tail = tail[tail.find(b"\n") + 1:]
-        note = (f"[dflash-ops: the first {human_bytes(size - len(tail))} of this log were not fetched; the whole log "
+        note = (f"{PARTIAL_LOG}{human_bytes(size - len(tail))} of this log were not fetched; the whole log "
                 f"({human_bytes(size)}) is {self.runner.name}:{remote}]\n")
         Path(local).write_bytes(note.encode() + tail)
 

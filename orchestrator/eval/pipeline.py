@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +31,10 @@ from ..config.paths import read_config_text
 from ..errors import InputError, OperationFailed, disk_error
 from ..runs.record import RESUME_LOCK, EvalRequest, RunRecord, Shard, now_iso, write_atomic
 from ..transport import TransportError, runner_for
+from . import lease
 from .jobs import RESULTS, FetchFailed, HostJob, WorkerStalled, check_shard
 from .placement import group, host_gpu_ids, parse_gpus, visible_gpus
-from .ship import ship
+from .ship import bundle, ship
 
 PREFLIGHT = "remote.preflight"   # the drafter/target compatibility check and memory plan
 
@@ -65,8 +67,9 @@ class RunCancelled(EvalError):
 
 
 class InvalidRun(EvalError):
-    """A worker found its greedy online output differing from the target's own: no τ of the run is
-    a result (the rows are kept, the summary is marked invalid)."""
+    """A worker found its greedy online output differing from the target's own, or its drafter's
+    outputs NaN or infinite: no τ of the run is a result (the rows are kept, the summary is marked
+    invalid)."""
 
     exit_code = 7
 
@@ -174,10 +177,23 @@ def check_host_ready(host: Host, runner, req: EvalRequest, gpu_here: bool = True
     return report
 
 
-def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
-    """Build (first use) or find the embedded demo target + drafter in the host's workdir."""
+class Notice(str):
+    """A phase worth a line of its own where no spinner shows the phases (output not a terminal): a
+    step that can take minutes, said when it starts and when it is done."""
+
+
+def embedded_models(host: Host, runner, code_dir: str, phase: Callable[[str], None] = lambda _: None
+                    ) -> tuple[str, str]:
+    """Find the embedded demo target + drafter in the host's workdir, or build them there (first
+    use), saying so (:class:`Notice`) only when they are really built."""
     out = f"{host.workdir.rstrip('/')}/embedded"
-    res, err = _python_json(runner, host.python, code_dir, "remote.embedded", "--out", out, timeout=900)
+    res, err = _python_json(runner, host.python, code_dir, "remote.embedded", "--out", out, "--check", timeout=120)
+    if not res:
+        started = time.monotonic()
+        phase(Notice(f"building the embedded demo pair in {out} (first use on this host: about a minute on CPU)"))
+        res, err = _python_json(runner, host.python, code_dir, "remote.embedded", "--out", out, timeout=900)
+        if res is not None:
+            phase(Notice(f"built the embedded demo pair in {time.monotonic() - started:.0f}s"))
     if res is None:
         raise EvalError(f"host {host.name}: building the embedded demo models failed: {err[-800:]}")
     return res["drafter"], res["target"]
@@ -186,27 +202,20 @@ def embedded_models(host: Host, runner, code_dir: str) -> tuple[str, str]:
 def locate_models(host: Host, runner, code_dir: str, req: EvalRequest) -> tuple[str, str]:
     """(drafter folder, target folder) on ``host`` for the request, whose names were resolved
     before it was made (orchestrator/names.py): a folder, a training run's checkpoint folder
-    under the host's ``checkpoints`` root, or the embedded demo pair. That they exist and fit is
-    pre-flight's to say (:func:`check_models`), in the same call to the host."""
+    under the host's ``checkpoints`` root (:func:`lease.model_paths`), or the embedded demo pair. That
+    they exist and fit is pre-flight's to say (:func:`check_models`), in the same call to the host."""
     embedded = req.drafter_ref == EMBEDDED or req.target == EMBEDDED
     drafter, target = embedded_models(host, runner, code_dir) if embedded else (None, None)
+    named_drafter, named_target = lease.model_paths(host, runner, req)
     if req.drafter_ref != EMBEDDED:
-        if req.drafter_run:
-            if not host.checkpoints:
-                raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
-            drafter = f"{host.checkpoints.rstrip('/')}/{req.drafter_run}/{req.checkpoint}"
-        elif req.drafter_path:
-            drafter = runner.absolute(req.drafter_path)
-        else:
+        if req.drafter_run and not host.checkpoints:
+            raise EvalError(f"host {host.name}: no `checkpoints` root in the inventory")
+        if named_drafter is None:
             raise EvalError(f"the run's request names no drafter folder ({req.drafter_ref}); start a new eval")
+        drafter = named_drafter
     if req.target != EMBEDDED:
-        target = runner.absolute(req.target_path) if _is_folder(req.target_path) else req.target_path
+        target = named_target or req.target_path
     return drafter, target
-
-
-def _is_folder(target: str | None) -> bool:
-    """A target named by a folder (``/x``, ``~/x``, ``./x``, ``a/b/c``), not a hub model id (``org/name``)."""
-    return bool(target) and (target.startswith(("/", "~", ".")) or target.count("/") >= 2)
 
 
 @dataclass
@@ -304,14 +313,15 @@ def prepare_host(record: RunRecord, host: Host, inventory: Inventory,
         host = host.on_host(runner.expand_home)
     except TransportError as e:
         raise EvalError(f"host {host.name} is not reachable: {e}") from None
+    lease.take(record, host, runner, bundle()[0])
     report = check_host_ready(host, runner, req)
     if req.settings.engine:
         check_engine(host, runner)
-    embedded = req.drafter_ref == EMBEDDED or req.target == EMBEDDED
-    phase("pre-flight: shipping the worker, " + ("building the embedded demo pair (first use on a host: about a "
-                                                 "minute on CPU), " if embedded else "")
-          + "checking drafter and target")
+    phase("pre-flight: shipping the worker, checking drafter and target")
     code_dir = ship(runner, host.python, host.workdir)
+    if req.drafter_ref == EMBEDDED or req.target == EMBEDDED:
+        embedded_models(host, runner, code_dir, phase)
+        phase("pre-flight: checking drafter and target")
     suite = send_suite(host, runner, req)
     drafter_path, target_path, identity = check_models(host, runner, code_dir, req, suite)
     return HostPrep(host, runner, code_dir, drafter_path, target_path, visible_gpus(report.raw), wants_cpu(req, host),
@@ -328,6 +338,8 @@ def check_models(host: Host, runner, code_dir: str, req: EvalRequest, suite: str
     args = [drafter_path, "--target", target_path, "--cache", f"{code_dir}/preflight", *settings.to_argv()]
     if req.verify_weights:
         args.append("--verify-hashes")
+    if req.settings.engine and host.engine is not None:     # pre-flight checks that it serves the family
+        args += ["--engine-kind", host.engine.kind]
     found, err = _python_json(runner, host.python, code_dir, PREFLIGHT, *args, timeout=1800,
                               env={ASSUMED_GPU_MEMORY_ENV: f"{assumed_gpu_gb:g}"} if assumed_gpu_gb else None)
     if found is None:
@@ -400,6 +412,7 @@ def prepare_slurm(record: RunRecord, host: Host, inventory: Inventory,
         host = host.on_host(runner.expand_home)
     except TransportError as e:
         raise EvalError(f"host {host.name}: its login host {host.slurm.login} is not reachable: {e}") from None
+    lease.take(record, host, runner, bundle()[0])
     cluster = slurm_backend.cluster_info(host, runner)
     part = cluster.partition(host.slurm.partition)
     if part is None:
@@ -500,6 +513,7 @@ def start(record: RunRecord, inventory: Inventory, resume: bool = False,
     except Exception:
         if not resume:
             record.abandon(started=False)
+            lease.release(record, inventory)
         raise
     except BaseException:       # Ctrl-C, SIGTERM, SIGHUP: a worker may be starting; its run stays reachable
         if not resume:
@@ -1045,6 +1059,7 @@ def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
                 states[s.index]["fetch"] = str(e)
         if stopped or record.being_resumed():
             record.cancelled(stopped)
+            lease.release(record, inventory)
         elif ended:
             try:
                 finish(record)      # done: merged and reported; failed or unfetched: settled as such

@@ -316,18 +316,26 @@ def engine_pairs(rows_a: dict, rows_b: dict, ids: Sequence[str], resamples: int,
 
 def ddtree_speedup_pair(rows_a: dict, rows_b: dict, ids: Sequence[str], budget: str, resamples: int, seed: int,
                         confidence: float) -> Optional[dict]:
-    """DDTree-``budget``'s speedup over plain decoding (online: each prompt's plain decoding time
-    over its tree decoding time, macro the mean per prompt, pooled Σ / Σ) paired prompt by prompt
-    like τ, on the prompts both runs timed; None when they have none in common."""
+    """DDTree-``budget``'s speedup over plain decoding (online: per prompt, the time plain decoding
+    takes for the tree's output tokens at its own rate (its time × tree tokens / its own tokens,
+    remote/contract/metrics.py ``plain_tokens``) over the tree decoding's time; macro the mean per
+    prompt, pooled Σ / Σ) paired prompt by prompt like τ, on the prompts both runs timed and whose
+    plain decoding's tokens are known; None when they have none in common."""
+    from remote.contract.metrics import plain_tokens, tree_tokens
+
     from .stats import paired_compare
 
     def timed(row: dict) -> bool:
-        return bool(row.get("target_wall_s") and ((row.get("ddtree") or {}).get(budget) or {}).get("wall_s"))
+        return bool(row.get("target_wall_s") and ((row.get("ddtree") or {}).get(budget) or {}).get("wall_s")
+                    and plain_tokens(row))
+
+    def plain_time(row: dict) -> float:
+        return row["target_wall_s"] * tree_tokens(row, budget) / plain_tokens(row)
 
     ok = [i for i in ids if timed(rows_a[i]) and timed(rows_b[i])]
     if not ok:
         return None
-    arrays = [([rm[i]["target_wall_s"] for i in ok], [rm[i]["ddtree"][budget]["wall_s"] for i in ok])
+    arrays = [([plain_time(rm[i]) for i in ok], [rm[i]["ddtree"][budget]["wall_s"] for i in ok])
               for rm in (rows_a, rows_b)]
     pr = paired_compare(*arrays[0], *arrays[1], resamples=resamples, seed=seed, confidence=confidence)
     return {"n": pr.n, "macro": asdict(pr.macro), "pooled": asdict(pr.pooled), "wins": pr.wins, "ties": pr.ties,
@@ -489,17 +497,22 @@ def side_by_side(result: dict) -> tuple[list[str], list[list[str]]]:
         return r
 
     temps = {r["id"]: r.get("temperature") for r in result["runs"]}
+    walked = not all(M[i].get("expected") for i in ids)     # offline at T > 0 no run has a walk's τ
     rows = [[ "temperature"] + [fnum(temps[i], 2) for i in ids] + ([fnum(pub["temperature"], 2)] if pub else []),
-            row("prompts (paired)", lambda m: str(m["prompts"])),
-            row("tau_macro (mean over prompts)", lambda m: fnum(m["tau_macro"])),
-            row("tau_macro_turns (mean over turns: z-lab, DDTree)", lambda m: fnum(m.get("tau_macro_turns")),
-                fnum(pub["tau"], 2) if pub else "—"),
-            row("tau_pooled (Σ tokens / Σ cycles)", lambda m: fnum(m["tau_pooled"])),
-            row("tau_sglang (as SGLang reports it)", lambda m: fnum(m.get("tau_sglang")))]
+            row("prompts (paired)", lambda m: str(m["prompts"]))]
+    if walked:
+        rows += [row("tau_macro (mean over prompts)", lambda m: fnum(m["tau_macro"])),
+                 row("tau_macro_turns (mean over turns: z-lab, DDTree)", lambda m: fnum(m.get("tau_macro_turns")),
+                     fnum(pub["tau"], 2) if pub else "—"),
+                 row("tau_pooled (Σ tokens / Σ cycles)", lambda m: fnum(m["tau_pooled"])),
+                 row("tau_sglang (as SGLang reports it)", lambda m: fnum(m.get("tau_sglang")))]
     if any(M[i].get("expected") for i in ids):
-        rows.append(row("expected τ (offline T > 0: an estimate)",
-                        lambda m: fnum((m.get("expected") or {}).get("tau"))))
-    rows += [row("cycles", lambda m: str(m["cycles"])), row("tokens", lambda m: str(m["tokens"]))]
+        rows += [row("expected tau_macro (offline, T > 0: an estimate)",
+                     lambda m: fnum((m.get("expected") or {}).get("tau_macro"))),
+                 row("expected tau_pooled (offline, T > 0: an estimate)",
+                     lambda m: fnum((m.get("expected") or {}).get("tau_pooled")))]
+    if walked:
+        rows += [row("cycles", lambda m: str(m["cycles"])), row("tokens", lambda m: str(m["tokens"]))]
     budgets = sorted({b for i in ids for b in (M[i].get("ddtree") or {})}, key=int)
     for b in budgets:
         rows.append(row(f"DDTree-{b} tau_macro",
@@ -545,34 +558,42 @@ def difference_rows(result: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def per_position_rows(result: dict) -> tuple[list[str], list[list[str]]]:
+    """Each run's per-position acceptance (offline at T > 0: the expected one, reports/plots.py
+    ``per_position``) and its difference from the baseline's."""
+    from .plots import per_position
+
     ids = [r["id"] for r in result["runs"]]
     M = result["metrics"]
-    B = max(len(M[i]["per_position_acceptance"]) for i in ids) + 1
+    ppa = {i: per_position(M[i])[0] or [] for i in ids}
+    B = max(len(ppa[i]) for i in ids) + 1
     nm = _names(result)
-    head = ["k"] + [nm[i] for i in ids] + [f"Δ {nm[i]}" for i in ids[1:]]
+    head = ["k"] + [nm[i] + per_position(M[i])[1] for i in ids] + [f"Δ {nm[i]}" for i in ids[1:]]
     rows = []
     for k in range(1, B):
-        vals = [(M[i]["per_position_acceptance"] + [None] * B)[k - 1] for i in ids]
+        vals = [(ppa[i] + [None] * B)[k - 1] for i in ids]
         diffs = [(f"{v - vals[0]:+.4f}" if v is not None and vals[0] is not None else "—") for v in vals[1:]]
         rows.append([str(k)] + [fnum(v) for v in vals] + diffs)
     return head, rows
 
 
 def category_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
+    from .plots import category_tau
+
     comps = [c for c in result["comparisons"] if c.get("categories")]
     if not comps:
         return None
     ids = [r["id"] for r in result["runs"]]
     M = result["metrics"]
     nm = _names(result)
-    head = ["category", "n"] + [f"τ {nm[i]}" for i in ids] + \
+    tau = "expected τ" if result.get("measure") == EXPECTED else "τ"
+    head = ["category", "n"] + [f"{tau} {nm[i]}" for i in ids] + \
         [f"Δ {nm[c['run']]} [95% CI]" for c in comps] + [f"p {nm[c['run']]}" for c in comps] + \
         [f"W/T/L {nm[c['run']]}" for c in comps]
     rows = []
     for cat in sorted(comps[0]["categories"]):
         d0 = comps[0]["categories"][cat]
         rows.append([cat, str(d0["n"])]
-                    + [fnum(((M[i].get("categories") or {}).get(cat) or {}).get("tau_macro")) for i in ids]
+                    + [fnum(category_tau(M[i], cat)) for i in ids]
                     + [_ci(c["categories"][cat]["macro"]) for c in comps]
                     + [_p(c["categories"][cat]["macro"]["p_value"]) for c in comps]
                     + [f"{c['categories'][cat]['wins']}/{c['categories'][cat]['ties']}/{c['categories'][cat]['losses']}"
@@ -620,9 +641,10 @@ def ddtree_rows(result: dict) -> Optional[tuple[list[str], list[list[str]]]]:
 
 def ddtree_note(result: dict) -> str:
     return ("DDTree per budget (τ pooled: Σ tokens / Σ cycles). Online, each budget decodes every prompt on its own: "
-            "tokens/s of that decoding, speedup = its tokens/s over plain decoding's in the same run (★ the run's "
+            "tokens/s of that decoding, speedup = its tokens/s over plain decoding's own in the same run (★ the run's "
             "fastest budget). Δ τ is paired prompt by prompt with the same bootstrap and permutation test as τ; Δ "
-            "speedup pairs each prompt's (plain decoding time, tree decoding time) the same way, pooled as Σ / Σ. "
+            "speedup pairs each prompt's (plain decoding's time for the tree's tokens at its own rate, tree decoding "
+            "time) the same way, pooled as Σ / Σ. "
             "Timings compare only between runs on the same hardware (the environment differences above say where "
             "they differ).")
 

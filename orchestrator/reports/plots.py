@@ -17,15 +17,29 @@ def _grouped_bars(chart: Chart, series, positions: Sequence[float], value) -> No
         chart.bars(xs, [value(m, j) for j in range(len(positions))], width, label, f"C{i}")
 
 
+def per_position(m: dict) -> tuple[Optional[list], str]:
+    """A run's per-position acceptance and what it is: its walk's, or offline at T > 0 (no walk) the
+    expected one (remote/contract/metrics.py ``expected_summary``), labelled an estimate."""
+    if m.get("expected"):
+        return m["expected"].get("per_position_acceptance"), " (expected, an estimate)"
+    return m.get("per_position_acceptance"), ""
+
+
+def category_tau(m: dict, category: str) -> Optional[float]:
+    """A run's τ macro in a category (offline at T > 0: the expected τ macro)."""
+    c = (m.get("categories") or {}).get(category) or {}
+    return ((c.get("expected") or {}) if m.get("expected") else c).get("tau_macro")
+
+
 def plot_per_position(series: Sequence[tuple[str, dict]], with_anchors: bool = True) -> Optional[bytes]:
-    series = [(l, m) for l, m in series if m.get("per_position_acceptance")]
+    series = [(l, m) for l, m in series if per_position(m)[0]]
     if not series:
         return None
     chart = Chart("per-position acceptance", "block position k", "acceptance", ylim=(0, 1.02))
     for i, (label, m) in enumerate(series):
-        ppa = m["per_position_acceptance"]
+        ppa, what = per_position(m)
         anchors = with_anchors and m.get("all_anchors_accuracy")
-        chart.line(range(1, len(ppa) + 1), ppa, f"{label} (greedy walk)" if anchors else label, f"C{i}")
+        chart.line(range(1, len(ppa) + 1), ppa, f"{label}{what or (' (greedy walk)' if anchors else '')}", f"C{i}")
         if anchors:
             acc = m["all_anchors_accuracy"]
             chart.line(range(1, len(acc) + 1), acc, f"{label} (teacher-forced, all anchors)", f"C{i}", dash="5 3",
@@ -58,9 +72,10 @@ def plot_categories(series: Sequence[tuple[str, dict]]) -> Optional[bytes]:
     cats = sorted({c for _, m in series for c in m["categories"]})
     if len(cats) < 2:
         return None
-    chart = Chart("τ per prompt category", None, "τ (macro)", grid="y")
-    _grouped_bars(chart, series, range(len(cats)),
-                  lambda m, j: (m["categories"].get(cats[j]) or {}).get("tau_macro") or 0.0)
+    expected = all(m.get("expected") for _, m in series)
+    chart = Chart("expected τ per prompt category (an estimate)" if expected else "τ per prompt category", None,
+                  "expected τ (macro)" if expected else "τ (macro)", grid="y")
+    _grouped_bars(chart, series, range(len(cats)), lambda m, j: category_tau(m, cats[j]) or 0.0)
     chart.set_xticks(range(len(cats)), cats, rotate=len(cats) > 6)
     return chart.svg()
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from remote.contract.metrics import TREE_STAGES, fastest_budget
+from remote.contract.metrics import TREE_STAGES, fastest_budget, online_summary
 from remote.contract.settings import SEMANTICS_TEXT
 from remote.contract.states import State
 
@@ -64,23 +64,36 @@ def decoding_text(settings: dict) -> str:
 
 # --------------------------------------------------------------------------- tables
 
+EXPECTED = "offline, T > 0: an estimate"
+
+
+def expected_rows(e: dict, digits: int = 4) -> list[tuple[str, str]]:
+    """An offline run at T > 0 (no walk): its expected τ and per-position acceptance, labelled
+    (summary.json's ``expected``, remote/contract/metrics.py ``expected_summary``)."""
+    acc = e.get("per_position_acceptance")
+    return [(f"expected tau_macro ({EXPECTED})", fnum(e.get("tau_macro"), digits)),
+            (f"expected tau_pooled ({EXPECTED})", fnum(e.get("tau_pooled"), digits)),
+            ("anchors", fnum(e.get("anchors"))),
+            ("expected acceptance @1..4", " ".join(f"{a:.2f}" for a in acc[:4]) if acc else "—")]
+
+
 def tau_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
     """The run's τ in every convention (runs/metrics.py TAU_CONVENTIONS; per turn only where a
-    prompt has several) and its speed when online."""
-    rows = [("tau_macro", fnum(m["tau_macro"])), ("tau_pooled", fnum(m["tau_pooled"]))]
+    prompt has several), or offline at T > 0 its expected τ, and its speed when online."""
+    e = m.get("expected")
+    rows = expected_rows(e) if e else [("tau_macro", fnum(m["tau_macro"])), ("tau_pooled", fnum(m["tau_pooled"]))]
     semantics = run.settings.get("semantics")
     if semantics:
         rows.append(("counted by", SEMANTICS_TEXT.get(semantics, semantics)))
-    if multi_turn_note(m):
+    if multi_turn_note(m) and not e:
         rows.append(("tau_macro_turns", fnum(m.get("tau_macro_turns"))))
-    rows.append(("tau_sglang", fnum(m.get("tau_sglang"))))
-    if m.get("expected"):
-        rows.append(("expected τ (offline, T > 0: an estimate)", fnum(m["expected"]["tau"])))
+    if not e:
+        rows.append(("tau_sglang", fnum(m.get("tau_sglang"))))
     on = m.get("online")
     if on:
         rows.append(("online tokens/s", fnum(on.get("tokens_per_s"), 2)))
         if on.get("target_tokens_per_s") is not None:
-            rows.append(("target greedy tokens/s", fnum(on.get("target_tokens_per_s"), 2)))
+            rows.append(("plain decoding tokens/s", fnum(on.get("target_tokens_per_s"), 2)))
             rows.append(("speedup", fnum(on.get("speedup"), 3)))
         if on.get("lossless") is None and "lossless" in on:
             rows.append(("lossless", "not checked per prompt at T > 0 (a sample has no single right output)"))
@@ -187,7 +200,8 @@ def run_rows(run: EvalRun, m: dict) -> list[tuple[str, str]]:
     s = run.settings
     rows += [("decoding", decoding_text(s)),
              ("settings", ", ".join(f"{k}={s[k]}" for k in ("max_new_tokens", "max_blocks", "reference") if k in s) or "—"),
-             ("prompts", fnum(m["prompts"])), ("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"])),
+             ("prompts", fnum(m["prompts"])),
+             *([] if m.get("expected") else [("cycles", fnum(m["cycles"])), ("tokens", fnum(m["tokens"]))]),
              ("created", run.created_at or "—")]
     return rows
 
@@ -225,6 +239,12 @@ def _ratio(a, b, digits: int = 2) -> Optional[str]:
     return fnum(a / b, digits) if a is not None and b else None
 
 
+def _speedup(row: dict) -> Optional[str]:
+    """An online row's speedup over plain decoding, as summary.json's ``online`` has it for the run."""
+    speedup = online_summary([row]).get("speedup") if row.get("wall_s") else None
+    return None if speedup is None else fnum(speedup, 2)
+
+
 PROMPT_COLUMNS: list[PromptColumn] = [
     PromptColumn("prompt", lambda r: str(r.get("id"))),
     PromptColumn("category", lambda r: r.get("category")),
@@ -234,7 +254,7 @@ PROMPT_COLUMNS: list[PromptColumn] = [
     PromptColumn("expected τ", lambda r: _ratio((r.get("expected") or {}).get("tau_sum"),
                                                 (r.get("expected") or {}).get("anchors"), 3)),
     PromptColumn("turns", lambda r: str(len(r["turns"])) if len(r.get("turns") or []) > 1 else None),
-    PromptColumn("speedup", lambda r: _ratio(r.get("target_wall_s"), r.get("wall_s"))),
+    PromptColumn("speedup", _speedup),
 ]
 # The serving engine's own τ for the same prompt (a run's optional per-prompt ``engine`` fields),
 # beside ours (reports/engine.py).
@@ -278,34 +298,53 @@ def report_plots(run: EvalRun) -> list[tuple[str, str, Optional[bytes]]]:
                         plot_per_position, plot_reliability)
 
     m, label = run.metrics, run.label
-    return [("per-position", "Per-position acceptance", plot_per_position([(label, m)])),
+    expected = f" (expected; {EXPECTED})" if m.get("expected") else ""
+    return [("per-position", f"Per-position acceptance{expected}", plot_per_position([(label, m)])),
             ("histogram", "Acceptance-length histogram", plot_histogram([(label, m)])),
-            ("categories", "τ per prompt category", plot_categories([(label, m)])),
+            ("categories", f"τ per prompt category{expected}", plot_categories([(label, m)])),
             ("ddtree", "DDTree τ vs budget", plot_ddtree([(label, m)])),
             ("ddtree-costs", "DDTree: τ and speed vs budget", plot_ddtree_costs(label, m)),
             ("ddtree-stages", "DDTree: time per cycle by stage vs budget", plot_ddtree_stages(label, m)),
             ("reliability", "Confidence head: reliability", plot_reliability([(label, m)]))]
 
 
+def category_table(m: dict) -> Optional[tuple[str, list[str], list[list[str]]]]:
+    """τ per prompt category (offline at T > 0: the expected τ); None without categories."""
+    if not m.get("categories"):
+        return None
+    if m.get("expected"):
+        return (f"Expected τ per category ({EXPECTED})", ["category", "prompts", "expected tau_macro",
+                                                           "expected tau_pooled"],
+                [[c, str(e["prompts"]), fnum(e["tau_macro"]), fnum(e["tau_pooled"])]
+                 for c, e in ((c, v.get("expected") or {"prompts": 0, "tau_macro": None, "tau_pooled": None})
+                              for c, v in m["categories"].items())])
+    return ("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"],
+            [[c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])] for c, v in m["categories"].items()])
+
+
 def _detail_tables(m: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     out = []
-    ppa = m["per_position_acceptance"]
+    e = m.get("expected")
     acc = m.get("all_anchors_accuracy")
     cum = m.get("all_anchors_cumulative")
-    head = ["k", "acceptance"] + (["teacher-forced accuracy", "cumulative"] if acc else [])
-    rows = [[str(k), fnum(ppa[k - 1])] + ([fnum(acc[k - 1]), fnum(cum[k - 1])] if acc else [])
-            for k in range(1, len(ppa) + 1)]
-    out.append(("Per-position acceptance (τ_pooled = 1 + Σ)", head, rows))
-    if m.get("expected"):
-        out.append(("Expected acceptance per draft (offline, T > 0: an estimate)", ["k", "mean α_k"],
-                    [[str(k), fnum(a)] for k, a in enumerate(m["expected"]["alpha"], 1)]))
-    h = m["acceptance_histogram"]
-    out.append(("Acceptance-length histogram", ["length", "cycles", "share"],
-                [[k, str(h[k]), fnum(h[k] / m["cycles"] if m["cycles"] else 0.0)] for k in sorted(h, key=int)]))
-    if m.get("categories"):
-        out.append(("τ per category", ["category", "prompts", "tau_macro", "tau_pooled"],
-                    [[c, str(v["prompts"]), fnum(v["tau_macro"]), fnum(v["tau_pooled"])]
-                     for c, v in m["categories"].items()]))
+    anchors = ["teacher-forced accuracy", "cumulative"] if acc else []
+    if e:
+        alpha, ppa = e.get("alpha") or [], e.get("per_position_acceptance") or []
+        out.append((f"Expected per-position acceptance ({EXPECTED}; expected tau_pooled = 1 + Σ)",
+                    ["k", "expected acceptance", "α_k (mean over anchors with draft k)"] + anchors,
+                    [[str(k), fnum(ppa[k - 1] if k <= len(ppa) else None), fnum(a)]
+                     + ([fnum(acc[k - 1]), fnum(cum[k - 1])] if acc else []) for k, a in enumerate(alpha, 1)]))
+    else:
+        ppa = m["per_position_acceptance"]
+        rows = [[str(k), fnum(ppa[k - 1])] + ([fnum(acc[k - 1]), fnum(cum[k - 1])] if acc else [])
+                for k in range(1, len(ppa) + 1)]
+        out.append(("Per-position acceptance (τ_pooled = 1 + Σ)", ["k", "acceptance"] + anchors, rows))
+        h = m["acceptance_histogram"]
+        out.append(("Acceptance-length histogram", ["length", "cycles", "share"],
+                    [[k, str(h[k]), fnum(h[k] / m["cycles"] if m["cycles"] else 0.0)] for k in sorted(h, key=int)]))
+    categories = category_table(m)
+    if categories:
+        out.append(categories)
     return out
 
 
@@ -341,8 +380,8 @@ def write_report(run_dir, out_dir=None) -> tuple[Path, Path]:
             doc.para(STAGE_NOTE, cls="note")
     for heading, head, rows in confidence_tables(m):
         doc.table(head, rows, heading=heading, level=3)
-    for note in (multi_turn_note(m), m.get("expected") and "Expected τ: " + m["expected"]["label"] + ".",
-                 TAU_CONVENTIONS):
+    for note in (multi_turn_note(m), m.get("expected") and "Expected τ and acceptance (offline, T > 0), an "
+                 + m["expected"]["label"] + ".", TAU_CONVENTIONS):
         if note:
             doc.para(note, cls="note")
     for key, heading, svg in report_plots(run):

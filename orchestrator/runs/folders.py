@@ -245,7 +245,8 @@ class EvalRun:
     @property
     def invalid(self) -> Optional[str]:
         """Why no τ of this run is a result (a greedy online row that diverged from the target's
-        own output other than at a near-tie), from summary.json or the rows; None for a valid run."""
+        own output other than at a near-tie, a drafter whose outputs were NaN or infinite), from
+        summary.json or the rows; None for a valid run."""
         marked = (self.summary or {}).get("invalid")
         if isinstance(marked, dict):
             return str(marked.get("message") or "marked invalid")
@@ -434,17 +435,18 @@ def settings_text(run: EvalRun) -> str:
 
 def run_rows(runs: list[EvalRun]) -> list[dict]:
     """One row per run for `dflash-ops runs` (τ recomputed from results.jsonl; runs that passed
-    :func:`readable`)."""
+    :func:`readable`); an offline run at T > 0 has no τ but an ``expected_tau_macro`` (an estimate)."""
     rows = []
     for r in runs:
         m = r.metrics
         tau, n = m["tau_macro"], m["prompts"]
+        expected = (m.get("expected") or {}).get("tau_macro")
         planned = r.prompts_planned
         if r.record and not r.status.is_terminal():     # the workers' own count, as last heard
             done, total = r.record.progress
             n, planned = max(n or 0, done), total or planned
         rows.append({"id": r.id, "drafter": r.drafter, "checkpoint": r.checkpoint, "step": r.step, "label": r.label,
                      "target": r.target, "suite": r.suite, "mode": r.mode, "settings": settings_text(r),
-                     "prompts": n, "prompts_planned": planned, "tau_macro": tau, "host": r.host,
-                     "created_at": r.created_at, "status": str(r.status)})
+                     "prompts": n, "prompts_planned": planned, "tau_macro": tau, "expected_tau_macro": expected,
+                     "host": r.host, "created_at": r.created_at, "status": str(r.status)})
     return rows

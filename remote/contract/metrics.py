@@ -71,25 +71,51 @@ def tau_sglang(rows: list[dict]) -> float | None:
     return sum(1 + sum(a) for a in per_response) / cycles if cycles else None
 
 
+EXPECTED_LABEL = ("estimate: per anchor of the reference completion, α_k = the chance that draft k is "
+                  "accepted given the drafts before it were; expected acceptance @k = mean over anchors of "
+                  "Π_{j≤k} α_j; expected τ = 1 + Σ_k Π_{j≤k} α_j per anchor, tau_pooled its mean over anchors "
+                  "(= 1 + Σ_k expected acceptance @k), tau_macro the mean over prompts of each prompt's")
+
+
 def expected_summary(rows: list[dict]) -> dict:
-    """T > 0 offline: the expected acceptance along the reference completions (an estimate)."""
+    """Offline at T > 0 (no walk: what a cycle accepts is random): the expected acceptance along the
+    reference completions, an estimate, and the one definition every report, listing and comparison
+    shows. Per anchor p and draft k, α_k(p) is the chance that draft k is accepted given that the
+    drafts before it were (remote/decode/offline.py), its reach r_k(p) = Π_{j≤k} α_j(p) the chance
+    that the cycle accepts at least k drafts, and E[τ](p) = 1 + Σ_k r_k(p). Then, as for a walk's
+    cycles (module docstring): ``per_position_acceptance[k-1]`` = mean over anchors of r_k (an
+    anchor whose cut last block has no draft k counts 0), ``tau_pooled`` = mean over anchors of E[τ]
+    = 1 + Σ ``per_position_acceptance``, ``tau_macro`` = mean over prompts of each prompt's mean
+    E[τ] (what the verdict leads with and compare pairs). ``alpha[k-1]`` = mean α_k over the anchors
+    that have draft k. Rows written without ``reach_sum`` give no ``per_position_acceptance`` (None)."""
     parts = [r["expected"] for r in rows if r.get("expected")]
     alpha = [sum(v) for v in zip(*(p["alpha_sum"] for p in parts))]
     count = [sum(v) for v in zip(*(p["count"] for p in parts))]
     anchors = sum(p["anchors"] for p in parts)
-    return {"label": "estimate: α_k = Σ_x min(p_k(x), q_k(x)) along the reference completion, "
-                     "expected τ = 1 + Σ_k Π_{j≤k} α_j, averaged over anchors",
+    per_prompt = [p["tau_sum"] / p["anchors"] for p in parts if p["anchors"]]
+    reach = [sum(v) for v in zip(*(p["reach_sum"] for p in parts))] \
+        if parts and all(p.get("reach_sum") is not None for p in parts) else None
+    return {"label": EXPECTED_LABEL,
+            "tau_macro": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "tau_pooled": sum(p["tau_sum"] for p in parts) / anchors if anchors else None,
+            "per_position_acceptance": [x / anchors for x in reach] if reach is not None and anchors else None,
             "alpha": [a / n if n else None for a, n in zip(alpha, count)],
-            "tau": sum(p["tau_sum"] for p in parts) / anchors if anchors else None, "anchors": anchors}
+            "anchors": anchors, "prompts": len(per_prompt)}
 
 
 def category_summary(rows: list[dict]) -> dict[str, dict]:
-    """:func:`tau_summary` per prompt category (rows without a category are left out)."""
+    """:func:`tau_summary` per prompt category (rows without a category are left out), with
+    :func:`expected_summary`'s ``expected`` where the category's rows have one (offline at T > 0)."""
     groups: dict[str, list] = {}
     for r in rows:
         if r.get("category") is not None:
-            groups.setdefault(str(r["category"]), []).append(r.get("acceptance_lengths") or [])
-    return {c: tau_summary(v) for c, v in sorted(groups.items())}
+            groups.setdefault(str(r["category"]), []).append(r)
+    out = {}
+    for c, group in sorted(groups.items()):
+        out[c] = tau_summary([r.get("acceptance_lengths") or [] for r in group])
+        if any(r.get("expected") for r in group):
+            out[c]["expected"] = expected_summary(group)
+    return out
 
 
 def all_anchors_accuracy(rows: list[dict], slots: int) -> tuple[list[float], list[float]]:
@@ -110,17 +136,33 @@ def all_anchors_accuracy(rows: list[dict], slots: int) -> tuple[list[float], lis
     return acc, cum
 
 
+def plain_tokens(row: dict) -> int | None:
+    """The output tokens of an online row's plain decoding (every turn's): its ``target_tokens``. A
+    row written without them counts its own outputs when greedy (lossless: the same tokens) and has
+    None when sampled (``lossless`` null): a sample of plain decoding stops at its own length."""
+    if row.get("target_tokens") is not None:
+        return row["target_tokens"]
+    if "lossless" in row and row["lossless"] is None:
+        return None
+    return sum(len(t.get("output_ids") or []) for t in responses([row]))
+
+
 def online_summary(rows: list[dict]) -> dict:
     """Speed of an online run: output tokens (every turn's completion) per second of speculative
-    decoding and of plain target decoding, and whether every row was lossless (``None`` when no row
-    could be checked, e.g. sampled decoding)."""
+    decoding (``tokens_per_s``) and plain decoding's own output tokens per second of plain decoding
+    (``target_tokens_per_s``, :func:`plain_tokens`; None when a row does not say them), ``speedup``
+    = the first rate / the second; and whether every row was lossless (``None`` when no row could
+    be checked, e.g. sampled decoding)."""
     wall = sum(r["wall_s"] for r in rows)
     target_wall = sum(r.get("target_wall_s") or 0.0 for r in rows)
     tokens = sum(len(t.get("output_ids") or []) for t in responses(rows))
     online = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None}
     if target_wall:
-        online.update(target_wall_s=target_wall, target_tokens_per_s=tokens / target_wall,
-                      speedup=target_wall / wall if wall else None)
+        plain = [plain_tokens(r) for r in rows]
+        target_tokens = sum(plain) if None not in plain else None
+        rate = target_tokens / target_wall if target_tokens is not None else None
+        online.update(target_wall_s=target_wall, target_tokens=target_tokens, target_tokens_per_s=rate,
+                      speedup=online["tokens_per_s"] / rate if online["tokens_per_s"] is not None and rate else None)
     online.update(cycle_costs(rows))
     if any("lossless" in r for r in rows):   # a row that does not record it is not lossless;
         checked = [r.get("lossless") for r in rows if "lossless" not in r or r["lossless"] is not None]
@@ -194,11 +236,18 @@ def cycle_costs(decodings: list[dict]) -> dict:
             "stage_s_per_cycle": {k: sum(d["stage_s"].get(k, 0.0) for d in decodings) / cycles for k in stages}}
 
 
+def tree_tokens(row: dict, budget: str) -> int:
+    """The output tokens of a row's online DDTree-``budget`` decoding: its last turn's tree output,
+    and the row's own outputs of the turns before (:func:`ddtree_costs`)."""
+    earlier = sum(len(t.get("output_ids") or []) for t in (row.get("turns") or [])[:-1])
+    return len(row["ddtree"][budget].get("output_ids") or []) + earlier
+
+
 def ddtree_costs(rows: list[dict], budget: str) -> dict:
     """What DDTree budget ``budget`` costs in an online run (``{}`` offline, where a row's budget has
     no ``wall_s``), over the rows that decoded it: its output tokens per second of tree decoding
-    (``wall_s``), plain decoding's over the same rows (:func:`online_summary`'s tokens per
-    ``target_wall_s``), ``speedup`` = the first / the second, ``lossless`` as
+    (``wall_s``), plain decoding's over the same rows (:func:`online_summary`'s, plain decoding's
+    own tokens per ``target_wall_s``), ``speedup`` = the first / the second, ``lossless`` as
     :func:`online_summary` has it, and the time per cycle by stage (:func:`cycle_costs`). A
     multi-turn row keeps only its last turn's tree output: its earlier turns count the row's own
     outputs (the same tokens when greedy and lossless)."""
@@ -206,8 +255,7 @@ def ddtree_costs(rows: list[dict], budget: str) -> dict:
     if not trees or any(t.get("wall_s") is None for _, t in trees):
         return {}
     wall = sum(t["wall_s"] for _, t in trees)
-    tokens = sum(len(t.get("output_ids") or []) + sum(len(x.get("output_ids") or []) for x in (r.get("turns") or [])[:-1])
-                 for r, t in trees)
+    tokens = sum(tree_tokens(r, budget) for r, _ in trees)
     plain = online_summary([r for r, _ in trees]) if all(r.get("wall_s") is not None for r, _ in trees) else {}
     out = {"wall_s": wall, "tokens_per_s": tokens / wall if wall else None,
            "target_tokens_per_s": plain.get("target_tokens_per_s")}

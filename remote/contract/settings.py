@@ -77,8 +77,8 @@ FIELDS = (
           metavar="GIB"),
     Field("semantics", "--semantics", "whose rules decoding is counted by: zlab (dflash_generate), specforge "
           "(spec_generate: full last blocks, whole accepted runs, greedy drafts at T > 0) or ddtree (ddtree_generate: "
-          "counted as specforge, linear and tree decoding alike); default: specforge for "
-          "SpecForge's Domino and DSpark drafters and a catalog `format: specforge`, else zlab", choices=SEMANTICS),
+          "counted as specforge, linear and tree decoding alike); default: by the drafter's family, whatever its "
+          "folder's format, and the catalog (docs/drafters.md)", choices=SEMANTICS),
     Field("engine", "--engine", "also serve the run's prompts with the host's engine (the inventory's `engine:`), "
           "with and without the drafter, and record its own counters beside ours; implies --mode online", bool),
 )
@@ -125,6 +125,8 @@ class EvalSettings:
     def __post_init__(self):
         if self.engine and self.mode != "online":   # the engine is set beside our own online decoding
             object.__setattr__(self, "mode", "online")
+        if self.prompts == 0:                       # --prompts 0: every prompt of the suite
+            object.__setattr__(self, "prompts", None)
         problems = self.problems()
         if problems:
             raise SettingsError(problems[0])
@@ -150,7 +152,7 @@ class EvalSettings:
             if f.choices and value is not None and value not in f.choices:
                 out.append(f"{f.flag} must be one of {', '.join(f.choices)}, not {value!r}")
         if self.prompts is not None and self.prompts < 1:
-            out.append("--prompts must be >= 1 (or left out for all)")
+            out.append(f"--prompts must be >= 1, or 0 for every prompt of the suite (got {self.prompts})")
         if self.max_new_tokens < 1:
             out.append("--max-new-tokens must be >= 1")
         if self.max_blocks is not None and self.max_blocks < 1:

@@ -45,7 +45,9 @@ from typing import Callable
 import torch
 
 from remote.drafters.dflash import DFLASH2, DFlashDrafter, block_input_ids
+from remote.contract.families import tree_refusal
 from remote.contract.settings import DEFAULT_BUDGETS
+from remote.decode.online import labelled_confidences
 from remote.decode.tree import block_children, ddtree_depth, slot_children  # noqa: F401  (the walk's trees)
 from remote.drafters.sampling import Sampling
 
@@ -224,11 +226,14 @@ def ddtree_walk(table: DraftTable, ref: list[int], prompt_len: int, verify_block
 
 
 def walk_confidences(table: "DraftTable", ref: list[int], prompt_len: int, lengths: list[int]) -> list[list[float]]:
-    """Each cycle's drafts' predicted acceptance (a confidence head), the cycles as the walk took them."""
+    """Each cycle's drafts' predicted acceptance (a confidence head), the cycles as the walk took them,
+    as a run records them (:func:`remote.decode.online.labelled_confidences`)."""
     out, start = [], prompt_len
     for n in lengths:
-        table[start]
-        out.append(table.confidence[start])
+        drafts = table[start]
+        accepted = next((k for k, t in enumerate(drafts) if start + 1 + k >= len(ref) or t != ref[start + 1 + k]),
+                        len(drafts))
+        out.append(labelled_confidences(table.confidence[start], n, accepted))
         start += n
     return out
 
@@ -246,10 +251,11 @@ def all_anchor_hits(table: DraftTable, ref: list[int], prompt_len: int) -> dict:
 
 
 def expected_acceptance(table: DraftTable, ref: list[int], prompt_len: int) -> dict:
-    """T > 0: Σ α_k and counts per draft slot, and Σ E[τ] over the completion's anchors (an estimate,
-    module docstring)."""
+    """T > 0: Σ α_k and counts per draft slot, Σ Π_{j≤k} α_j per draft slot (``reach_sum``: an
+    anchor whose cut block has no draft k adds nothing) and Σ E[τ] over the completion's anchors (an
+    estimate, module docstring; remote/contract/metrics.py ``expected_summary``)."""
     n = table.drafter.config.num_drafts
-    alpha_sum, count, tau_sum = [0.0] * n, [0] * n, 0.0
+    alpha_sum, reach_sum, count, tau_sum = [0.0] * n, [0.0] * n, [0] * n, 0.0
     table.compute(range(prompt_len, len(ref) - 1))
     for p in range(prompt_len, len(ref) - 1):
         run, tau = 1.0, 1.0
@@ -257,10 +263,11 @@ def expected_acceptance(table: DraftTable, ref: list[int], prompt_len: int) -> d
             alpha_sum[k] += a
             count[k] += 1
             run *= a
+            reach_sum[k] += run
             tau += run
         tau_sum += tau
     anchors = max(0, len(ref) - 1 - prompt_len)
-    return {"alpha_sum": alpha_sum, "count": count, "tau_sum": tau_sum, "anchors": anchors,
+    return {"alpha_sum": alpha_sum, "reach_sum": reach_sum, "count": count, "tau_sum": tau_sum, "anchors": anchors,
             "expected_tau": tau_sum / anchors if anchors else None}
 
 
@@ -279,9 +286,9 @@ def evaluate_offline(drafter, target, prompt_ids: list[int], output_ids: list[in
         raise ValueError("DDTree budgets at T > 0: a sampled tree is verified by the target's own sampling "
                          "at every node, which needs online decoding; offline at T > 0 reports the expected "
                          "acceptance only")
-    if budgets and drafter.config.sequential and drafter.config.family != "dflash":
-        raise ValueError(f"DDTree on a {drafter.config.family} drafter: its drafts depend on the token drafted "
-                         f"before, so a tree's children would be drafted from their own parents; not defined here")
+    refusal = tree_refusal(drafter.config.family, drafter.config.sequential)
+    if budgets and refusal:
+        raise ValueError(refusal)
     device = next(target.parameters()).device
     ref = list(prompt_ids) + list(output_ids) + list(continuation)
     ids = torch.tensor(ref, dtype=torch.long, device=device)

@@ -204,6 +204,15 @@ def committed(accepted: list[int], bonus: int, full_blocks: bool, left: int, sto
     return (new_tokens, False) if stopped_at is None else (new_tokens[:stopped_at + 1], True)
 
 
+def labelled_confidences(confidences: list[float], produced: int, accepted: int) -> list[float]:
+    """A cycle's confidences as a run records them beside its acceptance length ``produced``: a
+    calibration labels draft k accepted iff k <= produced - 1 (the bonus token counted), so a cycle
+    whose bonus token was not committed (z-lab's rules cut it at the end of the output or at a stop
+    token: ``produced <= accepted`` drafts) keeps only its first ``produced - 1`` drafts' confidences,
+    the ones those labels are true of."""
+    return confidences if produced > accepted else confidences[:produced - 1]
+
+
 def full_block_output(output_ids: list[int], max_new_tokens: int, stop: set) -> list[int]:
     """The output of a decoding under full-block rules, whose last runs counted past the end: cut at
     ``max_new_tokens``, then after the first stop token."""
@@ -283,6 +292,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             new_tokens, stopped = committed(drafts[0, :accepted].tolist(), bonus, specforge, max_length - start - 1,
                                             stop, output_ids[0])
             produced = len(new_tokens)
+            if proposal.confidence is not None:
+                confidences[-1] = labelled_confidences(confidences[-1], produced, accepted)
             output_ids += new_tokens
             acceptance_lengths.append(produced)
             # features of the kept positions start..start+produced-1, from this verify (causal: the

@@ -64,9 +64,10 @@ from typing import Callable
 
 import torch
 
+from remote.contract.families import tree_refusal
 from remote.contract.metrics import TREE_STAGES
 from remote.contract.settings import FULL_BLOCK_RULES
-from remote.drafters.config import DFLASH, DFLASH2
+from remote.drafters.config import DFLASH2
 from remote.drafters.dflash import block_input_ids
 from remote.decode.online import StageClock, committed, full_block_output
 from remote.drafters.sampling import GREEDY, Sampling, sample
@@ -197,9 +198,9 @@ def tree_problem(target, drafter_config) -> str | None:
         problem = tree_rule_problem(target, cache)
         if problem:
             return problem + "; offline DDTree-N works on it"
-    if drafter_config.family != DFLASH and drafter_config.sequential:
-        return (f"DDTree on a {drafter_config.family} drafter: its drafts depend on the token drafted before, so "
-                f"a tree's children would be drafted from their own parents; not defined here")
+    refusal = tree_refusal(drafter_config.family, drafter_config.sequential)
+    if refusal:
+        return refusal
     attention = getattr(target.config, "_attn_implementation", None) or "eager"
     if attention not in MASKED_ATTENTION:
         return (f"DDTree online: the target's attention implementation {attention!r} does not take the tree's 4D "

@@ -749,6 +749,101 @@ def check_tensors(ckpt: DrafterCheckpoint, found: dict[str, tuple]) -> tuple[dic
     return {n: found[n] for n in want}, ignored
 
 
+# A float is NaN or infinite iff every bit of ``mask`` (its exponent; float8 e4m3fn: all but the sign,
+# its only NaN) is set, by safetensors' dtype names; tested on the bits as unsigned integers of the
+# float's width: ``(bits << 1) >= (mask << 1)``, the sign shifted out (one shift and one max per chunk).
+NONFINITE_BITS = {"BF16": 0x7F80, "F16": 0x7C00, "F32": 0x7F800000, "F64": 0x7FF0000000000000, "F8_E5M2": 0x7C,
+                  "F8_E4M3": 0x7F}
+TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "float8_e5m2": "F8_E5M2",
+                "float8_e4m3fn": "F8_E4M3"}
+SCAN_CHUNK = 1 << 22          # elements tested at once (a buffer of at most 32 MiB)
+# where a tensor sits in the drafter, as a non-finite weight is named (in this order): its head, the fc,
+# the layers, else its top module
+WEIGHT_PARTS = (("confidence_head.", "confidence head"), ("markov_head.", "Markov head"),
+                ("prefix_gru.", "Domino head"), ("embed_proj.", "Domino head"),
+                ("candidate_selector.", "candidate selector"), ("fc.", "fc"), ("layers.", "layers"))
+
+
+def weight_part(name: str) -> str:
+    return next((part for prefix, part in WEIGHT_PARTS if name.startswith(prefix)), name.split(".")[0])
+
+
+def _nonfinite_bits(bits, mask: int) -> bool:
+    """Whether any of ``bits`` (a numpy array of unsigned integers: a tensor's floats) is NaN or
+    infinite (:data:`NONFINITE_BITS`)."""
+    import numpy as np
+
+    bits = bits.reshape(-1)
+    top = bits.dtype.type((mask << 1) & ((1 << 8 * bits.itemsize) - 1))
+    buf = np.empty(min(bits.size, SCAN_CHUNK), bits.dtype)
+    for i in range(0, bits.size, SCAN_CHUNK):
+        part = bits[i:i + SCAN_CHUNK]
+        shifted = buf[:part.size]
+        np.left_shift(part, 1, out=shifted)
+        if shifted.max() >= top:
+            return True
+    return False
+
+
+def nonfinite_tensors(ckpt: DrafterCheckpoint, names) -> list[str]:
+    """The tensors among ``names`` (normalised, as :func:`read_tensors` names them) that hold a NaN or
+    an infinity. A safetensors file is read where its header says each tensor lies, through a
+    read-only memory map, a chunk at a time (nothing is copied whole); a state dict as
+    :func:`read_tensors` loads it (memory-mapped)."""
+    import numpy as np
+
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+    names, found = set(names), []
+    for f in ckpt.weight_files:
+        if f.suffix != ".safetensors":
+            continue
+        from remote.target.memory import safetensors_header
+        try:
+            header, start = safetensors_header(f)
+            data = np.memmap(f, dtype=np.uint8, mode="r") if f.stat().st_size > start else None
+            for stored, meta in header.items():
+                name = tensor_name(ckpt.config, stored)
+                if stored == "__metadata__" or name not in names or meta["dtype"] not in NONFINITE_BITS:
+                    continue
+                begin, end = (start + int(o) for o in meta["data_offsets"])
+                if end > begin and _nonfinite_bits(data[begin:end].view(unsigned[_itemsize(meta["dtype"])]),
+                                                   NONFINITE_BITS[meta["dtype"]]):
+                    found.append(name)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from None
+    if any(f.suffix != ".safetensors" for f in ckpt.weight_files):
+        import torch
+
+        for name, t in read_tensors(ckpt).items():
+            kind = TORCH_DTYPES.get(str(t.dtype).removeprefix("torch."))
+            if name in names and kind and t.numel():
+                ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+                bits = t.detach().contiguous().view(ints).numpy().view(unsigned[t.element_size()])
+                if _nonfinite_bits(bits, NONFINITE_BITS[kind]):
+                    found.append(name)
+    return found
+
+
+def _itemsize(dtype: str) -> int:
+    return 1 if dtype.startswith("F8") else int(dtype[-2:]) // 8
+
+
+def nonfinite_problem(ckpt: DrafterCheckpoint, names) -> str | None:
+    """One line naming every tensor among ``names`` that holds NaN or an infinity, by the part of
+    the drafter it belongs to (:func:`weight_part`); None when every weight is finite."""
+    found = nonfinite_tensors(ckpt, names)
+    if not found:
+        return None
+    parts: dict[str, list[str]] = {}
+    for name in found:
+        parts.setdefault(weight_part(name), []).append(name)
+    order = [part for _, part in WEIGHT_PARTS]
+    shown = sorted(parts, key=lambda part: (order.index(part) if part in order else len(order), part))
+    return (f"{ckpt.path}: weights that are NaN or infinite in {len(found)} tensor(s), by part: "
+            + "; ".join(f"{part}: {_short(sorted(parts[part]))}" for part in shown)
+            + " (nothing drafted with them is a result)")
+
+
 def _short(items: list[str], n: int = 6) -> str:
     return ", ".join(items[:n]) + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from remote.contract.formats import MAX_BLOCK_SIZE
+from remote.contract.formats import DFLASH, DOMINO, DSPARK, MAX_BLOCK_SIZE
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -19,9 +19,7 @@ SIZE_LIMITS = {"block_size": MAX_BLOCK_SIZE, "hidden_size": 1 << 17, "intermedia
                "conv_kernel_size": MAX_BLOCK_SIZE, "conv_group_size": 1 << 17, "selector_rank": 1 << 17,
                "selector_top_k": 1 << 24}
 ZLAB, SPECULATORS = "zlab", "speculators"          # mask rules
-DFLASH, DFLASH2 = "dflash", "dflash2"              # architectures
-DOMINO, DSPARK = "domino", "dspark"                # SpecForge's families beside plain DFlash (``family``)
-FAMILIES = (DFLASH, DOMINO, DSPARK)
+DFLASH2 = "dflash2"                                # the architectures: DFLASH and DFLASH2
 MARKOV_HEADS = ("vanilla", "gated", "rnn")         # DSpark's previous-token heads
 ATTENTION_MODES = ("gqa", "mha")                   # DSpark: grouped or equal query/KV heads
 
@@ -161,7 +159,8 @@ class DrafterConfig:
                 **({"conv_kernel_size": self.conv_kernel_size, "conv_group_size": self.conv_group_size,
                     "selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
                    if self.architecture == DFLASH2 else {}),
-                "family": self.family, "heads": self.heads(), "confidence_head": self.confidence_head}
+                "family": self.family, "sequential": self.sequential, "heads": self.heads(),
+                "confidence_head": self.confidence_head}
 
     def heads(self) -> list[str]:
         """The family's heads after the backbone, as ``inspect`` names them."""

@@ -386,6 +386,25 @@ def anchor_mask(rule: LayerRule, anchor_pos: int, n_slots: int, device) -> torch
 
 # ----------------------------------------------------------------------------- the model
 
+class NonFiniteOutput(ValueError):
+    """A drafter output that is NaN or infinite (an overflow in the forward, or weights no check
+    saw): ``head`` names the part that gave it. No draft made from it is a result."""
+
+    def __init__(self, head: str):
+        super().__init__(f"the drafter's {head} gave NaN or infinite outputs")
+        self.head = head
+
+
+BACKBONE = "DFlash backbone (fc and layers)"
+
+
+def finite(t: torch.Tensor, head: str) -> torch.Tensor:
+    """``t``, or :class:`NonFiniteOutput` naming ``head`` when an element of it is NaN or infinite."""
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteOutput(head)
+    return t
+
+
 @dataclass
 class Proposal:
     """Draft tokens of one block (target ids) and, when sampling, the distribution they came from:
@@ -535,7 +554,7 @@ class DFlashDrafter(nn.Module):
         cap = cfg.final_logit_softcapping
         if cap is not None and cap > 0:
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return finite(logits, BACKBONE)
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target ids (``id + d2t[id]``); identity for a full vocabulary."""
@@ -580,7 +599,8 @@ class DFlashDrafter(nn.Module):
         projected = sel.hidden_projection(hidden)
         predecessor, picked, q_rows = anchor_tokens, [], []
         for slot in range(hidden.shape[1]):
-            scores = sel.scores(unary[:, slot], candidates[:, slot], projected[:, slot], predecessor)
+            scores = finite(sel.scores(unary[:, slot], candidates[:, slot], projected[:, slot], predecessor),
+                            "candidate selector")
             if temperature is None:
                 index = scores.argmax(-1)
             else:

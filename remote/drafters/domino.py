@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from remote.drafters.config import DrafterConfig
-from remote.drafters.dflash import DFlashDrafter, Proposal
+from remote.drafters.dflash import DFlashDrafter, Proposal, finite
 from remote.drafters.sampling import Sampling, sample
 
 
@@ -52,7 +52,7 @@ class DominoDrafter(DFlashDrafter):
         start = self.config.pure_draft_prefix_len
         emb = F.embedding(prev_tokens.to(embed_weight.device), embed_weight).to(hidden.device, hidden.dtype)
         states = self.prefix_gru(emb)[0]                                             # [b, n, G]
-        correction = self.embed_proj(torch.cat([hidden[:, start:], states[:, start:]], dim=-1))
+        correction = finite(self.embed_proj(torch.cat([hidden[:, start:], states[:, start:]], dim=-1)), "Domino head")
         return torch.cat([base[:, :start], base[:, start:] + correction], dim=1)
 
     def propose(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, target_head: nn.Module,

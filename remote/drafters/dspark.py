@@ -24,8 +24,11 @@ import torch
 from torch import nn
 
 from remote.drafters.config import DrafterConfig
-from remote.drafters.dflash import DFlashDrafter, Proposal
+from remote.drafters.dflash import DFlashDrafter, NonFiniteOutput, Proposal, finite
 from remote.drafters.sampling import Sampling, sample
+
+
+MARKOV = "Markov head"
 
 
 class MarkovHead(nn.Module):
@@ -83,17 +86,20 @@ class DSparkDrafter(DFlashDrafter):
         base = self.logits(hidden, target_head)
         greedy = sampling is None or sampling.greedy
         prev = anchor_tokens.to(hidden.device).long()
-        picked, q_rows, state = [], [], None
+        picked, q_rows, state, finite_rows = [], [], None, []
         for k in range(hidden.shape[1]):
             bias, state = self.markov_head.step(prev, hidden[:, k], state)
             logits = base[:, k] + bias
+            finite_rows.append(torch.isfinite(logits).all())     # checked once the block is drafted
             if greedy:
                 prev = logits.argmax(-1)
             else:
-                q = sampling.probs(logits)
+                q = sampling.probs(finite(logits, MARKOV))
                 prev = sample(q)
                 q_rows.append(q)
             picked.append(prev)
+        if not bool(torch.stack(finite_rows).all()):
+            raise NonFiniteOutput(MARKOV)
         tokens = torch.stack(picked, 1)
         return Proposal(tokens, torch.stack(q_rows, 1) if q_rows else None,
                         confidence=self.confidence(hidden, anchor_tokens, tokens))
@@ -107,7 +113,7 @@ class DSparkDrafter(DFlashDrafter):
         for k in range(hidden.shape[1]):
             bias, state = self.markov_head.step(prev_tokens[:, k].to(hidden.device), hidden[:, k], state)
             rows.append(base[:, k] + bias)
-        return torch.stack(rows, 1)
+        return finite(torch.stack(rows, 1), MARKOV)
 
     def confidence(self, hidden: torch.Tensor, anchor_tokens: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor | None:
         """Each draft's predicted acceptance ``σ(head) [b, n]`` (float32), or None without the head."""
@@ -117,4 +123,4 @@ class DSparkDrafter(DFlashDrafter):
         if self.config.confidence_head_with_markov:
             prev = torch.cat([anchor_tokens.to(drafts.device)[:, None], drafts[:, :-1]], dim=1)
             features = torch.cat([hidden, self.markov_head.markov_w1(prev.long()).to(hidden.dtype)], dim=-1)
-        return torch.sigmoid(self.confidence_head(features).float())
+        return torch.sigmoid(finite(self.confidence_head(features).float(), "confidence head"))

@@ -518,9 +518,16 @@ def _check_written(folder: Path, plan: Plan, tensors: dict) -> None:
     got = read_tensors(back)
     if set(got) != set(tensors):
         raise CheckpointError(f"{folder}: tensors read back {sorted(set(got) ^ set(tensors))} differ from those written")
-    for name, t in tensors.items():
-        if got[name].dtype != t.dtype or not torch.equal(got[name], t):
+    for name, t in tensors.items():      # as bytes: a NaN written is a NaN read (NaN != NaN as a float)
+        if got[name].dtype != t.dtype or got[name].shape != t.shape or \
+                not torch.equal(_bytes(got[name]), _bytes(t)):
             raise CheckpointError(f"{folder}: tensor {name} read back differs from the one written")
+
+
+def _bytes(t):
+    import torch
+
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def export(src: str | Path, fmt: str, out: str | Path | None = None, force: bool = False,

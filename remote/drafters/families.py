@@ -1,4 +1,4 @@
-"""The drafter class of each family (:data:`remote.drafters.config.FAMILIES`): z-lab's DFlash and
+"""The drafter class of each family (:data:`remote.contract.formats.FAMILIES`): z-lab's DFlash and
 DFlash2 and the speculators variants (:mod:`remote.drafters.dflash`), SpecForge's Domino
 (:mod:`remote.drafters.domino`) and DSpark (:mod:`remote.drafters.dspark`)."""
 from __future__ import annotations

@@ -75,13 +75,14 @@ def drafter_num_speculative_tokens(drafter: str | Path) -> int:
     """The draft tokens per verify a drafter was trained for: ``block_size - 1`` (slot 0 is the
     anchor), ``block_size`` for speculators' sample_from_anchor. The engine must be run with
     exactly this ``num_speculative_tokens``."""
+    from remote.contract.families import engine_refusal
     from remote.drafters.checkpoint import open_checkpoint
+    from remote.engines.sglang import ALGORITHMS
 
     cfg = open_checkpoint(drafter).config
-    if cfg.family != "dflash":
-        raise EngineError(f"vLLM serves DFlash drafters only (its speculative method {METHOD!r}); {drafter} is "
-                          f"SpecForge's {cfg.family} drafter, which SGLang serves (--speculative-algorithm "
-                          f"{'DSPARK' if cfg.family == 'dspark' else 'DFLASH'})", "refused")
+    refusal = engine_refusal(KIND, cfg.family)
+    if refusal:
+        raise EngineError(f"{drafter}: {refusal} (--speculative-algorithm {ALGORITHMS[cfg.family]})", "refused")
     return cfg.num_drafts
 
 

@@ -66,18 +66,26 @@ def identity(folder: str | Path) -> dict | None:
     return {"config_sha256": config, "weights": weights}
 
 
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """``(header, where its data starts)`` of one safetensors file: the header read at most
+    MAX_HEADER bytes (safetensors' own limit) and never more than the file holds. OSError, ValueError."""
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        if len(raw) < 8:
+            raise ValueError("shorter than its 8-byte header length")
+        (size,) = struct.unpack("<Q", raw)
+        if size > min(MAX_HEADER, path.stat().st_size - 8):
+            raise ValueError(f"header length {size:,} exceeds the file or {MAX_HEADER:,} bytes")
+        header = json.loads(fh.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header, 8 + size
+
+
 def header_parameters(path: Path) -> int:
-    """Parameters of one safetensors file, from its header (at most MAX_HEADER bytes, safetensors'
-    own limit, and never more than the file holds)."""
+    """Parameters of one safetensors file, from its header (:func:`safetensors_header`)."""
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise ValueError("shorter than its 8-byte header length")
-            (size,) = struct.unpack("<Q", raw)
-            if size > min(MAX_HEADER, path.stat().st_size - 8):
-                raise ValueError(f"header length {size:,} exceeds the file or {MAX_HEADER:,} bytes")
-            header = json.loads(fh.read(size))
+        header, _ = safetensors_header(path)
         total = 0
         for name, meta in header.items():
             if name == "__metadata__":
