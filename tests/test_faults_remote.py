@@ -218,7 +218,8 @@ def test_fault_then_rerun_moves_only_what_is_missing_and_ends_identical(ssh_lab,
     res = case.env.sync("step_1", lock_wait=60, **FAST)
     after = case.probe()
     want = {rel: sha(case.src / rel) for rel in sizes}
-    same = after["final"] == want and after["manifest"] == want and after["final_dot"] == [".dflash-manifest.json"]
+    same = (after["final"] == want and after["manifest"] == want
+            and after["final_dot"] == [".dflash-manifest.json", ".dflash-synced.json"])
     table.append((fault, point, outcome[:70], f"{res.bytes_moved / MiB:.2f} MiB", f"{missing / MiB:.2f} MiB",
                   "yes" if same else "NO"))
     assert same, (after, want)

@@ -188,6 +188,15 @@ def test_drafter_config_fuzz(tmp_path_factory, data):
         check_error(str(e), folder, field)
 
 
+@pytest.mark.parametrize("bad", [[[]], [1], [None, "DFlashDraftModel"]])
+def test_architectures_that_are_not_names_are_refused_naming_the_field(tmp_path, bad):
+    """Found by the fuzz test above: a list in `architectures` reached a dict lookup (TypeError)."""
+    from remote.drafters.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="field 'architectures' must be a list of strings"):
+        open_drafter(tmp_path, json.dumps({**DRAFTER_CONFIG, "architectures": bad}).encode())
+
+
 # ----------------------------------------------------------------------------- any bytes
 
 @settings(FUZZ, max_examples=max(20, FUZZ.max_examples // 3))

@@ -323,3 +323,31 @@ def test_a_relative_path_is_read_from_where_the_user_typed_it_or_the_login_home(
     home = ssh_runner.home().rstrip("/")
     assert ssh_runner.absolute("mine/step2") == f"{home}/mine/step2"
     assert ssh_runner.absolute("~/mine") == f"{home}/mine" and ssh_runner.absolute("/abs/x") == "/abs/x"
+
+
+def test_files_fetched_from_many_threads_over_one_connection_all_arrive(runner_and_dir, tmp_path):
+    """The shards of a run on one host are fetched side by side over its one connection: SFTP
+    transfers from several threads at once hung there (paramiko's SFTP client is one per
+    connection); each arrives whole, in bounded time."""
+    import threading
+
+    runner, d = runner_and_dir
+    for i in range(4):
+        runner.put_text(f"file {i}\n" * 20000, f"{d}/f{i}.txt")
+    errors, done = [], []
+
+    def fetch(i):
+        try:
+            for round_ in range(15):
+                runner.get_file(f"{d}/f{i}.txt", tmp_path / f"{i}-{round_}.txt")
+                runner.get_tail(f"{d}/f{i}.txt", tmp_path / f"{i}-{round_}.tail", 1000)
+            done.append(i)
+        except Exception as e:  # noqa: BLE001 — reported below
+            errors.append(e)
+    threads = [threading.Thread(target=fetch, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and sorted(done) == [0, 1, 2, 3], (errors, done)
+    assert all((tmp_path / f"{i}-14.txt").read_text() == f"file {i}\n" * 20000 for i in range(4))

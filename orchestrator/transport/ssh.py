@@ -67,6 +67,7 @@ class SSHRunner(Runner):
                      if self.endpoint.jump is not None else None)
         self._conn = None   # fabric.Connection, open
         self._lock = threading.Lock()
+        self._sftp_lock = threading.Lock()     # one SFTP transfer at a time: the connection has one SFTP client
         self.host_key = None   # the key the open connection accepted (paramiko PKey)
         self._home: str | None = None
 
@@ -307,8 +308,12 @@ class SSHRunner(Runner):
         return self._sftp_call("read", remote, read)
 
     def _sftp_call(self, what: str, remote: str, fn) -> Any:
+        """``fn(connection)``, one at a time on this runner: paramiko's SFTP client (one per
+        connection, Fabric's ``sftp()``) hangs when threads transfer through it at once (the shards
+        of a run on one host are fetched side by side)."""
         try:
-            return fn(self.connection())
+            with self._sftp_lock:
+                return fn(self.connection())
         except FileNotFoundError:
             raise TransportError(f"host {self.name}: no such file: {remote}") from None
         except PermissionError:

@@ -306,7 +306,7 @@ def _zlab_value(hf, name: str, default=None):
 def _family_fields(raw: dict, dcfg: dict, where: str) -> dict:
     """SpecForge's family and its heads' settings (module docstring), read as SpecForge's classes
     read them; a family named twice two ways, an unknown one, a setting out of its range: refused."""
-    archs = [SPECFORGE_ARCHITECTURES[a] for a in raw.get("architectures") or [] if a in SPECFORGE_ARCHITECTURES]
+    archs = [SPECFORGE_ARCHITECTURES[a] for a in architectures(raw) if a in SPECFORGE_ARCHITECTURES]
     projector = dcfg.get("projector_type")
     if projector is not None and projector not in (DFLASH, DOMINO, DSPARK):
         raise CheckpointError(f"{where}: dflash_config.projector_type {projector!r} is not a family this worker "
@@ -344,8 +344,8 @@ def _family_fields(raw: dict, dcfg: dict, where: str) -> dict:
 
 def _zlab_config(raw: dict, where: str) -> DrafterConfig:
     supported = {**ZLAB_ARCHITECTURES, **SPECFORGE_ARCHITECTURES}
-    known = [a for a in raw.get("architectures") or [] if a in supported]
-    unknown = [a for a in raw.get("architectures") or [] if ("dflash" in a.lower() or a.endswith("DraftModel"))
+    known = [a for a in architectures(raw) if a in supported]
+    unknown = [a for a in architectures(raw) if ("dflash" in a.lower() or a.endswith("DraftModel"))
                and a not in supported]
     if unknown and not known:
         raise CheckpointError(f"{where}: drafter architecture {unknown[0]!r} is not supported "
@@ -528,10 +528,17 @@ def _validate_family(cfg: DrafterConfig, where: str) -> None:
         raise CheckpointError(f"{where}: confidence_head_with_markov needs a confidence head and markov_rank > 0")
 
 
+def architectures(raw: dict) -> list[str]:
+    """The names in a config's ``architectures`` (a damaged entry is left out here; the config's
+    check names it)."""
+    archs = raw.get("architectures")
+    return [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+
+
 def detect_format(raw: dict) -> str:
     if raw.get("speculators_model_type") or "transformer_layer_config" in raw:
         return "speculators"
-    archs, dcfg = raw.get("architectures") or [], raw.get("dflash_config") or {}
+    archs, dcfg = architectures(raw), raw.get("dflash_config") or {}
     if any(a in SPECFORGE_ARCHITECTURES for a in archs) or set(dcfg) & set(_SPECFORGE_FIELDS):
         return SPECFORGE
     if "dflash_config" in raw or "DFlashDraftModel" in archs:

@@ -102,11 +102,8 @@ def _held(dfd, name):
 def _pid_alive(dfd):
     """A job whose pid file names a live process and that has no exit code yet (a job started by a
     launch without the job lock): counted as running, whoever that process is."""
-    try:
-        os.stat("exit_code", dir_fd=dfd, follow_symlinks=False)
+    if has(dfd, "exit_code"):
         return False
-    except FileNotFoundError:
-        pass
     try:
         fd = os.open("pid", os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
         with os.fdopen(fd) as f:
@@ -195,16 +192,18 @@ def jobs(workdir):
 def ended(dfd):
     """Has the job of job folder ``dfd`` ended: its exit code is there, or (not a Slurm task, whose
     job lives on a compute node and may still wait in the queue) nothing runs or starts in it?"""
+    if has(dfd, "exit_code"):
+        return True
+    return not has(dfd, JOB_FILE) and not running(dfd)
+
+
+def has(dfd, name):
+    """Is there an entry ``name`` (a link counts, never followed) in folder ``dfd``?"""
     try:
-        os.stat("exit_code", dir_fd=dfd, follow_symlinks=False)
+        os.stat(name, dir_fd=dfd, follow_symlinks=False)
         return True
     except FileNotFoundError:
-        pass
-    try:
-        os.stat(JOB_FILE, dir_fd=dfd, follow_symlinks=False)
         return False
-    except FileNotFoundError:
-        return not running(dfd)
 
 
 def run_jobs(workdir, rid):
