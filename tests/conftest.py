@@ -6,6 +6,7 @@ test that has none of lab, models, worker, engine or gpu: ``python -m pytest -m 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +18,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # the one import path of test he
 # sshd sets it for its sessions): the two test processes already fill both cores, and the tiny
 # models run several times faster on one thread than on two fought over (benchmarks/bench_threads.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Ctrl-C reaches the commands the tests start as it would in a terminal: a suite started in the
+# background of a non-interactive shell (a CI runner, `nohup ... &`) inherits SIGINT ignored, every
+# command it starts would too (an ignored signal survives exec), and the tests that press Ctrl-C
+# (test_sync, test_sync_tunnel, test_watch, test_clean) would see it ignored, on some machines only.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # The files of the longest tests first (whole evals, clusters, the tour), so that the two worker
