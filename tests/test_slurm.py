@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,15 @@ def test_slurm_inventory_entries(tmp_path):
            ({**base, "time": "1h"}, "field 'time' must be a Slurm time limit"),
            ({**base, "sbatch_args": ["--array=0-3"]}, "--array is set by dflash-ops"),
            ({**base, "sbatch_args": ["--partition=x"]}, "use the field 'partition'"),
+           ({**base, "sbatch_args": ["--parti=x"]}, "--parti (sbatch reads it as --partition) is set by dflash-ops "
+                                                    "(use the field 'partition')"),
+           ({**base, "sbatch_args": ["--arr=0-9"]}, "--arr (sbatch reads it as --array) is set by dflash-ops"),
+           ({**base, "sbatch_args": ["--outp=/tmp/x"]}, "--outp (sbatch reads it as --output)"),
+           ({**base, "sbatch_args": ["--sig=B:USR1@1"]}, "--sig (sbatch reads it as --signal)"),
+           ({**base, "sbatch_args": ["--no-requeue"]}, "--no-requeue is set by dflash-ops"),
+           ({**base, "sbatch_args": ["--no-req"]}, "--no-req (sbatch reads it as --no-requeue)"),
+           ({**base, "sbatch_args": ["--pa=x"]}, "(sbatch reads it as --parsable or --partition)"),   # ambiguous
+           ({**base, "sbatch_args": ["--no-kill", "--mem-per-gpu=8G", "--exclusive", "--nodes=1"]}, None),
            ({**base, "sbatch_args": ["--mem=1G; rm -rf /"]}, None),       # one argv item: no shell ever sees it
            ({**base, "sbatch_args": ["-p x"]}, "is not --option or --option=value"),
            ({**base, "sbatch_args": ["--x=1\n--y"]}, "is not --option or --option=value"),
@@ -60,7 +70,7 @@ def test_slurm_inventory_entries(tmp_path):
         if message is None:
             parse_inventory(data, tmp_path / "inventory.yaml")
             continue
-        with pytest.raises(InventoryError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        with pytest.raises(InventoryError, match=re.escape(message)):
             parse_inventory(data, tmp_path / "inventory.yaml")
 
 

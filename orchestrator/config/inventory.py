@@ -65,9 +65,19 @@ class EngineSpec(_Spec):
 
 SLURM_FIELDS = ("login", "partition", "account", "qos", "time", "gres", "constraint", "sbatch_args", "setup",
                 "gpu_memory")
-# sbatch options dflash-ops sets itself (or a field sets): not in sbatch_args
+# sbatch options dflash-ops sets itself (or a field sets), with the negations sbatch has: not in sbatch_args,
+# nor any abbreviation of them (sbatch reads long options with getopt_long: `--outp=` is --output=)
 SBATCH_OWN = ("array", "job-name", "output", "error", "parsable", "wrap", "chdir", "gres", "gpus", "partition",
-              "account", "qos", "time", "constraint", "signal", "export", "input", "wait", "test-only")
+              "account", "qos", "time", "constraint", "signal", "export", "input", "wait", "test-only", "requeue",
+              "no-requeue")
+
+
+def sbatch_own(name: str) -> tuple[str, ...]:
+    """The options of SBATCH_OWN that ``--name`` may stand for in sbatch's argv: itself, or those it
+    abbreviates (getopt_long takes any unambiguous prefix; an ambiguous one is refused here too)."""
+    return (name,) if name in SBATCH_OWN else tuple(o for o in SBATCH_OWN if o.startswith(name))
+
+
 _SBATCH_ARG = re.compile(r"--([a-z][a-z0-9-]*)(=[^\n\r\0]*)?")
 _SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
 
@@ -505,9 +515,13 @@ def _slurm_host(where: str, name: str, values: dict[str, Any]) -> Host:
         if m is None:
             raise InventoryError(f"{where}: field 'sbatch_args': {a!r} is not --option or --option=value (each item "
                                  f"one option, passed to sbatch as one argument)")
-        if m.group(1) in SBATCH_OWN:
-            raise InventoryError(f"{where}: field 'sbatch_args': --{m.group(1)} is set by dflash-ops"
-                                 + (f" (use the field '{m.group(1)}')" if m.group(1) in SLURM_FIELDS else ""))
+        own = sbatch_own(m.group(1))
+        if own:
+            said = f"--{m.group(1)}" + ("" if own == (m.group(1),) else
+                                        f" (sbatch reads it as {' or '.join('--' + o for o in own)})")
+            fields = [o for o in own if o in SLURM_FIELDS]
+            raise InventoryError(f"{where}: field 'sbatch_args': {said} is set by dflash-ops"
+                                 + (f" (use the field '{fields[0]}')" if len(own) == 1 and fields else ""))
     gpu_memory = values.get("gpu_memory")
     if gpu_memory is not None and (isinstance(gpu_memory, bool) or not gpu_memory > 0):
         raise InventoryError(f"{where}: field 'gpu_memory' must be a positive number of GiB, got {gpu_memory!r}")
