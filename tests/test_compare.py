@@ -223,14 +223,22 @@ def test_engine_tau_and_speedup_pair_like_every_metric(tmp_path):
     prompt with CIs, beside our τ, and shown side by side."""
     d = tmp_path / "runs"
 
-    def engine_rows(run_id, counts):
+    def engine_rows(run_id, counts, plain_share=1.0):
         ids = [f"gsm8k-{i}" for i in range(len(counts))]
         make_run(d, run_id, run_id.split("-")[-1], prompts=len(ids), mode="online", ddtree=False, all_anchors=False,
                  row_overrides={i: {"engine": {"kind": "vllm", "tokens": t, "cycles": c, "wall_s": w,
-                                               "plain": {"wall_s": p}}} for i, (t, c, w, p) in zip(ids, counts)})
+                                               "output_ids": [5] * t,
+                                               "plain": {"wall_s": p, "tokens": int(t * plain_share)}}}
+                                for i, (t, c, w, p) in zip(ids, counts)})
 
     engine_rows("20261204-1000-a", [(30, 10, 1.0, 0.8)] * 6)
     engine_rows("20261204-1100-b", [(40, 10, 1.0, 1.2)] * 6)
+    # sampled: without the drafter the engine wrote half as many tokens in its 1.2 s, so its rate is
+    # half and the speedup twice b's (time over time would say they are equal)
+    engine_rows("20261204-1200-c", [(40, 10, 1.0, 1.2)] * 6, plain_share=0.5)
+    code, result = compare_json(d, "20261204-1100-b", "20261204-1200-c")
+    assert result["comparisons"][0]["engine"]["speedup"]["macro"]["diff"] == pytest.approx(1.2)
+    assert result["metrics"]["20261204-1200-c"]["engine"]["speedup"] == pytest.approx(2.4)
     code, result = compare_json(d, "20261204-1000-a", "20261204-1100-b")
     assert code == 0, result
     (c,) = result["comparisons"]

@@ -83,6 +83,35 @@ def test_engine_counts_beside_ours(engine_run):
     assert "engine tau" in proc.stderr
 
 
+def test_the_engine_speedup_at_t_above_0_divides_each_side_by_its_own_tokens():
+    """At T > 0 the run without the drafter is its own sample and stops at its own length: the
+    speedup is tokens/s over tokens/s, not time over time (which here would say 1.0)."""
+    from remote.contract.metrics import engine_summary
+    from remote.engines.phase import combine
+
+    def turn(n_out, wall):
+        return {"cycles": 4, "tokens": n_out, "wall_s": wall, "output_ids": list(range(n_out)), "drafts": 28,
+                "draft_tokens": 28, "accepted": 8, "accepted_per_pos": [4] * 7, "histogram": [0] * 8,
+                "per_step_accepted": None, "num_speculative_tokens": 7, "finish_reason": "length"}
+
+    rows = []
+    for temperature, plain_out in ((1.0, 20), (0.0, 40)):
+        e = combine("vllm", [turn(40, 2.0)], [turn(plain_out, 2.0)])
+        assert e["plain"]["tokens"] == plain_out and e["tokens_per_s"] == 20.0
+        assert e["speedup"] == pytest.approx(20.0 / (plain_out / 2.0))     # 2.0 at T = 1, 1.0 at T = 0
+        e["checks"] = {"temperature": temperature, "same_output": temperature == 0}
+        rows.append({"engine": e})
+    s = engine_summary(rows)
+    assert s["plain_tokens_per_s"] == pytest.approx(60 / 4.0) and s["speedup"] == pytest.approx(20.0 / 15.0)
+    # rows written before the plain run's tokens were kept: greedy with the same output counts its own,
+    # a sample has no plain rate (None, never the time ratio)
+    for r in rows:
+        del r["engine"]["plain"]["tokens"]
+    s = engine_summary(rows)
+    assert s["plain_tokens_per_s"] is None and s["speedup"] is None
+    assert engine_summary(rows[1:])["speedup"] == pytest.approx(1.0)
+
+
 @pytest.mark.worker
 def test_report_shows_engine_tau_and_why(engine_run, tmp_path):
     from orchestrator.reports.engine import verdict_clause

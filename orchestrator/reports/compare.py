@@ -288,11 +288,17 @@ def _paired_arrays(rows: dict, ids: Sequence[str], key=None):
 
 
 def _engine_arrays(rows: dict, ids: Sequence[str], measure: str):
-    """Per prompt (tokens, cycles) of the engine's own τ (``tau``), or (time without the drafter,
-    time with it) of its speedup (``speedup``): macro = mean per prompt, pooled = Σ / Σ."""
+    """Per prompt (tokens, cycles) of the engine's own τ (``tau``), or of its speedup (``speedup``)
+    (the time the engine without the drafter takes for the output with it, at its own rate: its
+    time × tokens with / its own tokens, which at T > 0 differ; the time with the drafter): macro =
+    mean per prompt, pooled = Σ / Σ."""
+    from remote.contract.metrics import engine_plain_tokens, engine_tokens
+
+    engines = [rows[i]["engine"] for i in ids]
     if measure == "tau":
-        return [rows[i]["engine"]["tokens"] for i in ids], [rows[i]["engine"]["cycles"] for i in ids]
-    return [rows[i]["engine"]["plain"]["wall_s"] for i in ids], [rows[i]["engine"]["wall_s"] for i in ids]
+        return [e["tokens"] for e in engines], [e["cycles"] for e in engines]
+    return ([e["plain"]["wall_s"] * engine_tokens(e) / engine_plain_tokens(e) for e in engines],
+            [e["wall_s"] for e in engines])
 
 
 def engine_pairs(rows_a: dict, rows_b: dict, ids: Sequence[str], resamples: int, seed: int,
@@ -302,8 +308,11 @@ def engine_pairs(rows_a: dict, rows_b: dict, ids: Sequence[str], resamples: int,
     from .stats import paired_compare
 
     out = {}
-    for measure, has in (("tau", lambda e: e.get("cycles")), ("speedup", lambda e: (e.get("plain") or {}).get("wall_s")
-                                                                           and e.get("wall_s"))):
+    from remote.contract.metrics import engine_plain_tokens
+
+    for measure, has in (("tau", lambda e: e.get("cycles")),
+                         ("speedup", lambda e: (e.get("plain") or {}).get("wall_s") and e.get("wall_s")
+                          and engine_plain_tokens(e))):
         ok = [i for i in ids if all(has(rm[i].get("engine") or {}) for rm in (rows_a, rows_b))]
         if not ok:
             continue

@@ -147,6 +147,23 @@ def plain_tokens(row: dict) -> int | None:
     return sum(len(t.get("output_ids") or []) for t in responses([row]))
 
 
+def engine_tokens(e: dict) -> int:
+    """The output tokens of an engine row's run with the drafter (every turn's)."""
+    return sum(len(t.get("output_ids") or []) for t in e["turns"]) if e.get("turns") else len(e.get("output_ids") or [])
+
+
+def engine_plain_tokens(e: dict) -> int | None:
+    """The output tokens of an engine row's run without the drafter (``plain.tokens``). A row written
+    without them counts the drafter run's outputs when greedy with the same output, else None (a
+    sample without the drafter stops at its own length)."""
+    plain = e.get("plain") or {}
+    if plain.get("tokens") is not None:
+        return plain["tokens"]
+    if (e.get("checks") or {}).get("temperature") == 0 and plain.get("same_output"):
+        return engine_tokens(e)
+    return None
+
+
 def online_summary(rows: list[dict]) -> dict:
     """Speed of an online run: output tokens (every turn's completion) per second of speculative
     decoding (``tokens_per_s``) and plain decoding's own output tokens per second of plain decoding
@@ -205,14 +222,15 @@ def engine_summary(rows: list[dict]) -> dict | None:
         width = max(len(h) for h in hists)
         out["histogram"] = [sum((h + [0] * width)[k] for h in hists) for k in range(width)]
     wall = sum(e.get("wall_s") or 0.0 for _, e in pairs)
-    out_tokens = sum(sum(len(t.get("output_ids") or []) for t in e["turns"]) if e.get("turns")
-                     else len(e.get("output_ids") or []) for _, e in pairs)
+    out_tokens = sum(engine_tokens(e) for _, e in pairs)
     out["wall_s"], out["tokens_per_s"] = wall, out_tokens / wall if wall else None
     plain = [e["plain"] for _, e in pairs if e.get("plain")]
     if len(plain) == len(pairs):
         plain_wall = sum(p["wall_s"] for p in plain)
-        out["plain_tokens_per_s"] = out_tokens / plain_wall if plain_wall else None
-        out["speedup"] = plain_wall / wall if wall else None
+        counts = [engine_plain_tokens(e) for _, e in pairs]
+        rate = sum(counts) / plain_wall if plain_wall and None not in counts else None
+        out["plain_tokens_per_s"] = rate
+        out["speedup"] = out["tokens_per_s"] / rate if out["tokens_per_s"] is not None and rate else None
     causes: dict[str, int] = {}
     for _, e in pairs:
         for cause in e.get("causes") or []:

@@ -242,7 +242,7 @@ ENGINE_ROW = Obj({
     "kind": Opt(Str()), "cycles": Opt(COUNT), "tokens": Opt(COUNT), "tau": RATE, "drafts": Opt(COUNT),
     "accepted": Opt(COUNT), "accepted_per_pos": Opt(ListOf(COUNT)), "histogram": Opt(ListOf(COUNT)),
     "output_ids": Opt(TOKENS), "wall_s": Opt(SECONDS), "tokens_per_s": RATE, "speedup": RATE,
-    "plain": Opt(Obj({"wall_s": SECONDS, "output_ids": Opt(TOKENS), "tokens_per_s": RATE,
+    "plain": Opt(Obj({"wall_s": SECONDS, "output_ids": Opt(TOKENS), "tokens": Opt(COUNT), "tokens_per_s": RATE,
                       "same_output": Opt(Bool())}, required=("wall_s",))),
     "turns": Opt(ListOf(Obj({"output_ids": Opt(TOKENS)}))),
     "checks": Opt(Obj({"overshoot": Opt(Num()), "same_output": Opt(Bool()),

@@ -243,10 +243,12 @@ def combine(kind: str, spec: list[dict], plain: list[dict] | None) -> dict:
         e["turns"] = [{k: t.get(k) for k in TURN_KEYS} for t in spec]
     if plain is not None:
         plain_wall = sum(t["wall_s"] for t in plain)
-        e["plain"] = {"output_ids": plain[-1]["output_ids"], "wall_s": plain_wall,
-                      "tokens_per_s": sum(len(t["output_ids"]) for t in plain) / plain_wall if plain_wall > 0 else None,
+        plain_tokens = sum(len(t["output_ids"]) for t in plain)
+        e["plain"] = {"output_ids": plain[-1]["output_ids"], "wall_s": plain_wall, "tokens": plain_tokens,
+                      "tokens_per_s": plain_tokens / plain_wall if plain_wall > 0 else None,
                       "same_output": all(p["output_ids"] == s["output_ids"] for p, s in zip(plain, spec))}
-        e["speedup"] = plain_wall / wall if wall > 0 else None
+        e["speedup"] = (e["tokens_per_s"] / e["plain"]["tokens_per_s"]   # each its own tokens: at T > 0 two samples
+                        if e["tokens_per_s"] is not None and e["plain"]["tokens_per_s"] else None)
     return e
 
 
