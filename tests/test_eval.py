@@ -319,6 +319,32 @@ def test_offline_at_t_above_0_shows_the_expected_acceptance_everywhere(local_hom
     assert f"expected tau_macro (offline, T > 0: an estimate) │ {e['tau_macro']:.4f} │ {e['tau_macro']:.4f}" in compared
     assert f"│ 1 │ {reach[0]:.4f} │ {reach[0]:.4f} │ +0.0000" in compared, compared
 
+    # watch's trajectory (the two runs as two checkpoints) and experiment tracking: the same numbers, named
+    from orchestrator.reports.tracking import run_facts
+    from orchestrator.watch import WatchState
+    from orchestrator.watch.loop import headline
+    from orchestrator.watch.state import Point
+    from orchestrator.watch.trajectory import write_trajectory
+
+    st = WatchState(run="v5", settings={"suite": "embedded", "prompts": 2, "mode": "offline"})
+    for step, run in ((1000, first), (2000, second)):
+        st.points[f"step_{step}"] = Point(name=f"step_{step}", step=step, status="done", eval_run=run.name,
+                                          summary=headline(json.loads((run / "summary.json").read_text())))
+    head = st.points["step_1000"].summary
+    assert (head["tau_macro"], head["tau_pooled"], head["measure"]) == (e["tau_macro"], e["tau_pooled"], "expected")
+    assert head["per_position_acceptance"] == e["per_position_acceptance"]
+    md = write_trajectory(tmp_path / "watch-v5", st, tmp_path / "runs", {}, None, [])[0].read_text()
+    e2 = json.loads((second / "summary.json").read_text())["expected"]
+    assert f"v5 at step 2000 (the newest of 2 checkpoints evaluated): expected τ {e2['tau_macro']:.2f} [" in md, md
+    assert "| expected τ macro [95% CI] | expected τ pooled [95% CI] |" in md
+    assert f"| 1000 | step_1000 | {e['tau_macro']:.3f} [" in md
+    svg = (tmp_path / "watch-v5" / "plots" / "tau.svg").read_text()
+    assert "eval expected τ (macro, 95% CI)" in svg
+    _, metrics = run_facts(first)
+    assert metrics["expected_tau_macro"] == e["tau_macro"] and metrics["expected_tau_pooled"] == e["tau_pooled"]
+    assert [metrics[f"expected_acceptance_{k}"] for k in range(1, 8)] == e["per_position_acceptance"]
+    assert not {"tau_macro", "cycles", "tokens", "acceptance_1"} & set(metrics), metrics
+
 
 def test_detach_json_then_attach(eval_lab, tmp_path):
     runs = tmp_path / "runs"

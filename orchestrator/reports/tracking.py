@@ -75,11 +75,17 @@ def run_facts(run_dir: Path, step: int | None = None) -> tuple[dict, dict]:
     params.update({f"setting.{k}": Path(v).name if k.endswith("_path") and isinstance(v, str) else v
                    for k, v in req.items() if k not in ("hosts", "drafter")})   # folder names, not a host's layout
     params.update({f"version.{k}": v for k, v in (env.get("versions") or {}).items() if isinstance(v, (str, int, float))})
-    metrics = {k: summary[k] for k in ("tau_macro", "tau_pooled", "cycles", "tokens") if isinstance(summary.get(k), (int, float))}
+    expected = summary.get("expected") or {}        # offline at T > 0: no walk ran, its expected acceptance
+    walk = {} if expected else summary
+    metrics = {k: walk[k] for k in ("tau_macro", "tau_pooled", "cycles", "tokens") if isinstance(walk.get(k), (int, float))}
+    metrics.update({f"expected_{k}": expected[k] for k in ("tau_macro", "tau_pooled")
+                    if isinstance(expected.get(k), (int, float))})
+    for k, a in enumerate(expected.get("per_position_acceptance") or [], start=1):
+        metrics[f"expected_acceptance_{k}"] = a
     for b, t in (summary.get("ddtree") or {}).items():
         if isinstance((t or {}).get("tau_macro"), (int, float)):
             metrics[f"ddtree_{b}_tau_macro"] = t["tau_macro"]
-    for k, a in enumerate(summary.get("per_position_acceptance") or [], start=1):
+    for k, a in enumerate(walk.get("per_position_acceptance") or [], start=1):
         metrics[f"acceptance_{k}"] = a
     return {k: v for k, v in params.items() if v is not None}, metrics
 

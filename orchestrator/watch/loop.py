@@ -113,9 +113,13 @@ def select(checkpoints: list[dict], state: WatchState, every: int | None) -> lis
 
 
 def headline(summary: dict) -> dict:
-    """What the trajectory keeps of an eval's summary."""
+    """What the trajectory keeps of an eval's summary. Offline at T > 0 there is no walk: its τ and
+    per-position acceptance are the expected ones (``measure``: ``expected``)."""
     keys = ("prompts", "tau_macro", "tau_pooled", "per_position_acceptance", "mode")
-    out = {k: summary.get(k) for k in keys}
+    expected = summary.get("expected")
+    out = {k: (expected if expected and k.startswith(("tau", "per_position")) else summary).get(k) for k in keys}
+    if expected:
+        out["measure"] = "expected"
     out["ddtree"] = {str(b): (t or {}).get("tau_macro") for b, t in (summary.get("ddtree") or {}).items()}
     engine = summary.get("engine")      # watch --engine: the serving engine's own τ and speedup
     if engine:
@@ -373,11 +377,12 @@ class Watcher:
             return "waiting"
         except DflashOpsError as e:
             return self._failed(p, host, e, syncing)
+        head = headline(summary)
         with self.lock:
-            self.state.mark(p, "done", summary=headline(summary), reason=None)
+            self.state.mark(p, "done", summary=head, reason=None)
         self._track(p.eval_run, step)
-        tau = summary.get("tau_macro")
-        self.say("info", f"{name} (step {step}): τ {tau:.3f}" if tau is not None else f"{name}: done")
+        tau, measure = head["tau_macro"], "expected τ" if head.get("measure") else "τ"
+        self.say("info", f"{name} (step {step}): {measure} {tau:.3f}" if tau is not None else f"{name}: done")
         self.write_report()
         return "done"
 
@@ -570,7 +575,7 @@ class Watcher:
         if train is None or not tau or train <= 0:
             return []
         if max(train / tau, tau / train) > ratio:
-            return [f"ALARM {p.name} (step {p.step}): eval τ {tau:.3f} vs training {tag} {train:.3f} — "
+            return [f"ALARM {p.name} (step {p.step}): eval {'expected ' * bool(p.summary.get('measure'))}τ {tau:.3f} vs training {tag} {train:.3f} — "
                     f"{max(train / tau, tau / train):.1f}× apart (limit {ratio:g}×)"]
         return []
 

@@ -15,7 +15,8 @@ from .state import WatchState
 
 def tau_cis(run_dir: Path, budget: str | None = None) -> tuple[tuple[float, float], tuple[float, float]] | None:
     """Bootstrap CIs (macro, pooled) from an eval run's per-prompt acceptance lengths, or those of its
-    DDTree ``budget`` (None when its results cannot be read)."""
+    DDTree ``budget``; offline at T > 0 (no walk), of its per-prompt expected τ (Σ E[τ] / anchors, as
+    ``compare`` pairs it). None when its results cannot be read."""
     from ..reports.stats import bootstrap_tau
     from ..runs.folders import RunError, load_run
 
@@ -29,9 +30,13 @@ def tau_cis(run_dir: Path, budget: str | None = None) -> tuple[tuple[float, floa
     for row in rows:
         lengths = (row.get("acceptance_lengths") if budget is None else
                    ((row.get("ddtree") or {}).get(budget) or {}).get("acceptance_lengths")) or []
+        expected = (row.get("expected") or {}) if budget is None else {}
         if lengths:
             toks.append(sum(lengths))
             cycs.append(len(lengths))
+        elif expected.get("anchors"):
+            toks.append(expected["tau_sum"])
+            cycs.append(expected["anchors"])
     return bootstrap_tau(toks, cycs) if toks else None
 
 
@@ -65,11 +70,18 @@ def ddtree_speedups(run_dir: Path | None) -> dict[str, float]:
     return {str(b): v["speedup"] for b, v in dd.items() if isinstance(v, dict) and v.get("speedup") is not None}
 
 
+def tau_word(points: list[dict]) -> str:
+    """How the points' τ is named: every point of a watch has the same settings, so offline at
+    T > 0 (no walk) all of them are the expected τ."""
+    return "expected τ" if points and all(p["expected"] for p in points) else "τ"
+
+
 def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, float]] | None,
              train_tag: str | None, superseded: list[tuple[int, float]] = ()) -> bytes | None:
     if not points and not superseded:
         return None
-    chart = Chart("τ vs training step", "training step", "τ (accepted tokens per block)")
+    word = tau_word(points)
+    chart = Chart(f"{word} vs training step", "training step", f"{word} (accepted tokens per block)")
     steps = [p["step"] for p in points]
     tau = [p["tau_macro"] for p in points]
     lo = [p["tau_macro"] - p["ci"][0][0] if p["ci"] else 0 for p in points]
@@ -79,8 +91,8 @@ def plot_tau(points: list[dict], baseline: dict | None, train: list[tuple[int, f
             chart.band(*baseline["ci"], "C7", f"baseline {baseline['label']} (95% CI)")
         chart.hline(baseline["tau"], "C7", None if baseline.get("ci") else f"baseline {baseline['label']}")
     chart.errorbars(steps, tau, lo, hi, "C0")
-    chart.line(steps, tau, "eval τ (macro, 95% CI)", "C0")
-    chart.line(steps, [p["tau_pooled"] for p in points], "eval τ (pooled)", "C0", dash="5 3", opacity=0.5)
+    chart.line(steps, tau, f"eval {word} (macro, 95% CI)", "C0")
+    chart.line(steps, [p["tau_pooled"] for p in points], f"eval {word} (pooled)", "C0", dash="5 3", opacity=0.5)
     for i, b in enumerate(sorted({b for p in points for b in p["ddtree"]}, key=int)):
         ys = [(p["step"], p["ddtree"].get(b)) for p in points if p["ddtree"].get(b) is not None]
         if ys:
@@ -147,7 +159,7 @@ def trajectory_points(state: WatchState, runs_root: Path) -> list[dict]:
                     "name": p.name, "step": p.step, "tau_macro": s.get("tau_macro"), "tau_pooled": s.get("tau_pooled"),
                     "ddtree": s.get("ddtree") or {}, "acceptance": s.get("per_position_acceptance") or [],
                     "ci": tau_cis(run_folder(runs_root, p.eval_run)) if p.eval_run else None, "eval_run": p.eval_run,
-                    "prompts": s.get("prompts"), "engine": s.get("engine"),
+                    "prompts": s.get("prompts"), "engine": s.get("engine"), "expected": s.get("measure") == "expected",
                     "calibration": calibration(s, run_folder(runs_root, p.eval_run) if p.eval_run else None)})
     return out
 
@@ -162,13 +174,13 @@ def trajectory_verdict(run: str, points: list[dict], baseline: dict, runs_root: 
     scored = [p for p in points if p["tau_macro"] is not None]
     if not scored:
         return [f"{run}: no checkpoint evaluated yet"]
-    latest = max(scored, key=lambda p: p["step"])
+    latest, word = max(scored, key=lambda p: p["step"]), tau_word(scored)
     ci = f" {ci_text(*latest['ci'][0])}" if latest["ci"] else ""
     line = (f"{run} at step {latest['step']} (the newest of {len(scored)} checkpoint{'s' * (len(scored) != 1)} "
-            f"evaluated): τ {latest['tau_macro']:.2f}{ci}")
+            f"evaluated): {word} {latest['tau_macro']:.2f}{ci}")
     best = max(scored, key=lambda p: p["tau_macro"])
     if best is not latest and best["tau_macro"] > latest["tau_macro"]:
-        line += f"; the best so far is step {best['step']}, τ {best['tau_macro']:.2f}"
+        line += f"; the best so far is step {best['step']}, {word} {best['tau_macro']:.2f}"
     lines = [line]
     if baseline.get("status") == "done" and baseline.get("eval_run") and latest["eval_run"]:
         name = f"{run} step {latest['step']}"
@@ -237,7 +249,8 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
     engine = any(p["engine"] for p in points)       # watch --engine: the serving engine's own τ per point
     head = any(p["calibration"] for p in points)    # a confidence head (DSpark): its calibration per point
     speed = any(p["ddtree_speedup"] for p in points)
-    header = ["step", "checkpoint", "τ macro [95% CI]", "τ pooled [95% CI]",
+    word = tau_word(points)
+    header = ["step", "checkpoint", f"{word} macro [95% CI]", f"{word} pooled [95% CI]",
               *[f"DDTree-{k} τ [95% CI]" + (", speedup" if speed else "") for k in budgets],
               *(["engine τ macro", "engine speedup"] if engine else []),
               *(["head ECE", "head AUROC", "head τ predicted / measured"] if head else []),
@@ -255,10 +268,10 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
                      *[fnum(value_at(train[t], p["step"]), 4) for t in tags], p["eval_run"] or "—"])
     doc.table(header, rows, heading="Points")
     if base:
-        doc.para(f"Baseline **{base['label']}** (same settings): τ macro {base['tau']:.3f}"
+        doc.para(f"Baseline **{base['label']}** (same settings): {word} macro {base['tau']:.3f}"
                  + (f" [{base['ci'][0]:.3f}, {base['ci'][1]:.3f}]" if base["ci"] else "") + ".")
     old = sorted(state.superseded, key=lambda p: p.step)
-    doc.plot("tau", "τ vs training step", plot_tau(points, base, train.get(tau_tag) if tau_tag else None, tau_tag,
+    doc.plot("tau", f"{word} vs training step", plot_tau(points, base, train.get(tau_tag) if tau_tag else None, tau_tag,
                                                    [(p.step, p.summary["tau_macro"]) for p in old
                                                     if p.summary.get("tau_macro") is not None]),
              "no checkpoint evaluated yet")
@@ -269,7 +282,7 @@ def write_trajectory(folder: Path, state: WatchState, runs_root: Path, train: di
         doc.para(CALIBRATION_NOTE, "note")
     doc.plot("training", "Training metrics", plot_training(train, tau_tag))
     if old:
-        doc.table(["step", "checkpoint", "τ macro", "eval run", "why"],
+        doc.table(["step", "checkpoint", f"{word} macro", "eval run", "why"],
                   [[str(p.step), p.name, fnum(p.summary.get("tau_macro"), 3), p.eval_run or "—", p.reason or ""]
                    for p in old], heading="Superseded (not in the trajectory: the checkpoint changed since)")
     pending = [p for p in sorted(state.points.values(), key=lambda p: p.step) if p.status != "done"]
