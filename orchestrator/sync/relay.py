@@ -43,6 +43,7 @@ ALIVE_INTERVAL = 5  # ssh ServerAliveInterval: a dead link is noticed after INTE
 ALIVE_COUNT = 3
 IDLE_TIMEOUT = 20.0  # remote ends give up after this long without input
 STALL_TIMEOUT = 45.0  # backstop: no byte moved for this long -> abort
+MASTER_EXIT_GRACE = 3.0  # s a failed transfer's explanation waits for a master ending with its clients
 PIPE_SIZE = 1 << 20
 AES_FIRST = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr,aes256-ctr"
 CHACHA_FIRST = "chacha20-poly1305@openssh.com,aes128-gcm@openssh.com,aes256-gcm@openssh.com,aes128-ctr,aes256-ctr"
@@ -388,6 +389,11 @@ def explain(f: FilePlan, t: Transfer, status: str, derr: str, serr: str, src_rc:
         derr = "\n".join(ln for ln in lines if not ln.startswith(("PULL ", "PULLRC ")))
     if status.startswith("CHANGED") or tool_error(serr, "").startswith("CHANGED "):
         return f.changed(src.name)
+    if 255 in (t.rcs[1], sender_rc) and not t.killed_for:     # ssh's own exit: was it its master going?
+        settle = time.monotonic() + MASTER_EXIT_GRACE
+        for m in (path.dst, path.src):
+            if m is not None:
+                m.ended(settle - time.monotonic())
     dead = alive[0] * alive[1]
     for host, err, m in ((dst, derr, path.dst), (src, serr, path.src)):
         text = (err + "\n" + (m.error_tail() if m is not None and not m.alive else "")).strip()

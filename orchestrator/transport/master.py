@@ -96,6 +96,16 @@ class Master:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def ended(self, within: float) -> bool:
+        """Has the master exited, waiting up to ``within`` seconds for it? A master that gives up on a
+        dead link closes its clients' sessions first: a client can end (ssh's 255, nothing said) a
+        moment before the master's own process does."""
+        try:
+            self.proc.wait(timeout=max(0.0, within))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def error_tail(self) -> str:
         try:
             with open(self.log, "rb") as f:
