@@ -11,6 +11,7 @@ host's namespace reaches the root namespace at its veth's address).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -21,6 +22,7 @@ from pathlib import Path
 
 NODE = "node1"
 PARTITION = "gpu"
+URGENT = "urgent"        # a partition of the same node, a higher tier: its jobs preempt (cancel) gpu's
 
 
 class SlurmLabError(RuntimeError):
@@ -86,6 +88,45 @@ class SlurmLab:
                 self.set_node("RESUME", check=False)     # refused while Slurm is still taking it down
             time.sleep(0.5)
         raise SlurmLabError(f"node {NODE} did not come back ({self.node_state()})")
+
+    @contextlib.contextmanager
+    def urgent(self):
+        """A second partition of the node, of a higher tier, while the block runs (created and
+        deleted then, so that sinfo shows it only meanwhile): with PreemptMode=CANCEL a job of it
+        that needs the node preempts, i.e. cancels, the jobs of the default partition there."""
+        self.run("scontrol", "create", f"PartitionName={URGENT}", f"Nodes={NODE}", "PriorityTier=2", "State=UP",
+                 "MaxTime=INFINITE")
+        try:
+            yield URGENT
+        finally:
+            self.run("scancel", f"--partition={URGENT}", check=False)
+            self.run("scontrol", "delete", f"PartitionName={URGENT}", check=False)
+
+    def stop_controller(self) -> None:
+        """slurmctld stopped (its state saved): the commands then fail as on a cluster whose
+        controller is down or unreachable (``Unable to contact slurm controller``)."""
+        pid = int((self.base / "run" / "slurmctld.pid").read_text().split()[0])
+        os.kill(pid, 15)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise SlurmLabError(f"slurmctld (pid {pid}) did not stop")
+
+    def start_controller(self) -> None:
+        """slurmctld started again from its saved state (its jobs as they were)."""
+        proc = subprocess.run([_bin("slurmctld"), "-f", str(self.conf)], env={**os.environ, **self.env},
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SlurmLabError(f"slurmctld: {proc.stderr.strip()}")
+        deadline = time.monotonic() + 60
+        while self.run("squeue", "--noheader", check=False, timeout=30).returncode != 0:
+            if time.monotonic() > deadline:
+                raise SlurmLabError("slurmctld did not answer after its restart")
+            time.sleep(0.3)
 
     def cancel_all(self) -> None:
         self.run("scancel", "--full", "--user=root", check=False)
@@ -162,9 +203,11 @@ MinJobAge=300
 KillWait=5
 Waittime=0
 SchedulerParameters=sched_interval=1
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 PlugStackConfig={base / 'plugstack.conf'}
 NodeName={NODE} NodeHostname={host} NodeAddr={address} CPUs=2 RealMemory=2000 Gres=gpu:2 State=UNKNOWN
-PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE State=UP
+PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE State=UP PriorityTier=1
 """)
     (base / "gres.conf").write_text(f"NodeName={NODE} Name=gpu File={base / 'dev'}/gpu[0-1]\n")
     (base / "plugstack.conf").write_text("")

@@ -418,3 +418,192 @@ def test_a_gpu_run_planned_on_a_login_node_without_gpu(cluster, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "cuda:0" in out and "Traceback" not in out, out
     assert not lab.run("squeue", "--noheader").stdout.strip()                  # nothing submitted
+
+
+def sleeper(run_dir: Path, name: str, *options: str) -> str:
+    """A task of one job array (remote/host/slurm.py ``submit``, as the run control submits it)
+    whose worker is ``sleep``; its task id."""
+    from remote.host import launch, slurm
+
+    launch.prepare(run_dir, ["sleep", "600"], None, None, None, fresh=True)
+    return f"{slurm.submit(run_dir, [0], 1, list(options), sys.executable, str(REPO), None, name)['job']}_0"
+
+
+def test_slurm_states_as_slurm_sets_them(cluster, tmp_path, monkeypatch):
+    """Each state Slurm sets (by `scontrol`) read as Slurm defines it: held is queued with the
+    command that releases it; SUSPENDED and STOPPED are told as themselves (it was running), never
+    "waiting to start"; PREEMPTED (PreemptMode=CANCEL, by a job of a higher-tier partition) is an
+    end, and `follow` ends on it; requeued it is queued again. No reason "None" is ever shown."""
+    from remote.host import launch, slurm
+    from waiting import wait_for
+
+    lab = cluster["lab"]
+    monkeypatch.setenv("SLURM_CONF", str(lab.conf))
+    run_dir = tmp_path / "states"
+    task = sleeper(run_dir, "states", "--hold")
+    seen = [launch.state(run_dir)]
+    assert seen[-1]["state"] == "queued" and seen[-1]["why"] == \
+        f"queued: JobHeldUser (release it with: scontrol release {task})", seen[-1]
+    lab.run("scontrol", "release", task)
+    seen.append(wait_for(lambda: (st := launch.state(run_dir))["state"] == "running" and st, what="running"))
+    assert seen[-1]["node"] == "node1"
+    for hold, again, name in ((("scontrol", "suspend", task), ("scontrol", "resume", task), "SUSPENDED"),
+                              (("scancel", "--signal=STOP", task), ("scancel", "--signal=CONT", task), "STOPPED")):
+        lab.run(*hold)
+        seen.append(wait_for(lambda: (st := launch.state(run_dir))["state"] == "queued" and st, what=name))
+        assert seen[-1]["slurm"]["state"] == name and seen[-1]["why"].startswith(f"{name} ") \
+            and "it was running" in seen[-1]["why"] and "on node1" in seen[-1]["why"], seen[-1]
+        lab.run(*again)
+        wait_for(lambda: launch.state(run_dir)["state"] == "running", what=f"running after {name}")
+    follow = subprocess.Popen([sys.executable, "-m", "remote.host.launch", "follow", str(run_dir)], cwd=REPO,
+                              env={**os.environ, **lab.env}, stdout=subprocess.PIPE, text=True)
+    with lab.urgent() as urgent:
+        lab.run("sbatch", f"--partition={urgent}", "--exclusive", "--job-name=urgent", "--output=/dev/null",
+                "--wrap=sleep 600")
+        out, _ = follow.communicate(timeout=120)
+    end = json.loads(out.splitlines()[-1])
+    assert end["event"] == "exit" and end["state"] == "failed" and end["slurm"]["state"] == "PREEMPTED", end
+    assert end["why"].startswith("Slurm: PREEMPTED, it was preempted (cancelled) for a higher-priority job"), end
+    seen.append(end)
+    lab.set_partition("DOWN")       # requeued, it stays queued: on a free node it could start between two polls
+    lab.run("scontrol", "requeue", task)
+    seen.append(wait_for(lambda: (st := launch.state(run_dir))["state"] == "queued" and st, what="requeued"))
+    assert all("None" not in (st.get("why") or "") and "waiting to start" not in (st.get("why") or "")
+               for st in seen), seen
+    assert slurm.ENDED >= {"PREEMPTED", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+                           "BOOT_FAIL", "DEADLINE"}
+    assert slurm.QUEUED >= {"PENDING", "SUSPENDED", "STOPPED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                            "RESV_DEL_HOLD", "SPECIAL_EXIT"} and not slurm.QUEUED & slurm.ENDED
+
+
+def test_a_task_its_node_cannot_launch_is_named(cluster, tmp_path, monkeypatch):
+    """A task whose node cannot open its output file in the run folder (here: the folder moved
+    away, as on a workdir the compute nodes do not share) ends FAILED with Slurm's reason
+    JobLaunchFailure, named and explained."""
+    from remote.host import launch
+    from waiting import wait_for
+
+    lab = cluster["lab"]
+    monkeypatch.setenv("SLURM_CONF", str(lab.conf))
+    run_dir = tmp_path / "unshared"
+    task = sleeper(run_dir, "unshared", "--hold")
+    run_dir.rename(tmp_path / "away")
+    lab.run("scontrol", "release", task)
+    wait_for(lambda: lab.run("squeue", "--noheader", "--states=all", "--array", f"--jobs={task}",
+                             "--format=%T").stdout.split() == ["FAILED"], timeout=60, what="the launch failed")
+    (tmp_path / "away").rename(run_dir)
+    st = launch.state(run_dir)
+    assert st["state"] == "failed" and st["why"].startswith(
+        "Slurm: FAILED, the task failed; reason JobLaunchFailure: its node could not launch it"), st
+    assert "workdir must be storage the login host and the compute nodes both see" in st["why"], st
+
+
+def test_hosts_check_cancels_its_job_at_its_timeout(cluster, tmp_path):
+    """`hosts check` on a cluster whose partition is down: its check job, submitted with a known
+    id, is waited on for the timeout, then cancelled and named; none is left queued."""
+    lab, workdir = cluster["lab"], cluster["workdir"]
+    inventory = write_inventory(tmp_path, workdir, gpus=0)
+    lab.set_partition("DOWN")
+    proc = cli(lab, inventory, tmp_path / "runs", "hosts", "check", "cluster", "--timeout", "30")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "did not end within 30 s (PENDING: PartitionDown); cancelled" in out, out
+    job = re.search(r"the check job (\d+) did not end", out).group(1)
+    assert lab.run("squeue", "--noheader", "--states=all", f"--jobs={job}", "--format=%j|%T").stdout.split() == \
+        ["dflash-ops-check|CANCELLED"]
+
+
+def test_an_sbatch_whose_answer_was_lost_is_found_by_its_name(cluster, tmp_path, monkeypatch):
+    """sbatch that submitted the job and then failed as a lost answer does ("Socket timed out on
+    send/recv operation", MessageTimeout) is not a refusal: the job is found by its name (the run
+    id) and recorded in slurm.json; where Slurm lists no such job, it is a refusal."""
+    from remote.host import slurm
+
+    lab = cluster["lab"]
+    monkeypatch.setenv("SLURM_CONF", str(lab.conf))
+    wrapper = tmp_path / "bin" / "sbatch"
+    wrapper.parent.mkdir()
+    wrapper.write_text("#!/bin/sh\n[ -n \"$SUBMIT\" ] && /usr/bin/sbatch \"$@\" >/dev/null\n"
+                       "echo 'sbatch: error: Batch job submission failed: Socket timed out on send/recv operation' >&2\n"
+                       "exit 1\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("SUBMIT", "1")
+    run_dir = tmp_path / "lost-answer"
+    task = sleeper(run_dir, "lost-answer", "--hold")
+    listed = lab.run("squeue", "--noheader", "--array", "--name=lost-answer", "--format=%i").stdout.split()
+    assert listed == [task], (listed, task)
+    assert json.loads((run_dir / slurm.JOB_FILE).read_text())["job"] == task.split("_")[0]
+    monkeypatch.setenv("SUBMIT", "")
+    with pytest.raises(SystemExit, match="sbatch refused the job: .*Socket timed out.* Slurm lists no job named "
+                                         "not-taken"):
+        sleeper(tmp_path / "not-taken", "not-taken", "--hold")
+
+
+@pytest.mark.models
+def test_slurm_not_answering_and_another_users_job(cluster, tmp_path):
+    """The controller stopped: `cancel` of a queued run says Slurm did not answer and marks nothing
+    cancelled; `attach` keeps following (the task's state unknown, never judged by its files), and
+    once the controller is back the task is queued again and a `cancel` ends it, as Slurm says.
+    Resumed, its slurm.json pointed at another job of the user (a job id reused after MaxJobId):
+    `cancel` leaves that job alone and says whose it is."""
+    from waiting import finished, wait_for
+
+    lab, workdir = cluster["lab"], cluster["workdir"]
+    inventory = write_inventory(tmp_path, workdir)
+    runs = tmp_path / "runs"
+    lab.set_partition("DOWN")
+    detached = cli(lab, inventory, runs, *EVAL, "--host", "cluster", "--prompts", "2", "--max-new-tokens", "16",
+                   "--detach")
+    assert detached.returncode == 0, detached.stdout + detached.stderr
+    run = the_run(runs)
+    folder = task_dir(workdir, run)
+    job = json.loads((folder / "slurm.json").read_text())
+    task = f"{job['job']}_{job['task']}"
+    lab.stop_controller()
+    try:
+        refused = cli(lab, inventory, runs, "cancel", run.name)
+        out = refused.stdout + refused.stderr
+        assert refused.returncode == 1 and f"run {run.name} is not cancelled" in out, out
+        assert "Unable to contact slurm controller" in out and f"dflash-ops cancel {run.name} again" in out, out
+        assert json.loads((run / "run.json").read_text())["status"] != "cancelled"
+        assert shard_states(run) != ["cancelled"]
+        bounded = subprocess.Popen(      # the follow on the login host, its wait for an answer cut to 1 s
+            [sys.executable, "-c", "import sys; from remote.host import launch, slurm; slurm.UNANSWERED_WAIT = 1; "
+                                   "sys.exit(launch.main(['follow', sys.argv[1]]))", str(folder)],
+            cwd=REPO, env={**os.environ, **lab.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = cli(lab, inventory, runs, "attach", run.name, popen=True)
+        wait_for(lambda: shard_states(run) == ["unknown"], what="the task's state unknown", proc=proc)
+        out, err = bounded.communicate(timeout=120)
+        said = [json.loads(line) for line in out.splitlines() if '"heartbeat"' not in line][-1]   # no exit line
+        assert bounded.returncode == 3 and said["event"] == "scheduler" and said["state"] == "unknown", out
+        assert "Unable to contact slurm controller" in said["why"] and "its state is unknown" in err, (said, err)
+    finally:
+        lab.start_controller()
+    assert lab.run("squeue", "--noheader", f"--jobs={task}", "--format=%T").stdout.strip() == "PENDING"
+    wait_for(lambda: shard_states(run) == ["queued"], what="the task queued again", proc=proc)
+    cancelled = cli(lab, inventory, runs, "cancel", run.name)
+    assert cancelled.returncode == 0 and "cancelled on cluster" in cancelled.stdout, cancelled.stdout
+    ended = finished(proc)
+    assert ended.returncode == 1 and f"run {run.name} was cancelled" in ended.stdout, ended.stdout
+    assert "queued: PartitionDown" in ended.stdout, ended.stdout
+    assert f"job {task} Slurm did not answer about job {task}" in ended.stdout, ended.stdout    # said while following
+    assert lab.run("squeue", "--noheader", "--states=all", f"--jobs={task.split('_')[0]}",
+                   "--format=%T").stdout.split() == ["CANCELLED"]
+
+    again = cli(lab, inventory, runs, "eval", "--resume", run.name, "--detach")
+    assert again.returncode == 0, again.stdout + again.stderr
+    with lab.urgent() as urgent:                                          # gpu is down: the other job runs there
+        other = lab.run("sbatch", "--parsable", "--job-name=training", "--array=0", "--output=/dev/null",
+                        f"--partition={urgent}", "--wrap=sleep 600").stdout.strip()
+        training = lambda: lab.run("squeue", "--noheader", f"--jobs={other}",  # noqa: E731
+                                   "--format=%T").stdout.split()
+        wait_for(lambda: training() == ["RUNNING"], timeout=60, what="the other job running")
+        job = json.loads((folder / "slurm.json").read_text())
+        (folder / "slurm.json").write_text(json.dumps({**job, "job": other}))
+        refused = cli(lab, inventory, runs, "cancel", run.name)
+        out = refused.stdout + refused.stderr
+        assert refused.returncode == 1, out
+        assert f"job {other}_0 in Slurm is not this run's task (it is named 'training', this run's is '{run.name}'" \
+            in out, out
+        assert "that job is left alone" in out, out
+        assert training() == ["RUNNING"]

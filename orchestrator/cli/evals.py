@@ -88,6 +88,10 @@ class _Progress:
                 where = f"job {safe(str(ev.get('job')))} on {safe(str(ev.get('node') or '?'))}"
                 self.bars.update(task, phase="running", last=where)
                 self.bars.console.print(f"{label}: running, {where}", highlight=False)
+            else:                               # unknown: Slurm does not answer (said, then waited for)
+                why = safe(str(ev.get("why") or ev.get("state")))
+                self.bars.update(task, phase=safe(str(ev.get("state"))), last=why)
+                self.bars.console.print(f"{label}: job {safe(str(ev.get('job')))} {why}", highlight=False)
 
     def interrupted(self) -> str:
         """What is true when the user presses Ctrl-C: which workers still run, which finished."""

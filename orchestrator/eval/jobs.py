@@ -174,8 +174,8 @@ class HostJob:
                     if stall_s is not None and not queued and time.monotonic() - heard > stall_s:
                         raise WorkerStalled(time.monotonic() - heard)
                     continue
-                if event.get(events.KEY) == events.SCHEDULER:     # waiting in a queue is no stall
-                    queued = event.get("state") == "queued"
+                if event.get(events.KEY) == events.SCHEDULER:     # waiting in a queue, or on Slurm, is no stall
+                    queued = event.get("state") in ("queued", "unknown")
                 heard = time.monotonic()
                 yield event
                 if event.get(events.KEY) == events.EXIT:

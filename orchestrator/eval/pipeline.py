@@ -791,8 +791,11 @@ def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int,
 
     def follow_one(i: int) -> None:
         shard, job = record.shards[i], jobs[i]
+        told: dict = {}                 # what a Slurm task's scheduler said last
         try:
             for ev in job.follow(stall_s=(stall or {}).get(i)):
+                if ev.get(events.KEY) == events.SCHEDULER:
+                    told = ev
                 on_event(i, ev)
                 record.shard_progressed(i, ev)
                 if ev.get(events.KEY) == events.EXIT:
@@ -806,6 +809,8 @@ def follow(record: RunRecord, jobs: dict[int, HostJob], on_event: Callable[[int,
         except Exception as e:  # noqa: BLE001 — reported to the caller; the worker itself keeps running
             if disk_error(e):
                 out.disk[i] = e
+            elif told.get("state") == State.UNKNOWN:      # Slurm did not answer for as long as the host waits
+                out.lost[i] = f"{shard.label}: its state is unknown: {told.get('why')}"
             else:
                 out.lost[i] = f"lost contact with {shard.host}: {e}"
 
@@ -1037,17 +1042,23 @@ def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
     worker that had ended by itself is fetched instead, and a run with nothing left running keeps
     its outcome (a finished run stays done, and is merged and reported). A run an `eval --resume`
     is preparing is cancelled even with nothing running yet: that resume then starts nothing."""
+    from .slurm import SlurmError
+
     with record.lock():            # not while a start is starting workers: before it, or after it
         record.refresh()
         live = [s for s in record.shards if not s.fetched]
         jobs = jobs_of(record, inventory, live)
         states = {s.index: jobs[s.index].cancel() for s in live}
+        unconfirmed = slurm_unconfirmed(live, states)
+        if unconfirmed:                     # nothing is marked: the task may still run (cancel again)
+            raise SlurmError(f"run {record.id} is not cancelled: {unconfirmed}; nothing was marked cancelled: "
+                             f"dflash-ops cancel {record.id} again once Slurm answers")
         stopped, ended = [], []
         for s in live:
             st = states[s.index]
-            if not st.get("signalled", st.get("state") != State.DONE) and st.get("state") in (State.DONE, State.FAILED) \
-                    and s.state != State.CANCELLED:
-                ended.append(s)             # it had ended by itself, not by this or an earlier cancel
+            if (not st.get("signalled", st.get("state") != State.DONE) and st.get("state") in (State.DONE, State.FAILED)
+                    and s.state != State.CANCELLED) or st.get("foreign"):
+                ended.append(s)             # it had ended by itself, not by this or an earlier cancel (or is gone)
             else:
                 stopped.append(s.index)
         for s in ended:
@@ -1065,4 +1076,20 @@ def cancel(record: RunRecord, inventory: Inventory) -> dict[str, dict]:
                 finish(record)      # done: merged and reported; failed or unfetched: settled as such
             except EvalError:
                 pass
+    foreign = [f"{s.label}: {states[s.index]['why']}" for s in live if states[s.index].get("foreign")]
+    if foreign:
+        raise SlurmError(f"run {record.id}: {'; '.join(foreign)}")
     return {record.shards[i].label: {**st, "state": "cancelled"} if i in stopped else st for i, st in states.items()}
+
+
+def slurm_unconfirmed(shards: list[Shard], states: dict[int, dict]) -> str:
+    """Why the cancel of Slurm tasks among ``shards`` is not known done, in one line ('' when it
+    is): a task is cancelled only once Slurm said it ended; Slurm not answering (or a login host
+    that did not) is no such word."""
+    why = []
+    for s in shards:
+        st = states[s.index]
+        if s.slurm is not None and (st.get("unconfirmed") or st.get("state") not in
+                                    (State.CANCELLED, State.DONE, State.FAILED, State.LOST)):
+            why.append(f"{s.label}: {st.get('unconfirmed') or st.get('error') or st.get('why') or st.get('state')}")
+    return "; ".join(why)

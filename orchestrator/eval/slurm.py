@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from remote.contract.slurm import ENDED, NO_REASON
+
 from ..errors import OperationFailed
 from ..transport import Runner, TransportError, runner_for
 from .jobs import HostJob
@@ -172,24 +174,52 @@ os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 """
 
 
-def probe_job(host: "Host", runner: Runner, timeout: float) -> dict:
-    """Run a tiny CPU job (``sbatch --wait``) that imports the worker's packages with the inventory's
-    python on a compute node and writes what it found into ``workdir``; read back here, that file
-    also proves the login host and the nodes share ``workdir``. ``{"error": ...}`` when it could not."""
+CHECK_JOB = "dflash-ops-check"        # the job name of `hosts check`'s job
+
+
+def probe_job(host: "Host", runner: Runner, timeout: float, poll: float = 2.0) -> dict:
+    """Run a tiny CPU job that imports the worker's packages with the inventory's python on a
+    compute node and writes what it found into ``workdir``; read back here, that file also proves
+    the login host and the nodes share ``workdir``. The job is submitted with a known id
+    (``sbatch --parsable``), waited on by asking Slurm for its state, and cancelled
+    (``scancel --name``) when it has not ended within ``timeout`` seconds (at least 30): on a busy
+    cluster no check job stays queued to start after its folder is gone. ``{"error": ...}`` when it
+    could not."""
     import secrets
+    import time
 
     folder = f"{host.workdir.rstrip('/')}/.slurm-probe/{secrets.token_hex(6)}"
     script, marker = f"{folder}/probe.sh", f"{folder}/found.json"
     opts = [o for o in host.slurm.sbatch_options(0) if not o.startswith("--time=")]
+    wait = max(timeout, 30)
     try:
         runner.run(["mkdir", "-p", folder], timeout=30, check=True)
         runner.put_text(PROBE_SCRIPT, script)
         runner.run(["chmod", "755", script], timeout=30, check=True)
-        res = runner.run(["sbatch", "--wait", "--parsable", "--job-name=dflash-ops-check", "--time=5",
-                          f"--output={folder}/slurm.out", *opts, script, host.slurm.setup or "", host.python, marker],
-                         timeout=max(timeout, 30))
-        if not res.ok:
-            return {"error": f"the check job failed: {_tail(res.stderr or res.stdout)}"}
+        res = runner.run(["sbatch", "--parsable", f"--job-name={CHECK_JOB}", "--time=5", f"--output={folder}/slurm.out",
+                          *opts, script, host.slurm.setup or "", host.python, marker], timeout=60)
+        job = res.stdout.strip().split(";")[0] if res.ok else ""
+        if not job.isdigit():
+            return {"error": f"the check job was not submitted: {_tail(res.stderr or res.stdout)}"}
+        deadline, state, reason = time.monotonic() + wait, "PENDING", ""
+        while state not in ENDED:
+            if time.monotonic() > deadline:
+                stop = runner.run(["scancel", f"--name={CHECK_JOB}", job], timeout=60)
+                return {"error": f"the check job {job} did not end within {wait:.0f} s ({state}"
+                                 + (f": {reason}" if reason not in NO_REASON else "") + "); "
+                                 + ("cancelled" if stop.ok else f"scancel {job} failed ({_tail(stop.stderr)}): it may "
+                                                                f"still start")
+                                 + " (`hosts check --timeout S` waits longer)"}
+            time.sleep(poll)
+            q = runner.run(["squeue", "--noheader", "--states=all", f"--jobs={job}", "--format=%T|%r"], timeout=60)
+            if q.ok and q.stdout.strip():
+                state, _, reason = q.stdout.strip().splitlines()[0].partition("|")
+            elif q.ok or "Invalid job id" in q.stderr:
+                break                   # it left squeue: ended (its file says how)
+        if state not in ("COMPLETED", "PENDING", "RUNNING"):
+            return {"error": f"the check job {job} ended {state}"
+                             + (f" ({reason})" if reason not in NO_REASON else "")
+                             + f": {_tail(_read(runner, f'{folder}/slurm.out'))}"}
         try:
             return json.loads(runner.read_text(marker))
         except (TransportError, ValueError):
@@ -202,3 +232,10 @@ def probe_job(host: "Host", runner: Runner, timeout: float) -> dict:
             runner.run(["rm", "-rf", "--", folder], timeout=30)
         except TransportError:
             pass
+
+
+def _read(runner: Runner, path: str) -> str:
+    try:
+        return runner.read_text(path)
+    except (TransportError, ValueError):
+        return ""

@@ -258,18 +258,31 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
     pos, pending, dropping, dropped = offset, b"", 0, 0     # pending: the unterminated line so far
     told = None                            # what the scheduler said last (a Slurm task)
     scheduled, asked = slurm.job_of(run_dir) is not None, float("-inf")
+    unanswered = None                      # since when Slurm has not answered (monotonic)
     while True:
         if time.monotonic() - last_beat > heartbeat:
             print(json.dumps({KEY: HEARTBEAT}), flush=True)
             last_beat = time.monotonic()
         if not scheduled or time.monotonic() - asked >= slurm.POLL:   # Slurm's controller is shared: not 5 times a second
             st, asked = state(run_dir), time.monotonic()
-        if "slurm" in st:
-            now = {"state": st["state"], "slurm_state": st["slurm"]["state"], "why": st.get("why"),
-                   "node": st["slurm"].get("node") or None, "job": st["job"]}
-            if now != told:
+        if "slurm" in st or st.get("unanswered"):
+            if st.get("unanswered"):       # unknown, never an answer: the task is waited for, its files never judged
+                unanswered = asked if unanswered is None else unanswered
+                known = told and told["state"] != "unknown"
+                why = (f"{st['why']}; asking again every {slurm.POLL:g} s for up to {slurm.UNANSWERED_WAIT / 60:g} min"
+                       + (f" (last known: {told['why'] or told['state']})" if known else ""))
+                now = {"state": "unknown", "slurm_state": None, "why": why, "node": None, "job": st["job"]}
+            else:
+                unanswered = None
+                now = {"state": st["state"], "slurm_state": st["slurm"]["state"], "why": st.get("why"),
+                       "node": st["slurm"].get("node") or None, "job": st["job"]}
+            if now != told and not (told and told["state"] == now["state"] == "unknown"):
                 print(json.dumps({KEY: SCHEDULER, **now}), flush=True)
                 told = now
+            if unanswered is not None and time.monotonic() - unanswered > slurm.UNANSWERED_WAIT:
+                print(f"Slurm did not answer for {slurm.UNANSWERED_WAIT / 60:g} min about job {st['job']} "
+                      f"({st['unanswered']}); its state is unknown", file=sys.stderr, flush=True)
+                return 3                   # no exit line: the follower says the state is not known, attach asks again
         while True:                        # read after the state: once the job has ended this is all of it
             data = _read_from(events, pos, READ_CHUNK)
             if not data:
@@ -291,7 +304,7 @@ def follow(run_dir: Path, offset: int = 0, poll: float = 0.2, heartbeat: float =
             pending += tail
             if dropping or len(pending) > max_line:
                 dropping, pending = dropping + len(pending), b""
-        if st["state"] not in ("running", "queued"):
+        if st["state"] not in ("running", "queued") and not st.get("unanswered"):
             end = {KEY: EXIT, **st, "offset": offset}
             if pending or dropping:
                 end["torn_tail"] = {"bytes": len(pending) + dropping,
@@ -376,6 +389,9 @@ def prepare(run_dir: Path, argv: list[str], cwd: str | None, env: dict[str, str]
             raise SystemExit(f"{run_dir}: another run's job was started here before ({held}); two runs with the same "
                              f"id? Start the eval again (it gets a new id)")
         st = state(run_dir)
+        if st.get("unanswered"):           # a Slurm task of this folder may still be queued or running
+            raise SystemExit(f"{run_dir}: {st['why']}: its task may still be queued or running; nothing was submitted "
+                             f"(try again once Slurm answers)")
         if st["state"] in ("running", "queued") or _job_lock_held(run_dir):
             raise SystemExit(f"{run_dir}: a job is still {st['state'] if st['state'] == 'queued' else 'running'} "
                              f"there ({st.get('job') or st.get('why') or 'it holds ' + str(run_dir / JOB_LOCK)})")
