@@ -46,7 +46,9 @@ def test_slurm_inventory_entries(tmp_path):
            ({**base, "port": 22}, "field 'port' is not for `kind: slurm`"),
            ({**base, "address": "x"}, "field 'address' is not for `kind: slurm`"),
            ({**base, "roles": ["train"]}, "a Slurm cluster is an eval host"),
-           ({**base, "gres": "gpu:2"}, "field 'gres' must be gpu or gpu:TYPE"),
+           ({**base, "gres": "gpu:0"}, "field 'gres' must be gpu or gpu:TYPE"),
+           ({**base, "gres": "gpu:a100:2:1"}, "field 'gres' must be gpu or gpu:TYPE"),
+           ({**base, "gres": "gpu:2"}, None), ({**base, "gres": "gpu:a100:1"}, None),
            ({**base, "time": "1h"}, "field 'time' must be a Slurm time limit"),
            ({**base, "sbatch_args": ["--array=0-3"]}, "--array is set by dflash-ops"),
            ({**base, "sbatch_args": ["--partition=x"]}, "use the field 'partition'"),
@@ -72,6 +74,31 @@ def test_slurm_inventory_entries(tmp_path):
             continue
         with pytest.raises(InventoryError, match=re.escape(message)):
             parse_inventory(data, tmp_path / "inventory.yaml")
+
+
+def test_a_gres_count_is_each_workers_gpus_or_one_line_before_any_host(tmp_path):
+    """`gres: gpu:N` (as Slurm users write it) is the count each task asks: accepted when it is
+    each worker's GPUs, else refused in one line before the login host is reached (none here)."""
+    inventory = tmp_path / "inventory.yaml"
+    runs = tmp_path / "runs"
+    entry = {"kind": "slurm", "login": "login", "workdir": "/w", "gres": "gpu:a100:2"}
+    inventory.write_text(yaml.safe_dump({"hosts": {"login": {"address": "192.0.2.1"}, "cluster": entry}}))
+    inv = parse_inventory(yaml.safe_load(inventory.read_text()), inventory)
+    spec = inv.hosts["cluster"].slurm
+    assert (spec.gres, spec.gres_count) == ("gpu:a100", 2) and spec.gres_problem(2) is None
+    assert spec.sbatch_options(2) == ["--gres=gpu:a100:2"]
+    env = {**os.environ, "DFLASH_OPS_RUNS": str(runs), "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "eval", "--host",
+                           "cluster", "--drafter", str(tmp_path), "--target", str(tmp_path), "--prompts", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out
+    assert ("host cluster: field 'gres' asks 2 GPU(s) per task (gpu:a100:2), but each worker of this run holds 1 "
+            "(--target-devices N sets it): write `gres: gpu:a100`") in " ".join(out.split()), out
+    assert "192.0.2.1" not in out                                      # refused before the login host was tried
+    listed = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--inventory", str(inventory), "hosts"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300).stdout
+    assert "Slurm through login" in listed and "None:22" not in listed, listed
 
 
 # ----------------------------------------------------------------------------- the cluster

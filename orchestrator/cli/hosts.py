@@ -25,7 +25,8 @@ def hosts(ctx: typer.Context,
     rows = []
     engines = any(h.engine for h in inv)
     for h in inv:
-        address = "(local subprocess)" if h.is_local else h.endpoint if h.is_ray else (
+        address = "(local subprocess)" if h.is_local else h.endpoint if h.is_ray else \
+            f"Slurm through {h.slurm.login}" if h.is_slurm else (
             f"{h.user + '@' if h.user else ''}{h.address}:{h.port}" + (f" via {h.jump}" if h.jump else ""))
         rows.append([h.name + (" (example)" if h.example else ""), ",".join(h.roles), address, h.python,
                      h.workdir or "-", h.checkpoints or "-", h.sglang or "-", "-" if h.gpus is None else str(h.gpus)]

@@ -87,7 +87,7 @@ class SlurmSpec(_Spec):
     """A Slurm cluster's job settings (``kind: slurm`` in the inventory): ``login`` is the inventory
     host (an SSH host, or ``local``) where ``sbatch``, ``squeue``, ``scontrol`` and ``scancel`` run;
     the rest become sbatch options of every job (``gres``: ``gpu`` or ``gpu:TYPE``, the count is a
-    worker's GPUs); ``setup``: a script on the cluster each job sources first (its ``module load``
+    worker's GPUs; ``gres_count``: the count a user wrote, ``gpu:N``, which must be that); ``setup``: a script on the cluster each job sources first (its ``module load``
     lines); ``gpu_memory``: GiB per GPU, where the nodes' GRES do not say."""
     login: str
     partition: str | None = None
@@ -95,10 +95,21 @@ class SlurmSpec(_Spec):
     qos: str | None = None
     time: str | None = None
     gres: str = "gpu"
+    gres_count: int | None = None
     constraint: str | None = None
     sbatch_args: tuple[str, ...] = ()
     setup: str | None = None
     gpu_memory: float | None = None
+
+    def gres_problem(self, gpus_per_task: int) -> str | None:
+        """Why a task holding ``gpus_per_task`` GPUs (0: a CPU job) cannot run with the count the
+        entry's ``gres`` names, or None."""
+        if self.gres_count is None or self.gres_count == gpus_per_task:
+            return None
+        holds = (f"each worker of this run holds {gpus_per_task} (--target-devices N sets it)" if gpus_per_task
+                 else "its jobs are CPU jobs (`gpus: 0`), which ask for no GPU")
+        return (f"field 'gres' asks {self.gres_count} GPU(s) per task ({self.gres}:{self.gres_count}), but {holds}: "
+                f"write `gres: {self.gres}` and dflash-ops asks each task's count itself")
 
     def sbatch_options(self, gpus_per_task: int) -> list[str]:
         """The options of every job of this cluster (argv items, never a shell line)."""
@@ -210,7 +221,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "account": ((str,), "a string (a Slurm account)"),
     "qos": ((str,), "a string (a Slurm QOS)"),
     "time": ((str, int), "a Slurm time limit (minutes, or [D-]HH:MM:SS)"),
-    "gres": ((str,), "gpu or gpu:TYPE (the count is each worker's GPUs)"),
+    "gres": ((str,), "gpu, gpu:TYPE, gpu:N or gpu:TYPE:N (N, if given, must be each worker's GPUs)"),
     "constraint": ((str,), "a string (a Slurm node constraint)"),
     "sbatch_args": ((list,), "a list of --option=value strings"),
     "setup": ((str,), "a string (a script path on the cluster)"),
@@ -506,9 +517,11 @@ def _slurm_host(where: str, name: str, values: dict[str, Any]) -> Host:
                                  f"D-HH:MM:SS), got {values['time']!r}")
     gres = values.get("gres", "gpu")
     parts = gres.split(":")
-    if not (1 <= len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9_.-]+", p) for p in parts)) or parts[-1].isdigit():
-        raise InventoryError(f"{where}: field 'gres' must be gpu or gpu:TYPE (the count is each worker's GPUs: "
-                             f"--target-devices), got {gres!r}")
+    count = int(parts.pop()) if len(parts) > 1 and parts[-1].isdigit() else None
+    if not (1 <= len(parts) <= 2 and all(re.fullmatch(r"[A-Za-z0-9_.-]+", p) for p in parts)) or parts[-1].isdigit() \
+            or count == 0:
+        raise InventoryError(f"{where}: field 'gres' must be gpu or gpu:TYPE, with :N at the end if you like (N: each "
+                             f"worker's GPUs, --target-devices), got {gres!r}")
     args = values.get("sbatch_args") or []
     for a in args:
         m = _SBATCH_ARG.fullmatch(a) if isinstance(a, str) else None
@@ -527,11 +540,12 @@ def _slurm_host(where: str, name: str, values: dict[str, Any]) -> Host:
         raise InventoryError(f"{where}: field 'gpu_memory' must be a positive number of GiB, got {gpu_memory!r}")
     spec = SlurmSpec(login=values.pop("login"), partition=values.pop("partition", None),
                      account=values.pop("account", None), qos=values.pop("qos", None),
-                     time=time_, gres=values.pop("gres", "gpu"), constraint=values.pop("constraint", None),
+                     time=time_, gres=":".join(parts), gres_count=count, constraint=values.pop("constraint", None),
                      sbatch_args=tuple(values.pop("sbatch_args", ()) or ()), setup=values.pop("setup", None),
                      gpu_memory=float(gpu_memory) if gpu_memory is not None else None)
     values.pop("time", None)
     values.pop("gpu_memory", None)
+    values.pop("gres", None)
     return Host(name=name, slurm=spec, **{"roles": ("eval",), **values})
 
 

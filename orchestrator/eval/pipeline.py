@@ -406,6 +406,9 @@ def prepare_slurm(record: RunRecord, host: Host, inventory: Inventory,
     req = record.request
     phase = on_phase or (lambda _: None)
     refuse_on_cluster(host, req, "a Slurm cluster")
+    gres = host.slurm.gres_problem(0 if host.gpus == 0 else req.settings.gpus_per_worker)   # as the jobs ask
+    if gres:
+        raise EvalError(f"host {host.name}: {gres}")
     phase("connecting")
     runner = slurm_backend.login_runner(host, inventory)
     try:
