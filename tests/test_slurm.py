@@ -154,6 +154,18 @@ def cli(lab, inventory: Path, runs: Path, *args, home: Path | None = None, popen
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+def queued_run(cluster, tmp_path: Path, prompts: int, max_new_tokens: int) -> tuple[Path, Path, Path]:
+    """An eval submitted with --detach while the cluster's partition is down (its task queued,
+    PartitionDown): ``(inventory, runs folder, run folder)``."""
+    inventory = write_inventory(tmp_path, cluster["workdir"])
+    runs = tmp_path / "runs"
+    cluster["lab"].set_partition("DOWN")
+    detached = cli(cluster["lab"], inventory, runs, *EVAL, "--host", "cluster", "--prompts", prompts,
+                   "--max-new-tokens", max_new_tokens, "--detach")
+    assert detached.returncode == 0, detached.stdout + detached.stderr
+    return inventory, runs, the_run(runs)
+
+
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines()]
 
@@ -245,13 +257,7 @@ def test_queued_detached_attached_cancelled_outside_cancelled_and_resumed(cluste
     from waiting import finished, wait_for
 
     lab, workdir = cluster["lab"], cluster["workdir"]
-    inventory = write_inventory(tmp_path, workdir)
-    runs = tmp_path / "runs"
-    lab.set_partition("DOWN")
-    detached = cli(lab, inventory, runs, *EVAL, "--host", "cluster", "--prompts", "4", "--max-new-tokens", "96",
-                   "--detach")
-    assert detached.returncode == 0, detached.stdout + detached.stderr
-    run = the_run(runs)
+    inventory, runs, run = queued_run(cluster, tmp_path, prompts=4, max_new_tokens=96)
     proc = cli(lab, inventory, runs, "attach", run.name, popen=True)
     wait_for(lambda: shard_states(run) == ["queued"], what="the task queued", proc=proc)
     assert leases(workdir, run) == ["running or queued"]      # `clean`, from any machine, keeps what it loads
@@ -576,13 +582,7 @@ def test_slurm_not_answering_and_another_users_job(cluster, tmp_path):
     from waiting import finished, wait_for
 
     lab, workdir = cluster["lab"], cluster["workdir"]
-    inventory = write_inventory(tmp_path, workdir)
-    runs = tmp_path / "runs"
-    lab.set_partition("DOWN")
-    detached = cli(lab, inventory, runs, *EVAL, "--host", "cluster", "--prompts", "2", "--max-new-tokens", "16",
-                   "--detach")
-    assert detached.returncode == 0, detached.stdout + detached.stderr
-    run = the_run(runs)
+    inventory, runs, run = queued_run(cluster, tmp_path, prompts=2, max_new_tokens=16)
     folder = task_dir(workdir, run)
     job = json.loads((folder / "slurm.json").read_text())
     task = f"{job['job']}_{job['task']}"
