@@ -87,8 +87,9 @@ class SlurmSpec(_Spec):
     """A Slurm cluster's job settings (``kind: slurm`` in the inventory): ``login`` is the inventory
     host (an SSH host, or ``local``) where ``sbatch``, ``squeue``, ``scontrol`` and ``scancel`` run;
     the rest become sbatch options of every job (``gres``: ``gpu`` or ``gpu:TYPE``, the count is a
-    worker's GPUs; ``gres_count``: the count a user wrote, ``gpu:N``, which must be that); ``setup``: a script on the cluster each job sources first (its ``module load``
-    lines); ``gpu_memory``: GiB per GPU, where the nodes' GRES do not say."""
+    worker's GPUs; ``gres_count``: the count a user wrote, ``gpu:N``, which must be that);
+    ``setup``: a script on the cluster each job sources first (its ``module load`` lines);
+    ``gpu_memory``: GiB per GPU, where the nodes' GRES do not say."""
     login: str
     partition: str | None = None
     account: str | None = None

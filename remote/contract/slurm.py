@@ -41,7 +41,5 @@ NO_REASON = ("", "None", "(null)", "none")
 REASONS = {                          # an ended task's reason, explained where Slurm's word alone is not
     "JobLaunchFailure": "its node could not launch it (its output file in the run folder could not be opened "
                         "there? workdir must be storage the login host and the compute nodes both see)",
-    "NonZeroExitCode": "",           # the exit code says it
-    "TimeLimit": "",
-    "OutOfMemory": "",
 }
+SAID_BY_STATE = {"NonZeroExitCode", "TimeLimit", "OutOfMemory"}   # an end's reason its state or exit code says

@@ -23,7 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from remote.contract.slurm import ENDED, HELD, NO_REASON, QUEUED, REASONS, WAITING, WHY_ENDED
+from remote.contract.slurm import ENDED, HELD, NO_REASON, QUEUED, REASONS, SAID_BY_STATE, WAITING, WHY_ENDED
 from remote.host.proc import write_atomic
 
 JOB_FILE = "slurm.json"              # a task's run folder: {"job": ARRAY JOB, "task": K, "submitted": T, "name": RUN ID}
@@ -353,7 +353,7 @@ def state(run_dir: Path, rec: dict, exit_state) -> dict:
     why = f"Slurm: {slurm_state}, {WHY_ENDED[slurm_state]}"
     if slurm_state == "TIMEOUT" and sched.get("time_limit"):
         why += f" ({sched['time_limit']})"
-    if reason and REASONS.get(reason.split(":")[0], None) != "":
+    if reason and sched["reason"].strip() not in SAID_BY_STATE:
         why += f"; reason {reason}"
     if sched.get("exit") and sched["exit"] not in ("0:0", ""):
         why += f", exit code {sched['exit']}"
